@@ -1,0 +1,234 @@
+"""The Patch: per-parameter deltas as factors, with the metadata to apply them safely.
+
+A patch stores each matrix delta as low-rank factors ``dW = u @ v.T`` and each vector delta
+densely, all in float32. Applying it materialises ``(W.float() + dW).to(W.dtype)`` with
+:meth:`Delta.materialize`, the same function the solver used, so the applied weights are bit for
+bit those the solver computed with. Removing it restores the original tensors, which were kept
+(subtracting would not be exact). Saved as safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ctxc.errors import CtxcError
+from ctxc.fingerprint import fingerprint
+
+__all__ = ["Delta", "Patch", "PatchMeta", "FORMAT_VERSION"]
+
+FORMAT_VERSION = "1"
+
+# model -> {param name: original tensor}; weak so a dropped model frees its originals.
+_ORIGINALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A change to one parameter.
+
+    Attributes:
+        param: parameter name (``model.layers.0.mlp.up_proj.weight``).
+        block: module path of the block it belongs to.
+        u: [out, r] float32, with ``v`` the factors of a matrix delta ``u @ v.T``.
+        v: [in, r] float32.
+        vector: [d] float32, a dense delta for a vector parameter.
+        layout: ``"out_in"`` (``nn.Linear``) or ``"in_out"`` (Conv1D stores ``W.T``).
+    """
+
+    param: str
+    block: str
+    u: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    vector: torch.Tensor | None = None
+    layout: str = "out_in"
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.u is None else int(self.u.shape[1])
+
+    def dense(self) -> torch.Tensor:
+        """The delta as a dense float32 tensor in the parameter's own layout."""
+        if self.vector is not None:
+            return self.vector
+        assert self.u is not None and self.v is not None
+        dw = self.u @ self.v.T  # [out, in]
+        return dw.T if self.layout == "in_out" else dw
+
+    def materialize(self, base: torch.Tensor) -> torch.Tensor:
+        """``(base.float() + delta).to(base.dtype)``: the patched parameter value."""
+        return (base.detach().float() + self.dense()).to(base.dtype)
+
+    def norm(self) -> float:
+        """Frobenius norm of the delta (from the factors, without materialising)."""
+        if self.vector is not None:
+            return float(self.vector.norm())
+        assert self.u is not None and self.v is not None
+        gram = (self.u.T @ self.u) * (self.v.T @ self.v)  # [r, r]
+        return float(gram.sum().clamp_min(0).sqrt())
+
+    def max_abs(self) -> float:
+        return float(self.dense().abs().max())
+
+
+@dataclass(frozen=True)
+class PatchMeta:
+    """Where a patch came from and what it applies to."""
+
+    fingerprint: dict[str, str]
+    context_ids: list[int]
+    query_ids: list[int]
+    update: str
+    dtype: str
+    ctxc_version: str
+    model: str = ""
+    start_layer: int = 0
+
+
+@dataclass
+class Patch:
+    """Per-parameter deltas for one context (and query), with their metadata.
+
+    Attributes:
+        deltas: parameter name -> :class:`Delta`, in graph order.
+        meta: the :class:`PatchMeta`.
+    """
+
+    deltas: dict[str, Delta]
+    meta: PatchMeta
+
+    # -- application -------------------------------------------------------------------------
+
+    def apply(self, model: torch.nn.Module, check: bool = True) -> None:
+        """Write the patched weights into ``model`` in place, keeping the originals.
+
+        Args:
+            model: a model with the fingerprint this patch was computed on.
+            check: compare fingerprints first (disable only for a model just checked).
+
+        Raises:
+            CtxcError: another fingerprint, or a patch already applied to this model.
+        """
+        if model in _ORIGINALS:
+            raise CtxcError("a patch is already applied to this model: remove it first")
+        if check:
+            got = fingerprint(model)
+            if got != self.meta.fingerprint:
+                what = "architecture" if got["arch"] != self.meta.fingerprint["arch"] else "weights"
+                raise CtxcError(
+                    f"patch does not fit this model: its {what} fingerprint differs "
+                    f"({self.meta.fingerprint[what][:12]} expected, {got[what][:12]} found)"
+                )
+        originals: dict[str, torch.Tensor] = {}
+        with torch.no_grad():
+            for name, delta in self.deltas.items():
+                param = model.get_parameter(name)
+                originals[name] = param.detach().clone()
+                param.copy_(delta.materialize(param))
+        _ORIGINALS[model] = originals
+
+    def remove(self, model: torch.nn.Module) -> None:
+        """Restore the original weights of ``model`` exactly (they were kept, not recomputed)."""
+        originals = _ORIGINALS.pop(model, None)
+        if originals is None:
+            raise CtxcError("no patch is applied to this model")
+        with torch.no_grad():
+            for name, value in originals.items():
+                model.get_parameter(name).copy_(value)
+
+    @staticmethod
+    def is_applied(model: torch.nn.Module) -> bool:
+        return model in _ORIGINALS
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def norms(self) -> dict[str, float]:
+        """Frobenius norm of every delta, by parameter name."""
+        return {name: d.norm() for name, d in self.deltas.items()}
+
+    def blocks(self) -> dict[str, list[str]]:
+        """Block module path -> names of the parameters patched in it."""
+        out: dict[str, list[str]] = {}
+        for name, d in self.deltas.items():
+            out.setdefault(d.block, []).append(name)
+        return out
+
+    # -- storage -----------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write the patch as safetensors (factors + JSON metadata). Returns the path."""
+        path = Path(path)
+        tensors: dict[str, torch.Tensor] = {}
+        index = []
+        for name, d in self.deltas.items():
+            if d.vector is not None:
+                tensors[f"{name}::vector"] = d.vector.contiguous()
+            else:
+                assert d.u is not None and d.v is not None
+                tensors[f"{name}::u"] = d.u.contiguous()
+                tensors[f"{name}::v"] = d.v.contiguous()
+            index.append({"param": name, "block": d.block, "layout": d.layout})
+        m = self.meta
+        metadata = {
+            "format": "ctxc-patch",
+            "format_version": FORMAT_VERSION,
+            "deltas": json.dumps(index),
+            "fingerprint": json.dumps(m.fingerprint),
+            "context_ids": json.dumps(m.context_ids),
+            "query_ids": json.dumps(m.query_ids),
+            "update": m.update,
+            "dtype": m.dtype,
+            "ctxc_version": m.ctxc_version,
+            "model": m.model,
+            "start_layer": str(m.start_layer),
+        }
+        save_file(tensors, str(path), metadata=metadata)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Patch:
+        """Read a patch written by :meth:`save`.
+
+        Raises:
+            CtxcError: the file is missing or is not a ctxc patch.
+        """
+        path = Path(path)
+        if not path.is_file():
+            raise CtxcError(f"patch file not found: {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                md = f.metadata() or {}
+                if md.get("format") != "ctxc-patch":
+                    raise CtxcError(f"{path} is not a ctxc patch (no ctxc metadata)")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except CtxcError:
+            raise
+        except Exception as exc:
+            raise CtxcError(f"{path} is not a readable safetensors file: {exc}") from exc
+        deltas: dict[str, Delta] = {}
+        for entry in json.loads(md["deltas"]):
+            name = entry["param"]
+            common = {"param": name, "block": entry["block"], "layout": entry["layout"]}
+            if f"{name}::vector" in tensors:
+                deltas[name] = Delta(vector=tensors[f"{name}::vector"], **common)
+            else:
+                deltas[name] = Delta(u=tensors[f"{name}::u"], v=tensors[f"{name}::v"], **common)
+        meta = PatchMeta(
+            fingerprint=json.loads(md["fingerprint"]),
+            context_ids=json.loads(md["context_ids"]),
+            query_ids=json.loads(md["query_ids"]),
+            update=md["update"],
+            dtype=md["dtype"],
+            ctxc_version=md["ctxc_version"],
+            model=md.get("model", ""),
+            start_layer=int(md.get("start_layer", "0")),
+        )
+        return cls(deltas, meta)

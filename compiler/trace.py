@@ -1,0 +1,149 @@
+"""Frontend: export a Hugging Face decoder to a torch.fx graph with ``torch.export``.
+
+The graph is exported once per model, with a dynamic sequence length, and reused for the full
+(context + query) run and the reduced (query only) run. It is not decomposed, so ``aten.linear``
+and the module paths in ``nn_module_stack`` survive for the locator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+from torch.export import Dim, ExportedProgram, export
+from torch.export.graph_signature import InputKind
+
+from ctxc.errors import CtxcError
+
+__all__ = ["TracedModel", "trace", "LogitsOnly"]
+
+# The wrapper holds the model under this attribute; parameter names in the graph signature
+# carry it as a prefix, which `TracedModel` strips so names match `model.state_dict()`.
+_WRAPPED = "model"
+_MAX_SEQ = 32768
+
+
+class LogitsOnly(torch.nn.Module):
+    """``forward(input_ids) -> logits``, without a KV cache, for export."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        setattr(self, _WRAPPED, model)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return getattr(self, _WRAPPED)(input_ids=input_ids).logits
+
+
+@dataclass(frozen=True)
+class TracedModel:
+    """An exported decoder and the mapping from graph inputs to model tensors.
+
+    Attributes:
+        program: the ``ExportedProgram`` (lifted: parameters are placeholders).
+        param_of: placeholder node name -> parameter name in ``model.state_dict()``.
+        input_name: the placeholder name of ``input_ids``.
+        dtype: the floating dtype of the model's parameters.
+    """
+
+    program: ExportedProgram
+    param_of: dict[str, str]
+    input_name: str
+    dtype: torch.dtype
+    _args: tuple[tuple[str, str, str], ...] = field(repr=False)
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.program.graph_module.graph
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        return self.program.graph_module
+
+    def placeholder_values(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The flat argument list of the lifted graph: parameters, buffers, constants, ids.
+
+        Args:
+            input_ids: int64 [1, seq].
+
+        Returns:
+            one tensor per placeholder, in graph order (parameters shared with the model).
+        """
+        state, consts = self.program.state_dict, self.program.constants
+        values = []
+        for kind, _, target in self._args:
+            if kind == "input":
+                values.append(input_ids)
+            elif target in state:
+                values.append(state[target])
+            else:
+                values.append(consts[target])
+        return values
+
+    def node(self, name: str) -> fx.Node:
+        """The graph node called ``name``."""
+        for n in self.graph.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(name)
+
+
+@contextlib.contextmanager
+def _no_cache(model: torch.nn.Module) -> Iterator[None]:
+    # Passing use_cache as a kwarg breaks export for models that take it through **kwargs
+    # (ARCHITECTURES.md, export facts): set it on the config instead, and restore it after.
+    config = getattr(model, "config", None)
+    old = getattr(config, "use_cache", None)
+    if config is not None:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        if config is not None:
+            config.use_cache = old
+
+
+def trace(model: torch.nn.Module, example_len: int = 8) -> TracedModel:
+    """Export ``model`` as ``input_ids [1, seq] -> logits [1, seq, vocab]``, seq dynamic.
+
+    Args:
+        model: a causal LM whose ``forward(input_ids=...)`` returns an object with ``.logits``.
+        example_len: length of the example input used for tracing (not 0 or 1, which
+            ``torch.export`` would specialise).
+
+    Returns:
+        the :class:`TracedModel`. The model is left unmodified (its config's ``use_cache`` is
+        restored).
+    """
+    model.eval()
+    wrapper = LogitsOnly(model).eval()
+    vocab = getattr(getattr(model, "config", None), "vocab_size", 2) or 2
+    ids = torch.arange(example_len, dtype=torch.long).remainder(vocab).unsqueeze(0)
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None) or _MAX_SEQ
+    seq = Dim("seq", min=1, max=max(2, min(int(max_pos), _MAX_SEQ)))
+    try:
+        with _no_cache(model), torch.no_grad():
+            program = export(wrapper, (ids,), dynamic_shapes={"input_ids": {1: seq}}, strict=False)
+    except Exception as exc:  # torch.export raises many types; all mean the same to a user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CtxcError(f"torch.export could not trace this model: {first}") from exc
+
+    prefix = _WRAPPED + "."
+    param_of: dict[str, str] = {}
+    args: list[tuple[str, str, str]] = []
+    input_name = ""
+    for spec in program.graph_signature.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            input_name = name
+            args.append(("input", name, ""))
+            continue
+        target = spec.target
+        if spec.kind == InputKind.PARAMETER:
+            param_of[name] = target[len(prefix) :] if target.startswith(prefix) else target
+        args.append(("state", name, target))
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
+    return TracedModel(program, param_of, input_name, dtype, tuple(args))
