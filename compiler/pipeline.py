@@ -1,0 +1,193 @@
+"""The driver: context -> Patch + report, through trace, locate, record, solve, verify."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ctxc import __version__
+from ctxc.errors import CtxcError, UnpatchableError
+from ctxc.fingerprint import fingerprint
+from ctxc.metrics import fidelity
+from ctxc.passes.block_map import BlockMap
+from ctxc.passes.locate_blocks import locate_blocks
+from ctxc.passes.run_graph import record_targets, run_logits
+from ctxc.passes.solve import UPDATE_RULES, solve
+from ctxc.patch import Patch, PatchMeta
+from ctxc.report import CompileReport
+from ctxc.tokens import split_tokens
+from ctxc.trace import TracedModel, trace
+
+__all__ = ["CompileResult", "compile", "traced_blocks"]
+
+# One export per model, reused by every compile of it (the graph reads the model's own tensors).
+_TRACES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[TracedModel, BlockMap]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """What :func:`compile` returns: the patch and its report."""
+
+    patch: Patch
+    report: CompileReport
+
+
+def traced_blocks(model: torch.nn.Module) -> tuple[TracedModel, BlockMap]:
+    """The model's export and block map, computed once per model object."""
+    cached = _TRACES.get(model)
+    if cached is None:
+        traced = trace(model)
+        cached = (traced, locate_blocks(traced))
+        _TRACES[model] = cached
+    return cached
+
+
+def compile(  # noqa: A001 - the public name DESIGN.md fixes
+    model: torch.nn.Module,
+    tokenizer=None,
+    context: str | None = None,
+    query: str | None = None,
+    *,
+    context_ids: list[int] | None = None,
+    query_ids: list[int] | None = None,
+    update: str = "stable",
+    start_layer: int = 0,
+    skip_unpatchable: bool = False,
+    verify: bool = True,
+    on_stage: Callable[[str], None] | None = None,
+    on_block: Callable[[int, int, str], None] | None = None,
+) -> CompileResult:
+    """Compile a context into a :class:`Patch` for ``model``; the model is left unmodified.
+
+    Args:
+        model: a causal LM (Transformers, or any module whose forward returns ``.logits``).
+        tokenizer: needed when ``context``/``query`` are text.
+        context: the context text; or pass ``context_ids``.
+        query: the query text; default: the context's last token.
+        context_ids, query_ids: token ids instead of text.
+        update: ``stable`` (default; MATH.md 4) or ``standard`` (the paper's Theorem 1).
+        start_layer: blocks with index below it stay unpatched.
+        skip_unpatchable: patch the patchable blocks when others are rejected (else an error).
+        verify: run the model with the patch applied on the query, for ``report.emitted``.
+        on_stage: progress callback, called with a stage name.
+        on_block: progress callback ``(done, total, block path)`` from the solver.
+
+    Returns:
+        the :class:`CompileResult`.
+
+    Raises:
+        CtxcError: bad input, rejected blocks, or a failed condition (see its message).
+    """
+    if update not in UPDATE_RULES:
+        raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(UPDATE_RULES)}")
+    if Patch.is_applied(model):
+        raise CtxcError("a patch is applied to this model: remove it before compiling")
+    ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
+    stage = on_stage or (lambda _name: None)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+
+    def lap(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        timings[name] = round(now - clock, 4)
+        clock = now
+
+    stage("tracing")
+    traced, blocks = traced_blocks(model)
+    lap("trace")
+    if not blocks.blocks:
+        raise UnpatchableError("no residual MLP block found in this model" + _reasons(blocks))
+    if blocks.rejections and not skip_unpatchable:
+        raise UnpatchableError(
+            f"{len(blocks.rejections)} block(s) admit no exact patch" + _reasons(blocks)
+            + " (--skip-unpatchable patches the rest)"
+        )
+    if not 0 <= start_layer < len(blocks.blocks):
+        raise CtxcError(f"start layer {start_layer} is outside 0..{len(blocks.blocks) - 1}")
+    device = next(model.parameters()).device
+    full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
+    query = full_ids[:, len(ctx_ids) :]  # [1, k]
+
+    stage("full run")
+    full = record_targets(traced, blocks, full_ids, len(q_ids))
+    lap("full_run")
+    stage("solving")
+    solution = solve(traced, blocks, full, query, update, start_layer, on_block)
+    lap("solve")
+    control = run_logits(traced, query)
+    lap("control_run")
+
+    meta = PatchMeta(
+        fingerprint=fingerprint(model),
+        context_ids=ctx_ids,
+        query_ids=q_ids,
+        update=update,
+        dtype=str(traced.dtype).removeprefix("torch."),
+        ctxc_version=__version__,
+        model=str(getattr(model, "ctxc_name", getattr(model, "name_or_path", ""))),
+        start_layer=start_layer,
+    )
+    patch = Patch(solution.deltas, meta)
+    lap("fingerprint")
+    emitted = solution.logits
+    if verify:
+        stage("verifying")
+        emitted = _run_patched(model, patch, query)
+        lap("verify")
+    report = CompileReport(
+        model=meta.model,
+        dtype=meta.dtype,
+        update=update,
+        start_layer=start_layer,
+        context_ids=ctx_ids,
+        query_ids=q_ids,
+        patched=fidelity(solution.logits, full.logits),
+        emitted=fidelity(emitted, full.logits),
+        control=fidelity(control, full.logits),
+        blocks=solution.stats,
+        rejections=tuple(str(r) for r in blocks.rejections),
+        timings=timings,
+        ctxc_version=__version__,
+    )
+    return CompileResult(patch=patch, report=report)
+
+
+def _run_patched(model: torch.nn.Module, patch: Patch, query: torch.Tensor) -> torch.Tensor:
+    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored."""
+    patch.apply(model, check=False)
+    try:
+        with torch.no_grad():
+            return model(input_ids=query).logits[0].float()
+    finally:
+        patch.remove(model)
+
+
+def _ids(tokenizer, context, query, context_ids, query_ids) -> tuple[list[int], list[int]]:
+    if context_ids is not None:
+        ctx = [int(i) for i in context_ids]
+        if query_ids is None:
+            if len(ctx) < 2:
+                raise CtxcError("the context has a single token: nothing is left to compile")
+            return ctx[:-1], ctx[-1:]
+        q = [int(i) for i in query_ids]
+        if not q:
+            raise CtxcError("the query is empty")
+        return ctx, q
+    if context is None:
+        raise CtxcError("give a context (text or context_ids)")
+    if tokenizer is None:
+        raise CtxcError("a tokenizer is needed for text input")
+    return split_tokens(tokenizer, context, query)
+
+
+def _reasons(blocks: BlockMap) -> str:
+    if not blocks.rejections:
+        return ""
+    return ": " + "; ".join(str(r) for r in blocks.rejections)
