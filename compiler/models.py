@@ -17,7 +17,7 @@ import torch
 
 from ctxc.errors import CtxcError
 
-__all__ = ["ALIASES", "DEFAULT_MODEL", "load_model", "resolve_dtype", "cache_dir"]
+__all__ = ["ALIASES", "DEFAULT_MODEL", "cache_dir", "load_model", "resolve_dtype"]
 
 DEFAULT_MODEL = "gemma-3-270m"
 
@@ -42,9 +42,7 @@ def resolve_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]
     except KeyError:
-        raise CtxcError(
-            f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}"
-        ) from None
+        raise CtxcError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
 
 
 def cache_dir() -> Path:

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from ctxc.errors import CtxcError
 from ctxc.fingerprint import fingerprint
 
-__all__ = ["Delta", "Patch", "PatchMeta", "FORMAT_VERSION"]
+__all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta"]
 
 FORMAT_VERSION = "1"
 
@@ -173,8 +173,9 @@ class Patch:
                 tensors[f"{name}::vector"] = d.vector.contiguous()
             else:
                 assert d.u is not None and d.v is not None
-                tensors[f"{name}::u"] = d.u.contiguous()
-                tensors[f"{name}::v"] = d.v.contiguous()
+                # Linears that read the same input share one v: store a copy per delta.
+                tensors[f"{name}::u"] = d.u.contiguous().clone()
+                tensors[f"{name}::v"] = d.v.contiguous().clone()
             index.append({"param": name, "block": d.block, "layout": d.layout})
         m = self.meta
         metadata = {

@@ -48,7 +48,7 @@ def traced_blocks(model: torch.nn.Module) -> tuple[TracedModel, BlockMap]:
     return cached
 
 
-def compile(  # noqa: A001 - the public name DESIGN.md fixes
+def compile(
     model: torch.nn.Module,
     tokenizer=None,
     context: str | None = None,
@@ -85,7 +85,9 @@ def compile(  # noqa: A001 - the public name DESIGN.md fixes
         CtxcError: bad input, rejected blocks, or a failed condition (see its message).
     """
     if update not in UPDATE_RULES:
-        raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(UPDATE_RULES)}")
+        raise CtxcError(
+            f"unknown update rule {update!r}; expected one of {', '.join(UPDATE_RULES)}"
+        )
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
@@ -106,7 +108,8 @@ def compile(  # noqa: A001 - the public name DESIGN.md fixes
         raise UnpatchableError("no residual MLP block found in this model" + _reasons(blocks))
     if blocks.rejections and not skip_unpatchable:
         raise UnpatchableError(
-            f"{len(blocks.rejections)} block(s) admit no exact patch" + _reasons(blocks)
+            f"{len(blocks.rejections)} block(s) admit no exact patch"
+            + _reasons(blocks)
             + " (--skip-unpatchable patches the rest)"
         )
     if not 0 <= start_layer < len(blocks.blocks):

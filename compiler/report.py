@@ -88,8 +88,9 @@ class CompileReport:
             f"unpatched {'match' if c.top1_match else 'mismatch'})",
         ]
         if self.rejections:
-            lines.append(f"{len(self.rejections)} block(s) left unpatched: " + "; ".join(
-                self.rejections))
+            lines.append(
+                f"{len(self.rejections)} block(s) left unpatched: " + "; ".join(self.rejections)
+            )
         return "\n".join(lines)
 
 

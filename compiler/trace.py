@@ -18,7 +18,7 @@ from torch.export.graph_signature import InputKind
 
 from ctxc.errors import CtxcError
 
-__all__ = ["TracedModel", "trace", "LogitsOnly"]
+__all__ = ["LogitsOnly", "TracedModel", "trace"]
 
 # The wrapper holds the model under this attribute; parameter names in the graph signature
 # carry it as a prefix, which `TracedModel` strips so names match `model.state_dict()`.

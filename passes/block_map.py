@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["LinearSite", "ScaleSite", "MlpBlock", "Rejection", "BlockMap"]
+__all__ = ["BlockMap", "LinearSite", "MlpBlock", "Rejection", "ScaleSite"]
 
 
 @dataclass(frozen=True)

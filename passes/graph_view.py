@@ -15,7 +15,7 @@ from torch import fx
 
 from ctxc.trace import TracedModel
 
-__all__ = ["GraphView", "op_name", "VIEW_LIKE", "ELEMENTWISE"]
+__all__ = ["ELEMENTWISE", "VIEW_LIKE", "GraphView", "op_name"]
 
 aten = torch.ops.aten
 
@@ -56,7 +56,9 @@ ATTENTION_OPS = frozenset(
         aten._scaled_dot_product_flash_attention.default,
     }
 )
-_PRODUCTS = frozenset({aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.mm.default})
+_PRODUCTS = frozenset(
+    {aten.matmul.default, aten.bmm.default, aten.baddbmm.default, aten.mm.default}
+)
 
 
 def op_name(node: fx.Node) -> str:

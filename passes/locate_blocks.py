@@ -179,9 +179,7 @@ def _analyse_tail(
         post_norm = view.module_path(norm_nodes[0]) or where
         scale = _find_scale(view, tail, norm_nodes[0])
         if scale is None:
-            return Rejection(
-                post_norm, "post norm has no trainable scale: not output-controllable"
-            )
+            return Rejection(post_norm, "post norm has no trainable scale: not output-controllable")
         after = [n for n in tail if view.index[n] > view.index[view.by_name[scale.node]]]
     else:
         after = tail
@@ -288,4 +286,3 @@ def _common_module(paths) -> str:
             break
         common.append(parts[0])
     return ".".join(common)
-

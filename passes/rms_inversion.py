@@ -75,7 +75,8 @@ def nearest_unit_rms(s: torch.Tensor, t: torch.Tensor) -> RmsInversion:
         if excess(probe) <= 0.0:
             return _hard_case(s2, s * t, m, d)
     iterations = 0
-    for iterations in range(1, _MAX_ITER + 1):
+    while iterations < _MAX_ITER:
+        iterations += 1
         mid = 0.5 * (lo + hi)
         if mid <= lo or mid >= hi:
             break

@@ -98,9 +98,9 @@ def record_targets(
 def run_logits(traced: TracedModel, input_ids: torch.Tensor, k: int | None = None) -> torch.Tensor:
     """Logits of the unpatched graph on ``input_ids``, last ``k`` positions, float32 [k, vocab]."""
     with torch.no_grad():
-        (logits,) = _as_tuple(fx.Interpreter(traced.graph_module).run(
-            *traced.placeholder_values(input_ids)
-        ))
+        (logits,) = _as_tuple(
+            fx.Interpreter(traced.graph_module).run(*traced.placeholder_values(input_ids))
+        )
     return _last_positions(logits, k or input_ids.shape[1])
 
 

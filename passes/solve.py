@@ -32,7 +32,7 @@ from ctxc.passes.update_rules import (
 from ctxc.patch import Delta
 from ctxc.trace import TracedModel
 
-__all__ = ["BlockStats", "Solution", "solve", "UPDATE_RULES"]
+__all__ = ["UPDATE_RULES", "BlockStats", "Solution", "solve"]
 
 UPDATE_RULES = ("standard", "stable")
 
@@ -176,9 +176,7 @@ class _Solver:
             (d for d in view.descendants(param) if view.param_only(d)), key=view.index.__getitem__
         )
         self.chains[param] = chain
-        readers = [
-            u for d in [param, *chain] for u in d.users if u in view.input_dependent
-        ]
+        readers = [u for d in [param, *chain] for u in d.users if u in view.input_dependent]
         at = view.index[view.by_name[hook_node]]
         early = [u for u in readers if view.index[u] <= at]
         if early:

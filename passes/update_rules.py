@@ -14,6 +14,7 @@ import torch
 from ctxc.passes.rms_inversion import nearest_unit_rms
 
 __all__ = [
+    "SCALE_FLOOR",
     "ConditionError",
     "ScaleMove",
     "input_move",
@@ -21,7 +22,6 @@ __all__ = [
     "right_inverse",
     "scale_output_move",
     "stable_post_norm_target",
-    "SCALE_FLOOR",
 ]
 
 # |s| below this is floored when fitting the stable rule (MATH.md 8: Gemma 3 270M's post-FFN
@@ -43,7 +43,9 @@ def right_inverse(x: torch.Tensor, what: str) -> torch.Tensor:
     if x.shape[0] == 1:
         sq = float(x.pow(2).sum())
         if sq == 0.0:
-            raise ConditionError(f"{what} is zero (||{what}||^2 = 0): the rank-1 move divides by it")
+            raise ConditionError(
+                f"{what} is zero (||{what}||^2 = 0): the rank-1 move divides by it"
+            )
         return x.T / sq  # [d, 1]
     sv = torch.linalg.svdvals(x.double())
     if float(sv[-1]) <= 1e-7 * float(sv[0]):

@@ -1,0 +1,21 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from tiny_models import build, tiny_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A saved tiny Gemma 3 with a tokenizer: a model folder the CLI can load."""
+    path = tmp_path_factory.mktemp("tiny-gemma3")
+    model = build("gemma3")
+    model.config.use_cache = True
+    model.save_pretrained(str(path))
+    tiny_tokenizer().save_pretrained(str(path))
+    return path
