@@ -122,10 +122,11 @@ class Patch:
         if check:
             got = fingerprint(model)
             if got != self.meta.fingerprint:
-                what = "architecture" if got["arch"] != self.meta.fingerprint["arch"] else "weights"
+                key = "arch" if got["arch"] != self.meta.fingerprint["arch"] else "weights"
+                what = {"arch": "architecture", "weights": "weights"}[key]
                 raise CtxcError(
                     f"patch does not fit this model: its {what} fingerprint differs "
-                    f"({self.meta.fingerprint[what][:12]} expected, {got[what][:12]} found)"
+                    f"({self.meta.fingerprint[key][:12]} expected, {got[key][:12]} found)"
                 )
         originals: dict[str, torch.Tensor] = {}
         with torch.no_grad():

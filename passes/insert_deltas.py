@@ -37,7 +37,7 @@ DELTA_PREFIX = "ctxc_delta_"
 
 # How a ``get_attr`` node maps to a patch parameter name: a function of the node (None for a node
 # that holds no patchable parameter), or a table keyed by the node's target (its attribute path).
-ParamOf = Callable[[fx.Node], "str | None"] | Mapping[str, str]
+ParamOf = Callable[[fx.Node], str | None] | Mapping[str, str]
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,9 @@ def insert_deltas(
             + (" ..." if len(missing) > 5 else "")
         )
     weights = {name: _fetch(gm, str(nodes[0].target)) for name, nodes in sources.items()}
+    taken: set[str] = set()
     for name, delta in patch.deltas.items():
-        _check(name, delta, weights[name], gm)
+        _check(name, delta, weights[name], gm, taken)
 
     added = 0
     for name, delta in patch.deltas.items():
@@ -177,7 +178,9 @@ def _parts(delta: Delta) -> dict[str, torch.Tensor]:
     return {"u": delta.u, "v": delta.v}
 
 
-def _check(name: str, delta: Delta, weight: torch.Tensor, gm: fx.GraphModule) -> None:
+def _check(
+    name: str, delta: Delta, weight: torch.Tensor, gm: fx.GraphModule, taken: set[str]
+) -> None:
     parts = _parts(delta)
     if "vector" in parts:
         shape = tuple(parts["vector"].shape)
@@ -199,6 +202,10 @@ def _check(name: str, delta: Delta, weight: torch.Tensor, gm: fx.GraphModule) ->
             raise CtxcError(
                 f"the graph module already has {attr}: a patch was inserted into it already"
             )
+        # Two names that sanitise alike ("a.b", "a_b") would silently share one attribute.
+        if attr in taken:
+            raise CtxcError(f"two patched parameters map to the same attribute {attr}")
+        taken.add(attr)
 
 
 def _emit(

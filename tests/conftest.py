@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from tiny_models import build, tiny_tokenizer  # noqa: E402
+from tiny_models import build, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

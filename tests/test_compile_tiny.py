@@ -24,7 +24,8 @@ def test_patched_query_matches_full_context(family: str, update: str) -> None:
     rep = result.report
     msg = (
         f"{family}/{update}: emitted max {rep.emitted.max_abs_logit_diff:.3g} "
-        f"mean {rep.emitted.mean_abs_logit_diff:.3g}; solver max {rep.patched.max_abs_logit_diff:.3g}; "
+        f"mean {rep.emitted.mean_abs_logit_diff:.3g}; "
+        f"solver max {rep.patched.max_abs_logit_diff:.3g}; "
         f"control max {rep.control.max_abs_logit_diff:.3g}"
     )
     assert rep.emitted.max_abs_logit_diff <= 1e-5, msg
@@ -73,7 +74,8 @@ def test_start_layer_leaves_lower_blocks_unpatched() -> None:
     ids = _ids(5, 16)
     result = ctxc.compile(model, context_ids=ids, start_layer=1)
     assert {d.block for d in result.patch.deltas.values()} == {
-        "model.layers.1.mlp", "model.layers.2.mlp"
+        "model.layers.1.mlp",
+        "model.layers.2.mlp",
     }
     rep = result.report
     assert not rep.blocks[0].patched

@@ -11,14 +11,22 @@ __all__ = ["FAMILIES", "VOCAB", "build", "tiny_tokenizer"]
 
 VOCAB = 128
 _COMMON = dict(
-    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
 )
 _GEMMA3_LAYERS = ["sliding_attention", "full_attention", "sliding_attention"]
 
 FAMILIES: dict[str, tuple[str, str, dict]] = {
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-               dict(head_dim=16, sliding_window=8, layer_types=_GEMMA3_LAYERS)),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(head_dim=16, sliding_window=8, layer_types=_GEMMA3_LAYERS),
+    ),
     "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(head_dim=16)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=None)),
@@ -52,6 +60,9 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)]
     )
     return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
         pad_token="<pad>",
     )
