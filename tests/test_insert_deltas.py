@@ -12,13 +12,12 @@ graph module while the model is unpatched, and applies the patch only after.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
+from tiny_models import build
 from torch import fx
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 import ctxc
 from ctxc.errors import CtxcError
@@ -31,40 +30,12 @@ CONTEXT = list(range(3, 15))
 FULL_CONTEXT_ATOL = 1e-5
 
 
-def _gemma3() -> torch.nn.Module:
-    config = Gemma3TextConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        sliding_window=8,
-        layer_types=["sliding_attention", "full_attention"],
-    )
-    return Gemma3ForCausalLM(config)
-
-
-def _llama() -> torch.nn.Module:
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-    )
-    return LlamaForCausalLM(config)
-
-
 # name -> (factory, dtype, query ids). Gemma's post-FFN norm scale can match one query position
 # only, so its query is a single token; bfloat16 checks the final .to(W.dtype) rounding.
-ARCHS: dict[str, tuple[Callable[[], torch.nn.Module], torch.dtype, list[int]]] = {
-    "gemma3": (_gemma3, torch.float32, [20]),
-    "llama": (_llama, torch.float32, [20, 21, 22]),
-    "llama-bf16": (_llama, torch.bfloat16, [20, 21, 22]),
+ARCHS: dict[str, tuple[str, torch.dtype, list[int]]] = {
+    "gemma3": ("gemma3", torch.float32, [20]),
+    "llama": ("llama", torch.float32, [20, 21, 22]),
+    "llama-bf16": ("llama", torch.bfloat16, [20, 21, 22]),
 }
 
 
@@ -79,13 +50,8 @@ class Case:
 
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def case(request: pytest.FixtureRequest) -> Case:
-    factory, dtype, query_ids = ARCHS[request.param]
-    torch.manual_seed(0)
-    model = factory().to(dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.normal_(0, 0.5)
+    family, dtype, query_ids = ARCHS[request.param]
+    model = build(family).to(dtype)  # seeded, random norm weights
     patch = ctxc.compile(model, context_ids=CONTEXT, query_ids=query_ids).patch
     traced, _ = traced_blocks(model)  # cached by compile: the same export
     query = torch.tensor([query_ids], dtype=torch.long)
