@@ -35,7 +35,8 @@ print(json.dumps({"max": float((got - full).abs().max()), "mean": float((got - f
 """
 
 
-def test_emitted_model_matches_full_context(tmp_path):
+@pytest.mark.parametrize("update", ["standard", "stable"])
+def test_emitted_model_matches_full_context(tmp_path, update):
     import json
 
     from ctxc.models import DEFAULT_MODEL, _bundled_gguf, _converted
@@ -54,6 +55,8 @@ def test_emitted_model_matches_full_context(tmp_path):
             str(SHORT),
             "--out",
             str(out),
+            "--update",
+            update,
         ],
         capture_output=True,
         text=True,
@@ -69,10 +72,10 @@ def test_emitted_model_matches_full_context(tmp_path):
     )
     assert check.returncode == 0, check.stderr[-2000:]
     got = json.loads(check.stdout.strip().splitlines()[-1])
-    msg = f"max {got['max']:.3g} mean {got['mean']:.3g} (unpatched control {got['control']:.3g})"
-    # Issue 2 asks for 5e-5; measured here: 5.39e-5 (stable rule). The solver's own pass reaches
-    # ~4e-6: the rest is the BLAS kernel rounding differently for weights at another memory
-    # alignment, amplified by post-norm gains of ~1.7e3. Held at 1e-4 until that is closed.
-    assert got["max"] <= 1e-4, msg
+    msg = (
+        f"{update}: max {got['max']:.3g} mean {got['mean']:.3g} "
+        f"(unpatched control {got['control']:.3g})"
+    )
+    assert got["max"] <= 5e-5, msg
     assert got["top1"], msg
     assert got["control"] > 1.0, msg
