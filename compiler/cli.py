@@ -33,7 +33,7 @@ app = typer.Typer(
 err = Console(stderr=True)
 out = Console()
 
-EMITTERS = ("torch",)
+EMITTERS = ("torch", "onnx", "peft")
 
 
 class Update(str, Enum):
@@ -69,14 +69,54 @@ def read_context(path: Path) -> str:
     return text
 
 
-def _parse_emit(emit: str) -> list[str]:
+def _parse_emit(emit: str, flag: str = "--emit") -> list[str]:
     kinds = [k.strip() for k in emit.split(",") if k.strip()]
     unknown = [k for k in kinds if k not in EMITTERS]
     if unknown:
         raise CtxcError(
-            f"unknown --emit value {unknown[0]!r}; expected one of {', '.join(EMITTERS)}"
+            f"unknown {flag} value {unknown[0]!r}; expected one of {', '.join(EMITTERS)}"
         )
+    if not kinds:
+        raise CtxcError(f"{flag} names no artefact; expected one of {', '.join(EMITTERS)}")
+    # Fail before loading a model when an optional backend is not installed.
+    if "onnx" in kinds:
+        from ctxc.backends.onnx_model import require_onnx
+
+        require_onnx()
+    if "peft" in kinds:
+        from ctxc.backends.peft_adapter import require_peft
+
+        require_peft()
     return kinds
+
+
+def _emit_checked(net, patch, tmp: Path, kinds: list[str], patchable: bool = False) -> dict:
+    """Write the ONNX and PEFT artefacts of ``kinds`` into ``tmp``; their figures by kind.
+
+    Each emitter checks its artefact against the torch patched model and raises a CtxcError
+    when the check fails, which removes the staging folder.
+    """
+    figures: dict = {}
+    if "onnx" not in kinds and "peft" not in kinds:
+        return figures
+    from ctxc.backends.verify import reference_logits
+
+    full = reference_logits(net, patch)  # computed once for both emitters
+    if "onnx" in kinds:
+        if patchable:
+            from ctxc.backends.onnx_patchable import emit_onnx_patchable as emit_onnx
+        else:
+            from ctxc.backends.onnx_model import emit_onnx
+        with err.status("exporting model.onnx and checking it with onnxruntime"):
+            _, onnx_figures = emit_onnx(net, patch, tmp, full=full)
+        figures["onnx"] = onnx_figures
+    if "peft" in kinds:
+        from ctxc.backends.peft_adapter import emit_peft
+
+        with err.status("writing the PEFT adapter and checking it"):
+            _, peft_figures = emit_peft(net, patch, tmp, full=full)
+        figures["peft"] = peft_figures
+    return figures
 
 
 def _check_out(path: Path, force: bool) -> None:
@@ -129,7 +169,9 @@ def compile_cmd(
     out_dir: Path = typer.Option(Path("ctxc-out"), "--out", help="Output folder."),
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
-    emit: str = typer.Option("torch", "--emit", help="Comma list of artefacts: torch."),
+    emit: str = typer.Option(
+        "torch", "--emit", help="Comma list of artefacts: torch (model/), onnx, peft (adapter/)."
+    ),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
@@ -171,16 +213,28 @@ def compile_cmd(
         if "torch" in kinds:
             with err.status("writing model/"):
                 emit_torch(net, tokenizer, result.patch, tmp / "model")
-        (tmp / "report.json").write_text(result.report.to_json() + "\n")
+        figures = _emit_checked(net, result.patch, tmp, kinds)
+        report = result.report.to_dict()
+        report.update({kind: f.to_dict() for kind, f in figures.items()})
+        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     out.print(result.report.summary())
-    out.print(f"wrote {out_dir}/ ({', '.join(['patch.safetensors', 'report.json', *kinds])})")
+    for f in figures.values():
+        out.print(f.summary(), highlight=False)
+    written = {"torch": "model/", "onnx": "model.onnx", "peft": "adapter/"}
+    names = ["patch.safetensors", "report.json", *(written[k] for k in kinds)]
+    out.print(f"wrote {out_dir}/ ({', '.join(names)})")
 
 
 @app.command("export")
 def export_cmd(
     patch_file: Path = typer.Option(..., "--patch", help="patch.safetensors from ctxc compile."),
     model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
-    to: str = typer.Option("torch", "--to", help="Artefact: torch."),
+    to: str = typer.Option(
+        "torch", "--to", help="Artefact: torch (the model folder), onnx (model.onnx), peft."
+    ),
+    patchable: bool = typer.Option(
+        False, "--patchable", help="ONNX with the patch factors as graph inputs."
+    ),
     out_dir: Path = typer.Option(..., "--out", help="Output folder."),
     force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
 ) -> None:
@@ -188,7 +242,9 @@ def export_cmd(
     import ctxc
     from ctxc.backends.torch_model import emit_torch
 
-    kinds = _parse_emit(to)
+    kinds = _parse_emit(to, "--to")
+    if patchable and "onnx" not in kinds:
+        raise CtxcError("--patchable applies to --to onnx")
     _check_out(out_dir, force)
     patch = ctxc.Patch.load(patch_file)
     net, tokenizer = _load(model, patch.meta.dtype)
@@ -197,6 +253,13 @@ def export_cmd(
     with _staging(out_dir) as tmp:
         if "torch" in kinds:
             emit_torch(net, tokenizer, patch, tmp)
+        figures = _emit_checked(net, patch, tmp, kinds, patchable)
+        if figures:
+            report = {"patch": str(patch_file), "model": patch.meta.model}
+            report.update({kind: f.to_dict() for kind, f in figures.items()})
+            (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for f in figures.values():
+        out.print(f.summary(), highlight=False)
     out.print(f"wrote {out_dir}/")
 
 
@@ -214,6 +277,50 @@ def inspect_cmd(
         out.print_json(json.dumps(info.to_dict()))
     else:
         out.print(info.to_text(), highlight=False)
+
+
+@app.command("generate")
+def generate_cmd(
+    context: Path = typer.Option(..., "--context", help="UTF-8 text file with the context."),
+    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
+    max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
+    update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
+    dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
+    out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
+    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+) -> None:
+    """The paper's protocol: recompile the patch at every token against greedy generation."""
+    from ctxc.generate import generate
+    from ctxc.generate_report import plot_steps, steps_table, write_json
+
+    text = read_context(context)
+    if max_new_tokens < 1:
+        raise CtxcError("--max-new-tokens must be at least 1")
+    _check_out(out_dir, force)
+    net, tokenizer = _load(model, dtype.value)
+    ids = list(tokenizer(text).input_ids)
+    with _progress() as progress:
+        task = progress.add_task("generating", total=max_new_tokens)
+        result = generate(
+            net,
+            ids,
+            max_new_tokens,
+            update=update.value,
+            on_step=lambda s: progress.update(task, completed=s.step + 1),
+        )
+    with _staging(out_dir) as tmp:
+        tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
+        write_json(result, tmp / "generate.json", tokens)
+        plot_steps(result, tmp / "generate.png")
+    out.print(steps_table(result, tokenizer.decode))
+    summary = result.to_dict()["summary"]
+    out.print(
+        f"top-1 match {summary['top1_match_rate']:.1%} over {summary['steps']} steps; "
+        f"max |logit diff| {summary['max_abs_logit_diff']:.3g}; "
+        f"mean step {result.timings['steps'] / max(1, len(result.steps)):.3f} s "
+        f"(targets from {result.targets_from})"
+    )
+    out.print(f"wrote {out_dir}/ (generate.json, generate.png)")
 
 
 def main(argv: list[str] | None = None) -> int:

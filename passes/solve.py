@@ -11,6 +11,7 @@ absorbed because every target is the full run's block output (self-correcting).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,10 +33,38 @@ from ctxc.passes.update_rules import (
 from ctxc.patch import Delta
 from ctxc.trace import TracedModel
 
-__all__ = ["UPDATE_RULES", "BlockStats", "Solution", "at_alignment_of", "solve"]
+__all__ = ["APPLY_MODES", "UPDATE_RULES", "BlockStats", "Solution", "at_alignment_of", "solve"]
 
 UPDATE_RULES = ("standard", "stable")
+# How a delta acts in the reduced pass, as it will in the artefact: "baked" writes W + dW in the
+# model's dtype; "lowrank" keeps W and adds the action (x v) u^T to the linear's output, and
+# keeps vector deltas (norm scales) in float32 (materialising in bfloat16 rounds a patch away).
+APPLY_MODES = ("baked", "lowrank")
 _ALIGN = 64  # bytes: the widest SIMD load the CPU BLAS kernels peel for
+
+# The solver runs once per compile, and `ctxc generate` compiles at every token: keep the
+# structural queries (graph view, parameter cast chains) per exported graph, not per call.
+_VIEWS: weakref.WeakKeyDictionary[fx.GraphModule, GraphView] = weakref.WeakKeyDictionary()
+_CHAINS: weakref.WeakKeyDictionary[GraphView, dict[fx.Node, list[fx.Node]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _view_of(traced: TracedModel) -> GraphView:
+    view = _VIEWS.get(traced.graph_module)
+    if view is None:
+        view = _VIEWS[traced.graph_module] = GraphView(traced)
+    return view
+
+
+def _param_chain(view: GraphView, param: fx.Node) -> list[fx.Node]:
+    """Nodes computed from ``param`` alone (casts, ``1 + w``), in graph order."""
+    chains = _CHAINS.setdefault(view, {})
+    if param not in chains:
+        chains[param] = sorted(
+            (d for d in view.descendants(param) if view.param_only(d)), key=view.index.__getitem__
+        )
+    return chains[param]
 
 
 def at_alignment_of(value: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
@@ -111,7 +140,16 @@ class _ReducedRun(fx.Interpreter):
         self.solver = solver
 
     def run_node(self, n: fx.Node):
+        if n.target == torch.ops.aten._assert_tensor_metadata.default:
+            # Export-time dtype guards: the lowrank mode keeps patched norm scales in float32
+            # on purpose, and the graph reads them through a float32 cast anyway.
+            return None
         out = super().run_node(n)
+        action = self.solver.lowrank.get(n.name)
+        if action is not None:
+            x = self.env[action[0]].float()  # [1, k, in]
+            u, v = action[1]
+            out = out + ((x @ v) @ u.T).to(out.dtype)  # [1, k, out]
         hook = self.solver.hooks.get(n.name)
         if hook is not None:
             # The node's value is in env only after run_node returns; put it there for the hook.
@@ -138,9 +176,13 @@ class _Solver:
         update: str,
         start_layer: int,
         on_block: Callable[[int, int, str], None] | None,
+        apply: str = "baked",
     ) -> None:
         self.traced, self.full, self.k, self.update = traced, full, k, update
-        self.view = GraphView(traced)
+        self.apply = apply
+        self.lowrank: dict[str, tuple[fx.Node, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.site_of = {s.weight: s for b in blocks.blocks for s in (*b.inner, b.outer)}
+        self.view = _view_of(traced)
         self.on_block = on_block
         self.param_node = {name: self.view.by_name[p] for p, name in traced.param_of.items()}
         self.chains: dict[fx.Node, list[fx.Node]] = {}
@@ -192,9 +234,7 @@ class _Solver:
     def _watch_param(self, param: fx.Node, hook_node: str) -> None:
         """Check the graph reads ``param`` only after ``hook_node`` (else a patch comes late)."""
         view = self.view
-        chain = sorted(
-            (d for d in view.descendants(param) if view.param_only(d)), key=view.index.__getitem__
-        )
+        chain = _param_chain(view, param)
         self.chains[param] = chain
         readers = [u for d in [param, *chain] for u in d.users if u in view.input_dependent]
         at = view.index[view.by_name[hook_node]]
@@ -218,8 +258,16 @@ class _Solver:
     def _put(self, run: _ReducedRun, delta: Delta) -> None:
         node = self.param_node[delta.param]
         base = run.env[node]
-        run.replace_param(node, at_alignment_of(delta.materialize(base), base))
         self.deltas[delta.param] = delta
+        if self.apply == "lowrank":
+            if delta.vector is not None:  # norm scales are read through a float32 cast
+                run.replace_param(node, base.float() + delta.vector)
+            else:
+                site = self.site_of[delta.param]
+                assert delta.u is not None and delta.v is not None
+                self.lowrank[site.node] = (self.view.by_name[site.input], (delta.u, delta.v))
+            return
+        run.replace_param(node, at_alignment_of(delta.materialize(base), base))
 
     def _weight(self, run: _ReducedRun, site: LinearSite) -> torch.Tensor:
         w = run.env[self.param_node[site.weight]]
@@ -276,8 +324,12 @@ class _Solver:
             sc = block.scale
             assert sc is not None
             wanted = self._wanted_branch(run, block)[0]  # [d]
+            y = self._targets(block).y[0]  # [d], model dtype
+            # The block output is rounded to the model's dtype: a change below its spacing at
+            # y_C cannot show, so a zero f_i is only an error where more is needed.
+            tol = torch.finfo(y.dtype).eps * y.float().abs() / abs(block.gain)  # [d]
             try:
-                move = scale_output_move(self._scale(run, block), f[0, 0], wanted)
+                move = scale_output_move(self._scale(run, block), f[0, 0], wanted, tol)
             except ConditionError as exc:
                 raise SolveError(block.path, str(exc)) from exc
             stats = self.stats[block.path]
@@ -320,6 +372,7 @@ def solve(
     update: str = "stable",
     start_layer: int = 0,
     on_block: Callable[[int, int, str], None] | None = None,
+    apply: str = "baked",
 ) -> Solution:
     """Compute every block's patch in one reduced pass (pure: the model is not modified).
 
@@ -331,6 +384,8 @@ def solve(
         update: ``standard`` (Theorem 1) or ``stable`` (MATH.md 4, for scaled post norms).
         start_layer: blocks with index below it stay unpatched (ablation C.4).
         on_block: progress callback ``(done, total, path)``.
+        apply: ``baked`` (W + dW in the model's dtype, as the torch backend emits) or
+            ``lowrank`` (the action ``(x v) u^T`` beside W; vector deltas kept in float32).
 
     Returns:
         the :class:`Solution`.
@@ -341,4 +396,7 @@ def solve(
     if update not in UPDATE_RULES:
         raise ValueError(f"unknown update rule {update!r}; expected one of {UPDATE_RULES}")
     k = int(query_ids.shape[1])
-    return _Solver(traced, blocks, full, k, update, start_layer, on_block).run(query_ids)
+    if apply not in APPLY_MODES:
+        raise ValueError(f"unknown apply mode {apply!r}; expected one of {APPLY_MODES}")
+    solver = _Solver(traced, blocks, full, k, update, start_layer, on_block, apply)
+    return solver.run(query_ids)

@@ -109,21 +109,25 @@ class ScaleMove:
     max_gain: float
 
 
-def scale_output_move(s: torch.Tensor, f: torch.Tensor, t: torch.Tensor) -> ScaleMove:
+def scale_output_move(
+    s: torch.Tensor, f: torch.Tensor, t: torch.Tensor, tol: torch.Tensor | None = None
+) -> ScaleMove:
     """``ds = (t - s * f) / f``: the scale change making ``(s + ds) * f = t``.
 
     Args:
         s: current effective scale [d], float32.
         f: normalised activation actually reached [d] (the output the patched MLP produces).
         t: wanted product [d].
+        tol: per-coordinate change [d] too small to matter (below the output dtype's spacing);
+            default 0.
 
     Raises:
-        ConditionError: ``f_i = 0`` where ``t_i != s_i f_i`` (that coordinate is unreachable).
+        ConditionError: ``f_i = 0`` where ``|t_i - s_i f_i| > tol_i`` (unreachable coordinate).
     """
     s, f, t = s.float(), f.float(), t.float()
     r = t - s * f  # [d]
     zero = f == 0
-    bad = zero & (r != 0)
+    bad = zero & (r.abs() > (0.0 if tol is None else tol))
     if bool(bad.any()):
         i = int(torch.nonzero(bad)[0])
         raise ConditionError(

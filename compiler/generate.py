@@ -1,0 +1,241 @@
+"""The paper's per-token protocol (MATH.md 6): recompile the patch at every generated token.
+
+Greedy generation with the full context is the baseline. At every step the patch is recompiled
+for the current history, the patched model sees only the current token, and the history follows
+the baseline's token (teacher forcing). The baseline side keeps its KV cache from step to step,
+and its cached decode step of the current token records the solver's targets with module hooks,
+so a step costs one cached decode step plus one reduced pass, not a new prefill.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ctxc.errors import CtxcError
+from ctxc.metrics import fidelity
+from ctxc.passes.block_map import BlockMap
+from ctxc.passes.graph_view import GraphView
+from ctxc.passes.run_graph import BlockTargets, FullRun, record_targets
+from ctxc.passes.solve import solve
+from ctxc.pipeline import traced_blocks
+from ctxc.trace import TracedModel
+
+__all__ = ["GenerateResult", "GenerateStep", "generate"]
+
+
+@dataclass(frozen=True)
+class GenerateStep:
+    """One generated token: baseline and patched predictions and their agreement."""
+
+    step: int
+    baseline_token: int
+    patched_token: int
+    match: bool
+    max_abs_logit_diff: float
+    mean_abs_logit_diff: float
+    total_variation: float
+    max_scale_change: float | None
+    seconds: float
+
+
+@dataclass(frozen=True)
+class GenerateResult:
+    """Per-step records and their summary."""
+
+    steps: tuple[GenerateStep, ...]
+    context_ids: list[int]
+    update: str
+    dtype: str
+    apply: str
+    targets_from: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def match_rate(self) -> float:
+        return sum(s.match for s in self.steps) / max(1, len(self.steps))
+
+    def to_dict(self) -> dict:
+        diffs = [s.max_abs_logit_diff for s in self.steps]
+        return {
+            "context_ids": self.context_ids,
+            "update": self.update,
+            "dtype": self.dtype,
+            "apply": self.apply,
+            "targets_from": self.targets_from,
+            "summary": {
+                "steps": len(self.steps),
+                "top1_match_rate": self.match_rate,
+                "max_abs_logit_diff": max(diffs, default=0.0),
+                "mean_abs_logit_diff": sum(diffs) / max(1, len(diffs)),
+                "max_total_variation": max((s.total_variation for s in self.steps), default=0.0),
+            },
+            "timings": self.timings,
+            "steps": [asdict(s) for s in self.steps],
+        }
+
+
+def _cache_arg(model: torch.nn.Module) -> str:
+    # Transformers 5.x renames `past_key_values` to `cache`; accept both.
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+class _TargetHooks:
+    """Module hooks that record each block's ``z`` and ``y`` at the last position of a call.
+
+    They stand in for the graph's full run when they are shown, on a probe input, to give
+    exactly the graph's values (the MLP module is called with ``z``, and the residual add is
+    the output of the module that holds it); otherwise :func:`generate` re-runs the graph.
+    """
+
+    def __init__(self, model: torch.nn.Module, traced: TracedModel, blocks: BlockMap) -> None:
+        view = GraphView(traced)
+        self.blocks = blocks
+        self.values: dict[tuple[str, str], torch.Tensor] = {}
+        self.handles = []
+        for b in blocks.blocks:
+            z_mod = model.get_submodule(b.path)
+            y_path = view.module_path(view.by_name[b.residual_add])
+            y_mod = model.get_submodule(y_path) if y_path else model
+            self.handles.append(
+                z_mod.register_forward_pre_hook(self._pre(b.path), with_kwargs=True)
+            )
+            self.handles.append(y_mod.register_forward_hook(self._post(b.path)))
+
+    def _pre(self, path: str) -> Callable:
+        def hook(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            self.values[(path, "z")] = x[0, -1:].detach().clone()  # [1, d_in]
+
+        return hook
+
+    def _post(self, path: str) -> Callable:
+        def hook(module, args, output):
+            y = output[0] if isinstance(output, tuple | list) else output
+            self.values[(path, "y")] = y[0, -1:].detach().clone()  # [1, d]
+
+        return hook
+
+    def targets(self) -> dict[str, BlockTargets]:
+        return {
+            b.path: BlockTargets(z=self.values[(b.path, "z")], y=self.values[(b.path, "y")])
+            for b in self.blocks.blocks
+        }
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _hooks_agree(model, traced, blocks, hooks: _TargetHooks, probe: torch.Tensor) -> bool:
+    """Do the hooks see exactly the graph's targets on ``probe`` (no cache)?"""
+    with torch.no_grad():
+        model(input_ids=probe, use_cache=False)
+    graph = record_targets(traced, blocks, probe, 1).targets
+    seen = hooks.targets()
+    return all(
+        torch.equal(graph[p].z, seen[p].z) and torch.equal(graph[p].y, seen[p].y) for p in graph
+    )
+
+
+def generate(
+    model: torch.nn.Module,
+    context_ids: list[int],
+    max_new_tokens: int,
+    update: str = "stable",
+    apply: str | None = None,
+    on_step: Callable[[GenerateStep], None] | None = None,
+) -> GenerateResult:
+    """Run the per-token protocol for ``max_new_tokens`` steps.
+
+    Args:
+        model: a causal LM; left unmodified.
+        context_ids: the context, at least 2 tokens (the last one is the first query).
+        max_new_tokens: steps to run.
+        update: the update rule.
+        apply: ``baked`` or ``lowrank`` (default: baked in float32, lowrank otherwise).
+        on_step: called with each step's record.
+
+    Returns:
+        the :class:`GenerateResult`.
+    """
+    if len(context_ids) < 2:
+        raise CtxcError("the context needs at least two tokens")
+    if max_new_tokens < 1:
+        raise CtxcError("--max-new-tokens must be at least 1")
+    traced, blocks = traced_blocks(model)
+    if blocks.rejections:
+        raise CtxcError("; ".join(str(r) for r in blocks.rejections))
+    dtype = traced.dtype
+    apply = apply or ("baked" if dtype == torch.float32 else "lowrank")
+    device = next(model.parameters()).device
+    ids = torch.tensor([context_ids], dtype=torch.long, device=device)
+    hooks = _TargetHooks(model, traced, blocks)
+    timings: dict[str, float] = {}
+    steps: list[GenerateStep] = []
+    try:
+        t0 = time.perf_counter()
+        cached = _hooks_agree(model, traced, blocks, hooks, ids[:, : min(8, ids.shape[1])])
+        timings["probe"] = time.perf_counter() - t0
+        history = list(context_ids)
+        cache, cache_arg = None, _cache_arg(model)
+        t0 = time.perf_counter()
+        if cached:
+            with torch.no_grad():
+                cache = _cache_of(model(input_ids=ids[:, :-1], use_cache=True))
+        timings["prefill"] = time.perf_counter() - t0
+        for step in range(max_new_tokens):
+            start = time.perf_counter()
+            current = torch.tensor([[history[-1]]], dtype=torch.long, device=device)
+            if cached:
+                with torch.no_grad():
+                    out = model(input_ids=current, **{cache_arg: cache}, use_cache=True)
+                cache = _cache_of(out)
+                full = FullRun(targets=hooks.targets(), logits=out.logits[0, -1:].float())
+            else:  # the hooks cannot stand in for the graph: a full run per step
+                full_ids = torch.tensor([history], dtype=torch.long, device=device)
+                full = record_targets(traced, blocks, full_ids, 1)
+            solution = solve(traced, blocks, full, current, update, apply=apply)
+            fid = fidelity(solution.logits, full.logits)
+            changes = [
+                b.max_scale_change
+                for b in solution.stats
+                if b.max_scale_change == b.max_scale_change
+            ]
+            record = GenerateStep(
+                step=step,
+                baseline_token=fid.top1_full,
+                patched_token=fid.top1,
+                match=fid.top1_match,
+                max_abs_logit_diff=fid.max_abs_logit_diff,
+                mean_abs_logit_diff=fid.mean_abs_logit_diff,
+                total_variation=fid.total_variation,
+                max_scale_change=max(changes) if changes else None,
+                seconds=time.perf_counter() - start,
+            )
+            steps.append(record)
+            if on_step is not None:
+                on_step(record)
+            history.append(fid.top1_full)  # teacher forcing: follow the baseline
+    finally:
+        hooks.close()
+    timings["steps"] = sum(s.seconds for s in steps)
+    return GenerateResult(
+        steps=tuple(steps),
+        context_ids=list(context_ids),
+        update=update,
+        dtype=str(dtype).removeprefix("torch."),
+        apply=apply,
+        targets_from="cached decode (module hooks)" if cached else "graph full run per step",
+        timings={k: round(v, 4) for k, v in timings.items()},
+    )
