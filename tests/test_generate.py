@@ -1,0 +1,103 @@
+"""The per-token protocol (MATH.md 6) on tiny models, and the `ctxc generate` command."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import VOCAB, build
+
+from ctxc.generate import generate
+
+CONTEXT = torch.randint(4, VOCAB, (18,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_float32_protocol_matches_the_cached_baseline(family: str) -> None:
+    model = build(family)
+    result = generate(model, CONTEXT, 5, update="stable")
+    diffs = [s.max_abs_logit_diff for s in result.steps]
+    assert result.targets_from.startswith("cached decode"), result.targets_from
+    assert result.apply == "baked"
+    assert [s.step for s in result.steps] == list(range(5))
+    assert max(diffs) <= 1e-5, f"max {max(diffs):.3g} mean {sum(diffs) / len(diffs):.3g}"
+    assert result.match_rate == 1.0
+    # Teacher forcing: the baseline tokens are the greedy continuation of the full model.
+    with torch.no_grad():
+        ids = torch.tensor([CONTEXT])
+        for s in result.steps:
+            token = int(model(input_ids=ids).logits[0, -1].argmax())
+            assert token == s.baseline_token
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+
+
+def test_bfloat16_protocol_applies_low_rank_actions() -> None:
+    model = build("gemma3").to(torch.bfloat16)
+    result = generate(model, CONTEXT, 4, update="stable")
+    diffs = [s.max_abs_logit_diff for s in result.steps]
+    assert result.apply == "lowrank"
+    assert all(math.isfinite(d) for d in diffs), diffs
+    # One bfloat16 step at these logits is ~4e-3; the unpatched model is off by ~0.5.
+    assert max(diffs) <= 0.05, f"max {max(diffs):.3g} mean {sum(diffs) / len(diffs):.3g}"
+
+
+def test_cli_writes_json_and_plot(tiny_model_dir, tmp_path) -> None:
+    context = tmp_path / "c.txt"
+    context.write_text("w5 w6 w7 w8 w9 w10 w11")
+    out = tmp_path / "gen"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxc.cli",
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--context",
+            str(context),
+            "--max-new-tokens",
+            "3",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads((out / "generate.json").read_text())
+    assert len(data["steps"]) == 3
+    for key in ("step", "baseline_token", "patched_token", "max_abs_logit_diff", "total_variation"):
+        assert key in data["steps"][0], key
+    assert (out / "generate.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_rejects_zero_steps(tiny_model_dir, tmp_path) -> None:
+    context = tmp_path / "c.txt"
+    context.write_text("w5 w6 w7")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ctxc.cli",
+            "generate",
+            "--model",
+            str(tiny_model_dir),
+            "--context",
+            str(context),
+            "--max-new-tokens",
+            "0",
+            "--out",
+            str(tmp_path / "g"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and "at least 1" in lines[0], proc.stderr
+    assert not (tmp_path / "g").exists()
