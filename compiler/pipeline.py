@@ -60,6 +60,7 @@ def compile(
     start_layer: int = 0,
     skip_unpatchable: bool = False,
     verify: bool = True,
+    apply: str = "baked",
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
 ) -> CompileResult:
@@ -75,6 +76,10 @@ def compile(
         start_layer: blocks with index below it stay unpatched.
         skip_unpatchable: patch the patchable blocks when others are rejected (else an error).
         verify: run the model with the patch applied on the query, for ``report.emitted``.
+        apply: ``baked`` (default: the patched weights in the model's dtype, as the torch backend
+            writes them; each block's rounding is absorbed by the next, since the solver bakes
+            block by block) or ``lowrank`` (deltas as actions beside the weights, in memory
+            only: ``report.emitted`` then still measures the baked weights).
         on_stage: progress callback, called with a stage name.
         on_block: progress callback ``(done, total, block path)`` from the solver.
 
@@ -122,7 +127,7 @@ def compile(
     full = record_targets(traced, blocks, full_ids, len(q_ids))
     lap("full_run")
     stage("solving")
-    solution = solve(traced, blocks, full, query, update, start_layer, on_block)
+    solution = solve(traced, blocks, full, query, update, start_layer, on_block, apply)
     lap("solve")
     control = run_logits(traced, query)
     lap("control_run")
@@ -158,6 +163,7 @@ def compile(
         rejections=tuple(str(r) for r in blocks.rejections),
         timings=timings,
         ctxc_version=__version__,
+        apply=apply,
     )
     return CompileResult(patch=patch, report=report)
 

@@ -43,6 +43,7 @@ class CompileReport:
     rejections: tuple[str, ...] = ()
     timings: dict[str, float] = field(default_factory=dict)
     ctxc_version: str = ""
+    apply: str = "baked"
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -56,6 +57,7 @@ class CompileReport:
             "model": self.model,
             "dtype": self.dtype,
             "update": self.update,
+            "apply": self.apply,
             "start_layer": self.start_layer,
             "context_ids": self.context_ids,
             "query_ids": self.query_ids,
