@@ -163,7 +163,7 @@ def generate(
         context_ids: the context, at least 2 tokens (the last one is the first query).
         max_new_tokens: steps to run.
         update: the update rule.
-        apply: ``baked`` or ``lowrank`` (default: baked in float32, lowrank otherwise).
+        apply: ``lowrank`` (default) or ``baked``.
         on_step: called with each step's record.
 
     Returns:
@@ -177,7 +177,9 @@ def generate(
     if blocks.rejections:
         raise CtxcError("; ".join(str(r) for r in blocks.rejections))
     dtype = traced.dtype
-    apply = apply or ("baked" if dtype == torch.float32 else "lowrank")
+    # The protocol measures the patched model in memory: low-rank actions beside the weights
+    # cost far less than materialising every patched matrix at every token (MATH.md 6).
+    apply = apply or "lowrank"
     device = next(model.parameters()).device
     ids = torch.tensor([context_ids], dtype=torch.long, device=device)
     hooks = _TargetHooks(model, traced, blocks)

@@ -22,7 +22,7 @@ def test_float32_protocol_matches_the_cached_baseline(family: str) -> None:
     result = generate(model, CONTEXT, 5, update="stable")
     diffs = [s.max_abs_logit_diff for s in result.steps]
     assert result.targets_from.startswith("cached decode"), result.targets_from
-    assert result.apply == "baked"
+    assert result.apply == "lowrank"
     assert [s.step for s in result.steps] == list(range(5))
     assert max(diffs) <= 1e-5, f"max {max(diffs):.3g} mean {sum(diffs) / len(diffs):.3g}"
     assert result.match_rate == 1.0
