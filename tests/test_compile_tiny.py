@@ -88,3 +88,20 @@ def test_zero_input_is_reported_per_block() -> None:
         model.model.layers[0].post_attention_layernorm.weight.zero_()
     with pytest.raises(ctxc.SolveError, match=r"model\.layers\.0\.mlp: MLP input z is zero"):
         ctxc.compile(model, context_ids=_ids(6, 10))
+
+
+def test_stable_rule_handles_exact_zeros_of_the_post_norm_scale() -> None:
+    model = build("gemma3")
+    with torch.no_grad():  # Gemma scales by (1 + w): w = -1 makes s exactly 0 (as in 270M)
+        for layer in model.model.layers:
+            layer.post_feedforward_layernorm.weight[:5] = -1.0
+    ids = _ids(8, 16)
+    for update in ("standard", "stable"):
+        result = ctxc.compile(model, context_ids=ids, update=update)
+        rep = result.report
+        finite = all(torch.isfinite(d.dense()).all() for d in result.patch.deltas.values())
+        assert finite, f"{update}: non-finite delta"
+        assert rep.emitted.max_abs_logit_diff <= 1e-5, (
+            f"{update}: max {rep.emitted.max_abs_logit_diff:.3g} "
+            f"mean {rep.emitted.mean_abs_logit_diff:.3g}"
+        )
