@@ -107,10 +107,16 @@ class ScaleMove:
     min_divisor: float
     max_change: float
     max_gain: float
+    unreached: int = 0
+    max_unreached: float = 0.0
 
 
 def scale_output_move(
-    s: torch.Tensor, f: torch.Tensor, t: torch.Tensor, tol: torch.Tensor | None = None
+    s: torch.Tensor,
+    f: torch.Tensor,
+    t: torch.Tensor,
+    tol: torch.Tensor | None = None,
+    allow_unreached: bool = False,
 ) -> ScaleMove:
     """``ds = (t - s * f) / f``: the scale change making ``(s + ds) * f = t``.
 
@@ -122,13 +128,15 @@ def scale_output_move(
             default 0.
 
     Raises:
-        ConditionError: ``f_i = 0`` where ``|t_i - s_i f_i| > tol_i`` (unreachable coordinate).
+        ConditionError: ``f_i = 0`` where ``|t_i - s_i f_i| > tol_i`` (unreachable coordinate),
+            unless ``allow_unreached``: then ``ds_i = 0`` there and the miss is counted (in low
+            precision a zero ``f_i`` is rounding, and the next block absorbs the miss).
     """
     s, f, t = s.float(), f.float(), t.float()
     r = t - s * f  # [d]
     zero = f == 0
     bad = zero & (r.abs() > (0.0 if tol is None else tol))
-    if bool(bad.any()):
+    if bool(bad.any()) and not allow_unreached:
         i = int(torch.nonzero(bad)[0])
         raise ConditionError(
             f"normalised MLP output is exactly 0 at {int(bad.sum())} coordinate(s) (first: {i}, "
@@ -143,6 +151,8 @@ def scale_output_move(
         min_divisor=float(nz.min()) if nz.numel() else 0.0,
         max_change=float(ds.abs().max()),
         max_gain=float((s + ds).abs().max()),
+        unreached=int(bad.sum()),
+        max_unreached=float(r[bad].abs().max()) if bool(bad.any()) else 0.0,
     )
 
 
