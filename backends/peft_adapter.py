@@ -1,0 +1,370 @@
+"""PEFT backend: the patch as a LoRA adapter for ``peft.PeftModel.from_pretrained(base, DIR)``.
+
+A rank-r delta ``dW = u v^T`` of a linear layer is exactly a LoRA pair: ``lora_B = u`` [out, r],
+``lora_A = v^T`` [r, in], with ``lora_alpha = r`` so the scaling ``alpha / r`` is 1. The target
+modules are the exact module names; where ranks differ, ``rank_pattern``/``alpha_pattern`` say
+so. A delta LoRA cannot hold (a norm scale, a bias, a parameter that is not a linear layer's
+weight) goes through the format's own means: its module is listed in ``modules_to_save``, which
+stores the module with its patched values (``Delta.materialize``, bit for bit the baked ones).
+
+Unmerged, LoRA computes ``W x + u (v^T x)`` where the baked model computes ``(W + u v^T) x``: the
+same in exact arithmetic, not in floating point. Blocks whose patch ends in a post-norm scale
+change were solved against the baked computation, and their gain amplifies that rounding (tiny
+on random models, far larger on trained ones); ``merge_and_unload()`` writes ``W + B A`` into the
+weights, which is the baked weight again. The figures give both.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import re
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ctxc.backends.verify import check_ids, reference_logits, torch_logits
+from ctxc.errors import CtxcError
+from ctxc.metrics import Fidelity, fidelity
+from ctxc.patch import Delta, Patch
+
+__all__ = ["ADAPTER_DIR", "DEFAULT_RTOL", "AdapterPlan", "PeftFigures", "emit_peft", "plan_adapter"]
+
+ADAPTER_DIR = "adapter"
+
+# The merged adapter holds the baked weights: it must match the torch patched model as closely
+# as two runs of one model do. Relative to the largest logit, like the ONNX check.
+DEFAULT_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class AdapterPlan:
+    """How a patch maps onto a LoRA adapter.
+
+    Attributes:
+        lora: module name -> its weight's delta, for every LoRA target module.
+        banks: parameter name -> delta, for stacked expert banks [E, ., .] that LoRA targets as
+            parameters (``target_parameters``).
+        modules_to_save: module names stored whole, with their patched parameters.
+        fan_in_fan_out: the LoRA target modules store ``W.T`` (GPT-2 ``Conv1D``).
+        r: the most common rank (LoRA's ``r``; ``lora_alpha`` equals it).
+        rank_pattern: module name -> rank, for target modules of another rank.
+    """
+
+    lora: dict[str, Delta]
+    banks: dict[str, Delta]
+    modules_to_save: tuple[str, ...]
+    fan_in_fan_out: bool
+    r: int
+    rank_pattern: dict[str, int]
+
+
+@dataclass(frozen=True)
+class PeftFigures:
+    """What the adapter holds and how well PEFT reproduces the full-context model with it.
+
+    Attributes:
+        dir: the adapter folder, relative to the output folder.
+        lora_modules: number of LoRA target modules (linear layers).
+        lora_parameters: number of LoRA target parameters (stacked expert banks).
+        r: LoRA's ``r`` (= ``lora_alpha``).
+        rank_pattern: module -> rank where it differs from ``r``.
+        modules_to_save: modules stored whole with their patched values.
+        lora: ``PeftModel.from_pretrained`` as loaded, fed the query, against the full context.
+        merged: the same after ``merge_and_unload()``.
+        lora_vs_baked: ``max |logits|`` difference, as loaded, from the torch patched model.
+        merged_vs_baked: the same after merging (checked against ``tolerance``).
+        tolerance: the bound ``merged_vs_baked`` met.
+        note: what the adapter format does not reproduce exactly, and why.
+        seconds: wall time of writing and checking.
+    """
+
+    dir: str
+    lora_modules: int
+    lora_parameters: int
+    r: int
+    rank_pattern: dict[str, int]
+    modules_to_save: tuple[str, ...]
+    lora: Fidelity
+    merged: Fidelity
+    lora_vs_baked: float
+    merged_vs_baked: float
+    tolerance: float
+    note: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        """The JSON form written under ``"peft"`` in ``report.json``."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One line for a terminal."""
+        a, m = self.lora, self.merged
+        return (
+            f"peft: {self.dir}/ ({self.lora_modules} LoRA modules, {self.lora_parameters} LoRA "
+            f"parameters, r={self.r}, {len(self.modules_to_save)} modules_to_save); vs full "
+            "context max "
+            f"{a.max_abs_logit_diff:.3g} as loaded, {m.max_abs_logit_diff:.3g} merged, top-1 "
+            f"{'match' if a.top1_match and m.top1_match else 'MISMATCH'}"
+        )
+
+
+def require_peft() -> None:
+    """Raise a one-line CtxcError when PEFT is not installed."""
+    if importlib.util.find_spec("peft") is None:
+        raise CtxcError("the PEFT adapter needs peft: pip install 'ctxc[peft]'")
+
+
+def plan_adapter(model: torch.nn.Module, patch: Patch) -> AdapterPlan:
+    """Split ``patch`` into LoRA targets and modules stored whole.
+
+    A module goes whole into ``modules_to_save`` unless all its deltas are LoRA's: one weight
+    delta of a linear layer (``target_modules``), or expert-bank deltas of the rank ``r``
+    (``target_parameters``).
+
+    Args:
+        model: the model the patch applies to (module types decide what LoRA can hold).
+        patch: the patch.
+
+    Returns:
+        the :class:`AdapterPlan`.
+    """
+    by_module: dict[str, dict[str, Delta]] = {}
+    for name, delta in patch.deltas.items():
+        module, _, attr = name.rpartition(".")
+        by_module.setdefault(module, {})[attr] = delta
+    lora: dict[str, Delta] = {}
+    banks: dict[str, dict[str, Delta]] = {}
+    whole: list[str] = []
+    for module, deltas in by_module.items():
+        target = model.get_submodule(module)
+        if len(deltas) == 1 and _lora_able(target, deltas.get("weight")):
+            lora[module] = deltas["weight"]
+        elif all(_bank_able(target, attr, d) for attr, d in deltas.items()):
+            banks[module] = deltas
+        else:
+            whole.append(module)
+    # One fan_in_fan_out for the whole config: the minority layout is stored whole.
+    layouts = Counter(d.layout for d in lora.values())
+    layout = layouts.most_common(1)[0][0] if layouts else "out_in"
+    whole += [m for m, d in lora.items() if d.layout != layout]
+    lora = {m: d for m, d in lora.items() if d.layout == layout}
+    ranks = Counter(
+        [d.rank for d in lora.values()] + [d.rank for ds in banks.values() for d in ds.values()]
+    )
+    r = ranks.most_common(1)[0][0] if ranks else 1
+    # PEFT's parameter targets take neither a rank pattern nor fan_in_fan_out.
+    keep = {
+        m: ds
+        for m, ds in banks.items()
+        if layout == "out_in" and all(d.rank == r for d in ds.values())
+    }
+    whole += [m for m in banks if m not in keep]
+    return AdapterPlan(
+        lora=lora,
+        banks={f"{m}.{attr}": d for m, ds in keep.items() for attr, d in ds.items()},
+        modules_to_save=tuple(whole),
+        fan_in_fan_out=layout == "in_out",
+        r=r,
+        rank_pattern={m: d.rank for m, d in lora.items() if d.rank != r},
+    )
+
+
+def _lora_able(target: torch.nn.Module, delta: Delta | None) -> bool:
+    if delta is None or delta.u is None or delta.vector is not None or delta.experts:
+        return False
+    if delta.layout == "in_out":
+        return type(target).__name__ == "Conv1D"  # transformers' GPT-2 Conv1D: W stored [in, out]
+    return isinstance(target, torch.nn.Linear)
+
+
+def _bank_able(target: torch.nn.Module, attr: str, delta: Delta) -> bool:
+    param = getattr(target, attr, None)
+    if not delta.experts or delta.u is None or not isinstance(param, torch.nn.Parameter):
+        return False
+    # PEFT reads the bank's orientation from the experts module's ``is_transposed``.
+    transposed = bool(getattr(target, "is_transposed", False))
+    return param.dim() == 3 and transposed == (delta.layout == "in_out")
+
+
+def _bank_factors(delta: Delta, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """PEFT's expert LoRA factors: ``lora_A`` [E r, in] rows (e, r), ``lora_B`` [out, r E]
+    columns (r, e), zero for the experts the delta leaves alone."""
+    assert delta.u is not None and delta.v is not None
+    _, out_dim, rank = delta.u.shape
+    index = list(delta.experts)
+    a = delta.v.new_zeros(experts, rank, delta.v.shape[1])
+    a[index] = delta.v.mT  # [n, r, in]
+    b = delta.u.new_zeros(out_dim, rank, experts)
+    b[:, :, index] = delta.u.permute(1, 2, 0)  # [out, r, n]
+    return a.reshape(experts * rank, -1), b.reshape(out_dim, rank * experts)
+
+
+def _lora_config(model: torch.nn.Module, patch: Patch, plan: AdapterPlan):
+    from peft import LoraConfig
+
+    if not plan.lora and not plan.banks:
+        more = " ..." if len(plan.modules_to_save) > 3 else ""
+        shown = ", ".join(plan.modules_to_save[:3]) + more
+        raise CtxcError(
+            "PEFT cannot hold this patch: a LoRA adapter needs at least one linear or expert-bank "
+            f"delta, and this one only changes {shown} (use --emit torch or onnx)"
+        )
+    # The pattern keys are regular expressions matched against the end of a module's name.
+    return LoraConfig(
+        r=plan.r,
+        lora_alpha=plan.r,
+        target_modules=sorted(plan.lora),  # [] with only parameter targets, as PEFT asks
+        target_parameters=sorted(plan.banks) or None,
+        rank_pattern={re.escape(m): k for m, k in plan.rank_pattern.items()},
+        alpha_pattern={re.escape(m): k for m, k in plan.rank_pattern.items()},
+        modules_to_save=list(plan.modules_to_save) or None,
+        lora_dropout=0.0,
+        bias="none",
+        fan_in_fan_out=plan.fan_in_fan_out,
+        task_type="CAUSAL_LM",
+        inference_mode=True,
+        base_model_name_or_path=patch.meta.model or str(getattr(model, "name_or_path", "")),
+    )
+
+
+def _write(model: torch.nn.Module, patch: Patch, plan: AdapterPlan, path: Path) -> None:
+    """Build the adapter with PEFT itself on a copy of ``model`` (its format, not a guess)."""
+    from peft import get_peft_model
+
+    peft_model = get_peft_model(copy.deepcopy(model), _lora_config(model, patch, plan))
+    inner = peft_model.base_model.model
+    with torch.no_grad():
+        for module, delta in plan.lora.items():
+            layer = inner.get_submodule(module)
+            layer.lora_A["default"].weight.copy_(delta.v.T)
+            layer.lora_B["default"].weight.copy_(delta.u)
+        for name, wrapper in inner.named_modules():
+            attr = getattr(wrapper, "parameter_name", None)
+            if attr is None:
+                continue
+            # Parameter targets of one module nest: each wrapper's base_layer is the next.
+            module = ".".join(p for p in name.split(".") if p != "base_layer")
+            a, b = _bank_factors(plan.banks[f"{module}.{attr}"], wrapper.num_experts)
+            wrapper.lora_A["default"].weight.copy_(a)
+            wrapper.lora_B["default"].weight.copy_(b)
+        for module in plan.modules_to_save:
+            saved = inner.get_submodule(module).modules_to_save["default"]
+            for name, delta in patch.deltas.items():
+                owner, _, attr = name.rpartition(".")
+                if owner == module:
+                    getattr(saved, attr).copy_(delta.materialize(model.get_parameter(name)))
+    peft_model.save_pretrained(str(path))
+
+
+def emit_peft(
+    model: torch.nn.Module,
+    patch: Patch,
+    out: Path,
+    *,
+    full: torch.Tensor | None = None,
+    rtol: float = DEFAULT_RTOL,
+) -> tuple[Path, PeftFigures]:
+    """Write ``out/adapter/``: ``adapter_config.json`` and ``adapter_model.safetensors``.
+
+    The adapter is loaded back with ``PeftModel.from_pretrained`` on a copy of ``model`` and fed
+    the query, as loaded and merged; ``model`` itself is not modified.
+
+    Args:
+        model: the model the patch was computed on.
+        patch: the patch.
+        out: the output folder (created); the adapter goes to ``out/adapter``.
+        full: the full-context logits at the query positions [k, vocab], if already computed.
+        rtol: the bound on the merged adapter's difference from the torch patched model,
+            relative to the largest logit.
+
+    Returns:
+        the adapter folder and its :class:`PeftFigures`.
+
+    Raises:
+        CtxcError: PEFT is missing, or the merged adapter does not reproduce the patched model.
+    """
+    require_peft()
+    from peft import PeftModel
+
+    clock = time.perf_counter()
+    path = out / ADAPTER_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    plan = plan_adapter(model, patch)
+    query = check_ids(patch)[:1]
+    if full is None:
+        full = reference_logits(model, patch)
+    _write(model, patch, plan, path)
+
+    # The baked reference runs on the very copy the adapter is loaded into: a copy's freshly
+    # allocated (aligned) tensors take other CPU kernel paths than, say, a model loaded from
+    # safetensors, which alone moves Gemma 3 270M's logits by ~5e-5. So the merged adapter
+    # is compared with the baked weights in the same memory, and must match them exactly.
+    base = copy.deepcopy(model).eval()
+    patch.apply(base, check=False)
+    try:
+        (baked,) = torch_logits(base, query)
+    finally:
+        patch.remove(base)
+    loaded = PeftModel.from_pretrained(base, str(path)).eval()
+    (as_loaded,) = torch_logits(loaded, query)
+    merged_model = loaded.merge_and_unload()
+    (merged,) = torch_logits(merged_model, query)
+    del base, loaded, merged_model
+
+    tol = rtol * max(1.0, float(baked.abs().max()))
+    merged_vs_baked = float((merged - baked).abs().max())
+    if not merged_vs_baked <= tol:
+        raise CtxcError(
+            f"the merged PEFT adapter does not reproduce the patched model: max |diff| "
+            f"{merged_vs_baked:.3g} (mean {float((merged - baked).abs().mean()):.3g}) "
+            f"exceeds {tol:.3g}"
+        )
+    figures = PeftFigures(
+        dir=ADAPTER_DIR,
+        lora_modules=len(plan.lora),
+        lora_parameters=len(plan.banks),
+        r=plan.r,
+        rank_pattern=plan.rank_pattern,
+        modules_to_save=plan.modules_to_save,
+        lora=fidelity(as_loaded, full),
+        merged=fidelity(merged, full),
+        lora_vs_baked=float((as_loaded - baked).abs().max()),
+        merged_vs_baked=merged_vs_baked,
+        tolerance=tol,
+        note=_note(patch, plan),
+        seconds=round(time.perf_counter() - clock, 3),
+    )
+    return path, figures
+
+
+def _note(patch: Patch, plan: AdapterPlan) -> str:
+    parts = []
+    if plan.modules_to_save:
+        parts.append(
+            f"{len(plan.modules_to_save)} module(s) whose deltas LoRA cannot hold (norm scales, "
+            "biases, parameters of other modules) are stored whole in modules_to_save, with "
+            "their patched values exactly"
+        )
+    if plan.banks:
+        parts.append(
+            f"{len(plan.banks)} expert bank(s) are LoRA target_parameters, which PEFT applies as "
+            "W + dW, the baked weights"
+        )
+    if plan.lora:
+        scaled = any(d.vector is not None for d in patch.deltas.values())
+        why = (
+            "; the post-norm scale changes were solved against the baked computation and "
+            "amplify that rounding difference"
+            if scaled
+            else ""
+        )
+        parts.append(
+            "as loaded, a LoRA target module computes W x + B (A x) where the baked model "
+            f"computes (W + B A) x: equal up to rounding{why}; merge_and_unload() writes the "
+            "baked weights"
+        )
+    return "; ".join(parts) + "."

@@ -1,0 +1,265 @@
+"""The ONNX backends: baked weights and the patchable export, each checked by onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+import transformers as tf
+from tiny_models import VOCAB, build, build_any
+
+import ctxc
+from ctxc.backends.onnx_model import ONNX_FILE, check_lengths, emit_onnx
+from ctxc.backends.onnx_patchable import emit_onnx_patchable, patch_feeds
+from ctxc.patch import Patch
+
+
+def _ids(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, VOCAB, (n,), generator=g).tolist()
+
+
+def _msg(what: str, got, want) -> str:
+    diff = (torch.as_tensor(got).double() - torch.as_tensor(want).double()).abs()
+    return f"{what}: max {float(diff.max()):.3g} mean {float(diff.mean()):.3g}"
+
+
+def _max(got, want) -> float:
+    return float((torch.as_tensor(got).double() - torch.as_tensor(want).double()).abs().max())
+
+
+def _session(path: Path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _run(session: ort.InferenceSession, ids: list[int], feeds: dict | None = None) -> np.ndarray:
+    out = session.run(["logits"], {**(feeds or {}), "input_ids": np.array([ids], np.int64)})
+    return out[0][0]  # [n, vocab]
+
+
+def _torch(model: torch.nn.Module, ids: list[int], patch: Patch | None = None) -> torch.Tensor:
+    if patch is not None:
+        patch.apply(model)
+    try:
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids])).logits[0]
+    finally:
+        if patch is not None:
+            patch.remove(model)
+
+
+def _full(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
+    """The unpatched model fed context + query, at the query positions: [k, vocab]."""
+    ids = patch.meta.context_ids + patch.meta.query_ids
+    return _torch(model, ids)[-len(patch.meta.query_ids) :]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    """A tiny Llama and two contexts' patches: a one-token query (rank 1), a two-token (rank 2)."""
+    model = build("llama")
+    a = _ids(1, 24)
+    b = _ids(2, 17)
+    patch_a = ctxc.compile(model, context_ids=a).patch
+    patch_b = ctxc.compile(model, context_ids=b[:-2], query_ids=b[-2:]).patch
+    return model, patch_a, patch_b
+
+
+@pytest.fixture(scope="module")
+def baked(llama, tmp_path_factory):
+    model, patch, _ = llama
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = tmp_path_factory.mktemp("baked")
+    path, figures = emit_onnx(model, patch, out, external_data=True)
+    return path, figures, before
+
+
+def test_cli_rejects_patchable_without_onnx(tmp_path) -> None:
+    args = ["export", "--patch", "p.safetensors", "--to", "peft", "--patchable"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctxc.cli", *args, "--out", str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=120,
+    )
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "--patchable applies to --to onnx" in lines[0]
+
+
+@pytest.mark.slow
+def test_baked_onnx_runs_in_plain_onnxruntime_at_any_length(llama, baked) -> None:
+    model, patch, _ = llama
+    path, figures, before = baked
+    assert path.name == ONNX_FILE and (path.parent / f"{ONNX_FILE}.data").is_file()
+    assert figures.external_data and not figures.patchable and figures.patch_inputs == 0
+    assert figures.opset >= 17 and figures.experts == "dense"
+    assert [c.length for c in figures.checks] == [1, 16]
+
+    session = _session(path)
+    [ids] = session.get_inputs()
+    assert (ids.name, ids.type, ids.shape[0]) == ("input_ids", "tensor(int64)", 1)
+    assert isinstance(ids.shape[1], str), f"sequence length fixed at export: {ids.shape}"
+    assert [o.name for o in session.get_outputs()] == ["logits"]
+    query = patch.meta.query_ids
+    full = _full(model, patch)
+    got = _run(session, query)
+    assert _max(got, full) <= 1e-4, _msg("onnxruntime on the query vs full context", got, full)
+    assert abs(figures.fidelity.max_abs_logit_diff - _max(got, full)) <= 1e-6
+    for n in (3, 11):
+        x = _ids(7, n)
+        got, want = _run(session, x), _torch(model, x, patch)
+        assert _max(got, want) <= 1e-4, _msg(f"onnxruntime vs torch patched, {n} tokens", got, want)
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+    assert not changed, f"emit_onnx left the model modified: {changed[:3]}"
+
+
+@pytest.mark.slow
+def test_a_failed_check_is_one_line_error(llama, baked) -> None:
+    model, patch, _ = llama
+    path, _, _ = baked
+    session = _session(path)
+    x = torch.tensor([patch.meta.query_ids])
+    unpatched = _torch(model, patch.meta.query_ids)
+
+    def run(ids: np.ndarray) -> np.ndarray:
+        return session.run(["logits"], {"input_ids": ids})[0]
+
+    with pytest.raises(ctxc.CtxcError) as info:
+        check_lengths(run, [x], [unpatched])
+    assert "disagrees with the torch patched model" in str(info.value)
+    assert "\n" not in str(info.value)
+
+    def fixed_length(ids: np.ndarray) -> np.ndarray:
+        raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dimensions")
+
+    with pytest.raises(ctxc.CtxcError, match="could not run the export at 1 tokens"):
+        check_lengths(fixed_length, [x], [unpatched])
+
+
+@pytest.mark.slow
+def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
+    model, patch_a, patch_b = llama
+    assert {d.rank for d in patch_a.deltas.values()} == {1}
+    assert {d.rank for d in patch_b.deltas.values()} == {2}
+    path, figures = emit_onnx_patchable(model, patch_a, tmp_path)
+    assert figures.patchable and figures.patch_inputs == 2 * len(patch_a.deltas)
+    session = _session(path)
+    names = [i.name for i in session.get_inputs()]
+    first = next(iter(patch_a.deltas))
+    assert names[:3] == ["input_ids", f"{first}::u", f"{first}::v"]
+
+    # Two contexts' patches, the second of another rank, through the same file.
+    for what, patch in (("context A", patch_a), ("context B", patch_b)):
+        got = _run(session, patch.meta.query_ids, patch_feeds(patch, session))
+        full = _full(model, patch)
+        assert _max(got, full) <= 1e-4, _msg(f"{what}: patchable ONNX vs full context", got, full)
+
+    # The feeds of a saved patch are those of the patch, and an all-zero feed is the base model.
+    saved = patch_b.save(tmp_path / "patch.safetensors")
+    from_file = patch_feeds(saved, path)
+    for name, array in patch_feeds(patch_b, path).items():
+        assert np.array_equal(array, from_file[name]), name
+    zeros = {k: np.zeros_like(v[:, :1] if v.ndim == 2 else v) for k, v in from_file.items()}
+    x = _ids(8, 6)
+    got, want = _run(session, x, zeros), _torch(model, x)
+    assert _max(got, want) <= 1e-5, _msg("zero patch vs unpatched model", got, want)
+
+    # A patch of fewer blocks fits: the blocks it leaves alone are fed zero deltas.
+    ids = _ids(9, 20)
+    later = ctxc.compile(model, context_ids=ids, start_layer=1).patch
+    feeds = patch_feeds(later, session)
+    assert len(feeds) == len(names) - 1
+    got = _run(session, later.meta.query_ids, feeds)
+    full = _full(model, later)
+    assert _max(got, full) <= 1e-4, _msg("start-layer-1 patch vs full context", got, full)
+
+    other = build("llama", seed=1)
+    alien = ctxc.compile(other, context_ids=ids).patch
+    with pytest.raises(ctxc.CtxcError, match="another model"):
+        patch_feeds(alien, session)
+
+
+@pytest.mark.slow
+def test_moe_exports_with_batched_experts_and_takes_other_experts_patches(tmp_path) -> None:
+    model = build_any("mixtral")
+    a = ctxc.compile(model, context_ids=_ids(4, 20)).patch
+    b = ctxc.compile(model, context_ids=_ids(5, 13)).patch
+    banks_a = {n: d.experts for n, d in a.deltas.items() if d.experts}
+    banks_b = {n: d.experts for n, d in b.deltas.items() if d.experts}
+    assert banks_a and banks_a != banks_b, "the test needs contexts that change other experts"
+    # The model's own default: its grouped_mm custom op does not export.
+    model.set_experts_implementation("grouped_mm")
+
+    path, figures = emit_onnx(model, a, tmp_path / "baked")
+    assert figures.experts.startswith("batched_mm"), figures.experts
+    assert model.config._experts_implementation == "grouped_mm", "implementation not restored"
+    got, full = _run(_session(path), a.meta.query_ids), _full(model, a)
+    assert _max(got, full) <= 1e-4, _msg("MoE model.onnx vs full context", got, full)
+
+    path, figures = emit_onnx_patchable(model, a, tmp_path / "patchable")
+    session = _session(path)
+    shapes = {i.name: i.shape for i in session.get_inputs()}
+    first = next(iter(banks_a))
+    assert shapes[f"{first}::u"][0] == model.get_parameter(first).shape[0], "not the whole bank"
+    got = _run(session, b.meta.query_ids, patch_feeds(b, session))
+    full = _full(model, b)
+    assert _max(got, full) <= 1e-4, _msg("other experts' patch, patchable ONNX", got, full)
+
+
+@pytest.mark.slow
+def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_model_dir, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    context = tmp_path / "context.txt"
+    context.write_text("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
+    out = tmp_path / "out"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "ctxc.cli", *args, "--model", str(tiny_model_dir)]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+    proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", "onnx,peft")
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        "adapter",
+        "model.onnx",
+        "patch.safetensors",
+        "report.json",
+    ]
+    report = json.loads((out / "report.json").read_text())
+    assert report["onnx"]["opset"] >= 17 and report["onnx"]["experts"] == "dense"
+    assert len(report["onnx"]["checks"]) == 2
+    assert report["peft"]["modules_to_save"], "Gemma 3's post-norm scales need modules_to_save"
+
+    base = tf.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    base.eval()
+    query, full_ids = report["query_ids"], report["context_ids"] + report["query_ids"]
+    full = _torch(base, full_ids)[-1:]
+    got = _run(_session(out / "model.onnx"), query)
+    assert _max(got, full) <= 1e-4, _msg("CLI model.onnx vs full context", got, full)
+    assert abs(report["onnx"]["fidelity"]["max_abs_logit_diff"] - _max(got, full)) <= 1e-6
+
+    exported = tmp_path / "exported"
+    proc = cli(
+        "export",
+        "--patch",
+        str(out / "patch.safetensors"),
+        "--to",
+        "onnx",
+        "--patchable",
+        "--out",
+        str(exported),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads((exported / "report.json").read_text())["onnx"]["patchable"] is True
+    path = exported / "model.onnx"
+    got = _run(_session(path), query, patch_feeds(out / "patch.safetensors", path))
+    assert _max(got, full) <= 1e-4, _msg("patchable export vs full context", got, full)
