@@ -39,6 +39,7 @@ EMITTERS = ("torch", "onnx", "peft")
 class Update(str, Enum):
     standard = "standard"
     stable = "stable"
+    output = "output"
 
 
 class DType(str, Enum):
@@ -50,6 +51,7 @@ class DType(str, Enum):
 class Format(str, Enum):
     text = "text"
     json = "json"
+    html = "html"
 
 
 def read_context(path: Path) -> str:
@@ -76,8 +78,6 @@ def _parse_emit(emit: str, flag: str = "--emit") -> list[str]:
         raise CtxcError(
             f"unknown {flag} value {unknown[0]!r}; expected one of {', '.join(EMITTERS)}"
         )
-    if not kinds:
-        raise CtxcError(f"{flag} names no artefact; expected one of {', '.join(EMITTERS)}")
     # Fail before loading a model when an optional backend is not installed.
     if "onnx" in kinds:
         from ctxc.backends.onnx_model import require_onnx
@@ -266,17 +266,21 @@ def export_cmd(
 @app.command("inspect")
 def inspect_cmd(
     model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
-    fmt: Format = typer.Option(Format.text, "--format", help="text or json."),
+    fmt: Format = typer.Option(
+        Format.text, "--format", help="text, json, or html (a page with a diagram per shape)."
+    ),
 ) -> None:
-    """Report every residual MLP block: its parts, what ctxc patches, or why it cannot."""
+    """Report every residual MLP block: its shape, parts and roles, what ctxc patches per
+    update rule, or why a block cannot be patched."""
     from ctxc.inspect_model import inspect_model
 
     net, _ = _load(model, "float32")
     info = inspect_model(net)
-    if fmt is Format.json:
-        out.print_json(json.dumps(info.to_dict()))
-    else:
-        out.print(info.to_text(), highlight=False)
+    if fmt is Format.text:
+        out.print(info.to_text(), highlight=False, markup=False, soft_wrap=True)
+    else:  # plain bytes on stdout: no console wrapping or markup in machine-read formats
+        sys.stdout.write(info.to_json() if fmt is Format.json else info.to_html())
+        sys.stdout.flush()
 
 
 @app.command("generate")
@@ -358,11 +362,14 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_libraries() -> None:
+    import logging
     import warnings
 
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     warnings.filterwarnings("ignore")
+    # The ONNX exporter logs a warning per optional op library it does not find (torchvision).
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

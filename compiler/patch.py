@@ -42,6 +42,8 @@ class Delta:
         v: [in, r] float32.
         vector: [d] float32, a dense delta for a vector parameter.
         layout: ``"out_in"`` (``nn.Linear``) or ``"in_out"`` (Conv1D stores ``W.T``).
+        experts: for a stacked expert bank (parameter [E, ., .]): the experts it changes, in
+            order; ``u`` is then [n, out, r] and ``v`` [n, in, r], one pair per listed expert.
     """
 
     param: str
@@ -50,21 +52,30 @@ class Delta:
     v: torch.Tensor | None = None
     vector: torch.Tensor | None = None
     layout: str = "out_in"
+    experts: tuple[int, ...] = ()
 
     @property
     def rank(self) -> int:
-        return 0 if self.u is None else int(self.u.shape[1])
+        return 0 if self.u is None else int(self.u.shape[-1])
 
     def dense(self) -> torch.Tensor:
         """The delta as a dense float32 tensor in the parameter's own layout."""
         if self.vector is not None:
             return self.vector
         assert self.u is not None and self.v is not None
+        if self.experts:
+            dwe = self.u @ self.v.mT  # [n, out, in]: the listed experts' slices only
+            return dwe.mT if self.layout == "in_out" else dwe
         dw = self.u @ self.v.T  # [out, in]
         return dw.T if self.layout == "in_out" else dw
 
     def materialize(self, base: torch.Tensor) -> torch.Tensor:
         """``(base.float() + delta).to(base.dtype)``: the patched parameter value."""
+        if self.experts:
+            w = base.detach().float().clone()  # [E, ., .]
+            index = torch.tensor(self.experts, dtype=torch.long, device=base.device)
+            w[index] = w[index] + self.dense().to(base.device)
+            return w.to(base.dtype)
         return (base.detach().float() + self.dense()).to(base.dtype)
 
     def norm(self) -> float:
@@ -72,7 +83,7 @@ class Delta:
         if self.vector is not None:
             return float(self.vector.norm())
         assert self.u is not None and self.v is not None
-        gram = (self.u.T @ self.u) * (self.v.T @ self.v)  # [r, r]
+        gram = (self.u.mT @ self.u) * (self.v.mT @ self.v)  # [r, r] (or [n, r, r] for experts)
         return float(gram.sum().clamp_min(0).sqrt())
 
     def max_abs(self) -> float:
@@ -177,7 +188,10 @@ class Patch:
                 # Linears that read the same input share one v: store a copy per delta.
                 tensors[f"{name}::u"] = d.u.contiguous().clone()
                 tensors[f"{name}::v"] = d.v.contiguous().clone()
-            index.append({"param": name, "block": d.block, "layout": d.layout})
+            entry = {"param": name, "block": d.block, "layout": d.layout}
+            if d.experts:
+                entry["experts"] = list(d.experts)
+            index.append(entry)
         m = self.meta
         metadata = {
             "format": "ctxc-patch",
@@ -218,7 +232,12 @@ class Patch:
         deltas: dict[str, Delta] = {}
         for entry in json.loads(md["deltas"]):
             name = entry["param"]
-            common = {"param": name, "block": entry["block"], "layout": entry["layout"]}
+            common = {
+                "param": name,
+                "block": entry["block"],
+                "layout": entry["layout"],
+                "experts": tuple(entry.get("experts", ())),
+            }
             if f"{name}::vector" in tensors:
                 deltas[name] = Delta(vector=tensors[f"{name}::vector"], **common)
             else:

@@ -10,10 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from ctxc import __version__
-from ctxc.errors import CtxcError, UnpatchableError
+from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
 from ctxc.metrics import fidelity
-from ctxc.passes.block_map import BlockMap
+from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
 from ctxc.passes.solve import UPDATE_RULES, solve
@@ -127,7 +127,9 @@ def compile(
     full = record_targets(traced, blocks, full_ids, len(q_ids))
     lap("full_run")
     stage("solving")
-    solution = solve(traced, blocks, full, query, update, start_layer, on_block, apply)
+    solution, failed = _solve_skipping(
+        (traced, blocks, full, query, update, start_layer, on_block, apply), skip_unpatchable
+    )
     lap("solve")
     control = run_logits(traced, query)
     lap("control_run")
@@ -160,12 +162,29 @@ def compile(
         emitted=fidelity(emitted, full.logits),
         control=fidelity(control, full.logits),
         blocks=solution.stats,
-        rejections=tuple(str(r) for r in blocks.rejections),
+        rejections=tuple(str(r) for r in (*blocks.rejections, *failed)),
         timings=timings,
         ctxc_version=__version__,
         apply=apply,
     )
     return CompileResult(patch=patch, report=report)
+
+
+def _solve_skipping(args: tuple, skip_unpatchable: bool) -> tuple:
+    """Solve; with ``skip_unpatchable``, leave a block whose condition fails unpatched and solve
+    again (the blocks above it absorb its difference), until no block fails."""
+    failed: list[Rejection] = []
+    while True:
+        skip = {r.where: r.reason for r in failed}
+        try:
+            return solve(*args, skip=skip), tuple(failed)
+        except SolveError as exc:
+            if not skip_unpatchable or exc.block in skip:
+                raise SolveError(exc.block, exc.reason + _SKIP_HINT) from exc
+            failed.append(Rejection(exc.block, exc.reason))
+
+
+_SKIP_HINT = " (--skip-unpatchable patches the other blocks)"
 
 
 def _run_patched(model: torch.nn.Module, patch: Patch, query: torch.Tensor) -> torch.Tensor:

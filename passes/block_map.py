@@ -1,10 +1,23 @@
-"""What the locator finds: residual MLP blocks, their parts, and the candidates it rejects."""
+"""What the locator finds: residual MLP blocks, their parts, and the candidates it rejects.
+
+Field values named "fx node" are names of nodes in the traced graph: internal handles for the
+solver, never part of a stable report (``ctxc inspect`` prints module paths and op kinds).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["BlockMap", "LinearSite", "MlpBlock", "Rejection", "ScaleSite"]
+__all__ = [
+    "BlockMap",
+    "ExpertOutput",
+    "LinearSite",
+    "MlpBlock",
+    "NormSite",
+    "Rejection",
+    "ScaleSite",
+    "TailStep",
+]
 
 
 @dataclass(frozen=True)
@@ -12,12 +25,18 @@ class LinearSite:
     """A linear map applied to an activation, with the parameter that holds its weight.
 
     Attributes:
-        node: fx node computing the product (internal; not part of stable reports).
+        node: fx node of the map's output (after its bias, when the bias is a separate add).
         input: fx node of the tensor the weight multiplies.
         weight: parameter name, as in ``model.state_dict()``.
         bias: parameter name of the bias, or None.
         module: module path of the linear (``model.layers.0.mlp.up_proj``).
         layout: ``"out_in"`` for ``nn.Linear`` ([out, in]); ``"in_out"`` for GPT-2's Conv1D.
+        op: the op kind that computes it (``aten.linear``, ``aten.addmm``, ``aten.matmul``,
+            ``aten.bmm`` for an expert bank).
+        experts: for a stacked expert bank (weight [E, ., .], rows gathered by expert id): fx
+            node of the per-row expert ids; None for an ordinary linear.
+        repeat: bank rows per token (the top-k), when the bank's input repeats each token.
+        source: fx node of the rows the input carries (through reshapes and the repeat).
     """
 
     node: str
@@ -26,6 +45,10 @@ class LinearSite:
     bias: str | None
     module: str
     layout: str = "out_in"
+    op: str = "aten.linear"
+    experts: str | None = None
+    repeat: int = 1
+    source: str = ""
 
 
 @dataclass(frozen=True)
@@ -33,8 +56,9 @@ class ScaleSite:
     """An element-wise trainable scale ``s = alpha * w + offset`` applied to a normalised tensor.
 
     Attributes:
-        node: fx node of the product ``normalized * s``.
-        normalized: fx node of the tensor the scale multiplies.
+        node: fx node of the product ``normalized * s`` (of the norm itself when it is fused,
+            ``aten.layer_norm``).
+        normalized: fx node of the tensor the scale multiplies ("" for a fused norm).
         param: parameter name of ``w``.
         alpha: how ``s`` moves with ``w`` (1.0 for every norm known so far).
         offset: 1.0 for Gemma's ``(1 + w)``, 0.0 for a plain ``w``.
@@ -50,22 +74,102 @@ class ScaleSite:
 
 
 @dataclass(frozen=True)
+class NormSite:
+    """A normalisation on the way from the outer linear to the residual add (a post norm).
+
+    Attributes:
+        module: module path of the norm.
+        input: fx node the norm reads.
+        centered: True for a LayerNorm (subtracts the mean), False for an RMS norm.
+        fused: the op of a fused norm (``aten.layer_norm``), whose normalised value is not a
+            node of the graph; None for a norm written out op by op.
+        eps: the fused norm's epsilon (None otherwise).
+        scale: its trainable scale, if any.
+        bias: parameter name of the bias added after the scale, if any.
+        bias_node: fx node of that addition (of the fused norm).
+    """
+
+    module: str
+    input: str
+    centered: bool
+    fused: str | None = None
+    eps: float | None = None
+    scale: ScaleSite | None = None
+    bias: str | None = None
+    bias_node: str | None = None
+
+
+@dataclass(frozen=True)
+class TailStep:
+    """One op between the output-controlled value and the residual add, in graph order.
+
+    The solver inverts these to turn the block's target ``y_C`` into the value the
+    output-controlled part must produce.
+
+    Attributes:
+        kind: ``view`` (identity: cast, copy, dropout, reshape), ``add`` (``x + side``),
+            ``gain`` (``x * factor``, a constant) or ``gate`` (``x * side``, ``side`` a per-row
+            activation such as a sigmoid gate).
+        node: fx node the step computes.
+        side: fx node of the other operand (``add``, ``gate``).
+        factor: the constant of a ``gain`` step.
+    """
+
+    kind: str
+    node: str
+    side: str | None = None
+    factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ExpertOutput:
+    """How an expert bank's rows are weighted and summed per token (MoE output move).
+
+    Attributes:
+        gate: fx node of the per-row routing weights ([rows] or [rows, 1]).
+        combine: fx node of the per-token sum over the top-k rows ([tokens, d]).
+        top_k: rows per token.
+        num_experts: experts in the bank.
+    """
+
+    gate: str
+    combine: str
+    top_k: int
+    num_experts: int
+
+
+@dataclass(frozen=True)
 class MlpBlock:
-    """A residual block ``y = v + g(f(v))`` with an MLP branch.
+    """A residual block ``y = v + g(f(z))``, ``z`` a function of ``v``, with an MLP branch.
 
     Attributes:
         path: module path of the MLP (``model.layers.0.mlp``).
-        residual_in: fx node ``v``, the residual stream entering the add.
-        residual_add: fx node ``y = v + branch``.
-        branch: fx node of the branch output added to ``v``.
+        residual_in: fx node ``v``, the residual stream entering the block.
+        residual_add: fx node ``y``, the block output (the add that takes ``v`` back in).
+        branch: fx node of the operand ``y`` adds to the residual side.
         mlp_in: fx node ``z`` that every inner linear reads (input-controllable).
-        inner: the inner linears (gate and up; fc_in).
+        inner: the inner linears (gate and up; fc_in; the router and expert input banks).
         activation: fx node ``h``, the outer linear's input.
-        outer: the outer linear (down projection; fc_out).
+        outer: the outer linear (down projection; fc_out; the experts' output bank).
         post_norm: module path of a norm between the outer linear and the add, or None.
         scale: the post norm's trainable scale, if it has one.
-        gain: constant factor between the outer function's output and the add (Granite).
-        output_control: ``"scale"`` (post-norm scale) or ``"linear"`` (outer linear).
+        gain: product of the constant factors between the outer function and the add.
+        output_control: ``linear`` (outer linear), ``scale`` (post-norm scale), ``bias``
+            (post-norm bias) or ``experts`` (every active expert's output map, by gate sum).
+        control: fx node whose value the output move sets (the outer linear's output, the
+            scale product, the bias sum or the experts' per-token sum).
+        tail: the steps from ``control`` to ``residual_add``.
+        norm: the post norm, if any.
+        experts: how the output bank's rows are combined, for ``experts``.
+        others: linears inside the branch that are neither inner nor outer (a shared expert's
+            down projection): they see matched inputs once the inner moves are done.
+        parallel: True when the branch also adds a token mixer's output (attention) that is
+            computed from the same residual input (GPT-J, Falcon, Cohere).
+        pre_norm: module path of the norm that makes ``z`` from ``v``, or None.
+        trailing_norm: module path of a norm applied to ``y`` itself (classic post-LN), or None.
+        stable_ok: the outer linear feeds the post norm directly, so the stable rule's
+            linear move applies (MATH.md 4).
+        routers: fx nodes of the inner linears whose outputs choose an MoE's experts.
     """
 
     path: str
@@ -80,6 +184,16 @@ class MlpBlock:
     scale: ScaleSite | None = None
     gain: float = 1.0
     output_control: str = "linear"
+    control: str = ""
+    tail: tuple[TailStep, ...] = ()
+    norm: NormSite | None = None
+    experts: ExpertOutput | None = None
+    others: tuple[LinearSite, ...] = ()
+    parallel: bool = False
+    pre_norm: str | None = None
+    trailing_norm: str | None = None
+    stable_ok: bool = False
+    routers: tuple[str, ...] = ()
 
     @property
     def patched_params(self) -> tuple[str, ...]:
@@ -87,12 +201,14 @@ class MlpBlock:
         names = [s.weight for s in self.inner] + [self.outer.weight]
         if self.scale is not None:
             names.append(self.scale.param)
-        return tuple(names)
+        if self.output_control == "bias" and self.norm is not None and self.norm.bias:
+            names.append(self.norm.bias)
+        return tuple(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """A candidate block that admits no exact patch, and why."""
+    """A candidate block that admits no exact patch, and why (with the offending value)."""
 
     where: str
     reason: str

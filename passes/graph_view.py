@@ -10,12 +10,13 @@ from __future__ import annotations
 from functools import cached_property
 
 import networkx as nx
+import sympy
 import torch
 from torch import fx
 
 from ctxc.trace import TracedModel
 
-__all__ = ["ELEMENTWISE", "VIEW_LIKE", "GraphView", "op_name"]
+__all__ = ["ELEMENTWISE", "ROW_VIEWS", "TRANSPOSES", "VIEW_LIKE", "GraphView", "op_name"]
 
 aten = torch.ops.aten
 
@@ -47,6 +48,24 @@ ELEMENTWISE = frozenset(
     }
     | VIEW_LIKE
 )
+
+# Reshapes that may keep every row (position) intact: the locator sees through those that keep
+# the last dimension and the number of rows (GPT-2's Conv1D flattens [1, seq, d] to [seq, d]).
+ROW_VIEWS = frozenset(
+    {
+        aten.view.default,
+        aten.reshape.default,
+        aten._unsafe_view.default,
+        aten.unsqueeze.default,
+        aten.squeeze.default,
+        aten.squeeze.dim,
+        aten.squeeze.dims,
+        aten.flatten.using_ints,
+    }
+)
+
+# Ops that transpose a weight matrix (Falcon's ``x @ W.T``; nn.Linear lowered to ``addmm``).
+TRANSPOSES = frozenset({aten.t.default, aten.numpy_T.default, aten.transpose.int})
 
 ATTENTION_OPS = frozenset(
     {
@@ -100,6 +119,17 @@ class GraphView:
 
     def descendants(self, node: fx.Node) -> set[fx.Node]:
         return nx.descendants(self.dag, node)
+
+    def descendants_upto(self, node: fx.Node, last: int) -> list[fx.Node]:
+        """Descendants of ``node`` whose graph index is at most ``last``, in graph order."""
+        seen: set[fx.Node] = set()
+        stack = [node]
+        while stack:
+            for user in stack.pop().users:
+                if user not in seen and self.index[user] <= last:
+                    seen.add(user)
+                    stack.append(user)
+        return sorted(seen, key=self.index.__getitem__)
 
     def between(self, start: fx.Node, end: fx.Node) -> set[fx.Node]:
         """Nodes on some path from ``start`` to ``end``, both excluded."""
@@ -160,15 +190,93 @@ class GraphView:
         )
 
     def is_token_mixing(self, node: fx.Node) -> bool:
-        """Attention ops, or a product of two activations (eager attention's q @ k^T)."""
+        """Attention ops, or a product of two activations (eager attention's q @ k^T).
+
+        A batched product with a gathered weight (``bmm(W[ids], x)``, MoE experts) is a
+        per-row linear map, not a mixer, although ``W[ids]`` depends on the input.
+        """
         if node.op != "call_function":
             return False
         if node.target in ATTENTION_OPS:
             return True
         if node.target in _PRODUCTS:
             tensors = [a for a in node.args if isinstance(a, fx.Node)]
+            if any(self.param_gather(a) is not None for a in tensors):
+                return False
             return sum(a in self.input_dependent for a in tensors) >= 2
         return False
+
+    def param_gather(self, node: fx.Node) -> tuple[fx.Node, fx.Node] | None:
+        """``(param, ids)`` when ``node = param[ids]`` gathers slices of a parameter by row ids."""
+        if node.op != "call_function" or node.target != aten.index.Tensor:
+            return None
+        base, index = node.args[0], node.args[1]
+        if not isinstance(base, fx.Node) or not isinstance(index, list | tuple):
+            return None
+        param = self.param_root(base)
+        ids = [i for i in index if isinstance(i, fx.Node)]
+        if param is None or len(index) != 1 or len(ids) != 1:
+            return None
+        return param, ids[0]
+
+    def is_tensor(self, node: object) -> bool:
+        """A node whose value is a tensor, or a tuple of tensors (``topk``, ``chunk``)."""
+        if not isinstance(node, fx.Node):
+            return False
+        val = node.meta.get("val")
+        if isinstance(val, list | tuple):
+            return bool(val) and all(isinstance(v, torch.Tensor) for v in val)
+        return isinstance(val, torch.Tensor)
+
+    def tensor_users(self, node: fx.Node) -> list[fx.Node]:
+        """Users that read ``node``'s values: not shape queries, metadata asserts, or
+        ``type_as(x, node)``, which reads only its dtype."""
+        users = (
+            u
+            for u in node.users
+            if self.is_tensor(u)
+            and not (u.target == aten.type_as.default and u.args[0] is not node)
+        )
+        return sorted(users, key=self.index.__getitem__)
+
+    def value_args(self, node: fx.Node) -> list[fx.Node]:
+        """The tensor arguments whose values ``node`` reads (``type_as``'s second is a dtype)."""
+        args = node.args[:1] if node.target == aten.type_as.default else node.args
+        out: list[fx.Node] = []
+        for a in (*args, *node.kwargs.values()):
+            items = a if isinstance(a, list | tuple) else (a,)
+            out.extend(i for i in items if self.is_tensor(i))
+        return out
+
+    def rows(self, node: fx.Node) -> tuple[str, int | None] | None:
+        """``(rows, last)``: the symbolic product of all but the last dimension, and the last."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or val.dim() == 0:
+            return None
+        count = sympy.Integer(1)
+        for size in val.shape[:-1]:
+            count = count * (sympy.Integer(size) if isinstance(size, int) else size.node.expr)
+        last = val.shape[-1]
+        return str(sympy.simplify(count)), last if isinstance(last, int) else None
+
+    def keeps_rows(self, node: fx.Node) -> bool:
+        """A reshape of its first argument that keeps every row: same rows, same last dim."""
+        if node.op != "call_function" or node.target not in ROW_VIEWS:
+            return False
+        src = node.args[0]
+        if not isinstance(src, fx.Node):
+            return False
+        mine, theirs = self.rows(node), self.rows(src)
+        return mine is not None and mine == theirs and mine[1] is not None
+
+    def row_source(self, node: fx.Node) -> fx.Node:
+        """The node whose rows ``node`` carries, through casts, copies and row-keeping reshapes."""
+        while node.op == "call_function" and (node.target in VIEW_LIKE or self.keeps_rows(node)):
+            arg = node.args[0]
+            if not isinstance(arg, fx.Node):
+                break
+            node = arg
+        return node
 
 
 def _strip_wrapper(path: str) -> str:

@@ -62,7 +62,8 @@ class _Recorder(fx.Interpreter):
             return self.call_function(n.target, (x, *args[1:]), kwargs)
         out = super().run_node(n)
         if n.name in self.keep:
-            self.kept[n.name] = out[0, -self.k :].detach().clone()  # [k, d]
+            # Rows are positions whatever the layout ([1, n, d], or [n, d] for OPT and Conv1D).
+            self.kept[n.name] = out.reshape(-1, out.shape[-1])[-self.k :].detach().clone()  # [k, d]
         return out
 
 

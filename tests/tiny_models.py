@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import transformers as tf
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["FAMILIES", "VOCAB", "build", "tiny_tokenizer"]
+__all__ = [
+    "ALL",
+    "FAMILIES",
+    "MOE",
+    "SHAPES",
+    "VOCAB",
+    "build",
+    "build_any",
+    "shared",
+    "tiny_tokenizer",
+]
 
 VOCAB = 128
 _COMMON = dict(
@@ -35,12 +47,134 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }
 
 
+# Every other block shape of ARCHITECTURES.md, two layers each (see tests/test_block_shapes.py).
+_TWO = {**_COMMON, "num_hidden_layers": 2}
+# Weights at the default 0.02 leave these models nearly blind to the context (unpatched logits
+# move by ~2e-3); a wider init makes the context matter, so the exactness tests can fail.
+_WIDE = dict(initializer_range=0.1)
+_GPT = dict(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256, n_inner=128, **_WIDE)
+_OPT = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    ffn_dim=128,
+    max_position_embeddings=256,
+    word_embed_proj_dim=64,
+    pad_token_id=0,
+    init_std=0.1,
+)
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+SHAPES: dict[str, tuple[str, str, dict]] = {
+    # A: pre-norm sequential
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_TWO, pad_token_id=0)),  # fused gate_up
+    "stablelm": ("StableLmConfig", "StableLmForCausalLM", dict(_TWO)),  # LayerNorm with bias
+    # plain MLP with biases
+    "starcoder2": ("Starcoder2Config", "Starcoder2ForCausalLM", dict(_TWO, **_WIDE)),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(_GPT)),  # Conv1D: addmm, W [in, out]
+    "gpt_neox_seq": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(_TWO, use_parallel_residual=False, **_WIDE),
+    ),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(_OPT)),  # fc1/fc2 on the layer, [seq, d] rows
+    # A*: scaled branch
+    "granite": (
+        "GraniteConfig",
+        "GraniteForCausalLM",
+        dict(
+            _TWO,
+            residual_multiplier=0.37,
+            embedding_multiplier=2.0,
+            logits_scaling=3.0,
+            attention_multiplier=0.3,
+            **_WIDE,
+        ),
+    ),
+    # B1/B2: parallel attention and MLP, one or two norms
+    "gptj": ("GPTJConfig", "GPTJForCausalLM", dict(_GPT, rotary_dim=8)),
+    "phi": ("PhiConfig", "PhiForCausalLM", dict(_TWO, **_WIDE)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(_TWO, pad_token_id=0, **_WIDE)),
+    "gpt_neox": (
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        dict(_TWO, use_parallel_residual=True, **_WIDE),
+    ),
+    "falcon": (  # new architecture, two norms, FalconLinear (x @ W.T + b)
+        "FalconConfig",
+        "FalconForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_kv_heads=2,
+            new_decoder_architecture=True,
+            ffn_hidden_size=128,
+            max_position_embeddings=256,
+            bias=True,
+            **_WIDE,
+        ),
+    ),
+    # C: post-sublayer norm only; D: sandwich norms
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict(_TWO, pad_token_id=0)),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(_TWO, head_dim=16, sliding_window=8, layer_types=_GEMMA3_LAYERS[:2]),
+    ),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", dict(_TWO, head_dim=16, pad_token_id=0)),
+    # E: classic post-LN
+    "opt_post": ("OPTConfig", "OPTForCausalLM", dict(_OPT, do_layer_norm_before=False)),
+    # MoE (experts as index + bmm: experts_implementation="batched_mm")
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_TWO, num_local_experts=4, **_MOE)),
+    "qwen2_moe": (  # shared expert with a sigmoid gate
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(_TWO, num_experts=4, shared_expert_intermediate_size=64, **_MOE),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(_TWO, num_experts=4, head_dim=16, norm_topk_prob=True, **_MOE),
+    ),
+}
+MOE = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
+ALL = tuple(sorted(FAMILIES) + sorted(SHAPES))
+
+
+def build_any(name: str, seed: int = 0) -> torch.nn.Module:
+    """A seeded tiny model of any family in :data:`FAMILIES` or :data:`SHAPES`."""
+    if name in FAMILIES:
+        return build(name, seed)
+    config_name, model_name, extra = SHAPES[name]
+    torch.manual_seed(seed)
+    config = getattr(tf, config_name)(**extra)
+    cls = getattr(tf, model_name)
+    if name in MOE:  # grouped_mm leaves a custom op in the graph (ARCHITECTURES.md)
+        model = cls._from_config(config, experts_implementation="batched_mm")
+    else:
+        model = cls(config)
+    return _randomise(model.eval())
+
+
+@functools.cache
+def shared(name: str) -> torch.nn.Module:
+    """One model per family for the whole test session, for tests that do not modify it
+    (``ctxc.compile`` leaves a model as it was, and caches its trace on the object)."""
+    return build_any(name)
+
+
 def build(family: str, seed: int = 0) -> torch.nn.Module:
     """A seeded tiny model of ``family`` with random norm weights, so every part matters."""
     config_name, model_name, extra = FAMILIES[family]
     torch.manual_seed(seed)
     config = getattr(tf, config_name)(**{**_COMMON, **extra})
     model = getattr(tf, model_name)(config).eval()
+    return _randomise(model)
+
+
+def _randomise(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 1:
