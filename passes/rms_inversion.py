@@ -74,20 +74,31 @@ def nearest_unit_rms(s: torch.Tensor, t: torch.Tensor) -> RmsInversion:
         probe = m - 1e-15 * max(abs(m), 1.0)
         if excess(probe) <= 0.0:
             return _hard_case(s2, s * t, m, d)
-    iterations = 0
+    # Safeguarded Newton on phi(mu) = F(mu)^(-1/2), nearly linear in mu (the secular-equation
+    # trick of trust-region solvers); a step leaving the bracket [lo, hi] bisects instead.
+    iterations, mu = 0, lo
     while iterations < _MAX_ITER:
         iterations += 1
-        mid = 0.5 * (lo + hi)
-        if mid <= lo or mid >= hi:
-            break
-        f = excess(mid)
+        q = s2 - mu  # [d], > 0 on the bracket
+        f = float((st2 / q**2).mean())
         if math.isnan(f):
-            raise ValueError("NaN while bisecting the RMS inversion")
-        if f > 0.0:
-            hi = mid
+            raise ValueError("NaN while solving the RMS inversion")
+        if f > 1.0:
+            hi = mu
         else:
-            lo = mid
-    mu = lo  # F(lo) <= 0: the feasible side keeps s_i^2 - mu > 0
+            lo = mu
+        if abs(f - 1.0) <= 1e-15:
+            break
+        df = float((2.0 * st2 / q**3).mean())  # F'(mu) > 0
+        step = (f**-0.5 - 1.0) / (-0.5 * f**-1.5 * df) if df > 0 and f > 0 else math.inf
+        new = mu - step
+        if not lo < new < hi:
+            new = 0.5 * (lo + hi)
+        if new == mu or hi - lo <= 1e-15 * max(abs(lo), abs(hi), 1e-300):
+            break
+        mu = new
+    if abs(f - 1.0) > 1e-12:
+        mu = lo  # F(lo) <= 1: the closest feasible point from the left (F increases)
     w = (s * t) / (s2 - mu)  # [d]
     w = w / w.pow(2).mean().sqrt()  # remove the last bisection residue from the constraint
     return RmsInversion(w=w, mu=mu, hard_case=False, iterations=iterations)
