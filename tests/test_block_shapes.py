@@ -206,7 +206,9 @@ def test_cli_exits_with_the_reason_or_patches_the_rest(tmp_path, capsys) -> None
     assert 0 < report["max_abs_logit_diff"] < report["control"]["max_abs_logit_diff"]
 
 
-@pytest.mark.parametrize("name", ["gpt2", "mixtral"])
+# Transformers reloads the tiny word-level tokenizer of a saved Qwen2 folder as Qwen2's own
+# tokenizer class, which maps the test words to one token; qwen2 is covered through the API above.
+@pytest.mark.parametrize("name", [n for n in ALL if n != "qwen2"])
 def test_cli_compiles_a_saved_model_exactly(name: str, tmp_path) -> None:
     model = shared(name)
     folder = tmp_path / name
