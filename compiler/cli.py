@@ -90,18 +90,22 @@ def _parse_emit(emit: str, flag: str = "--emit") -> list[str]:
     return kinds
 
 
-def _emit_checked(net, patch, tmp: Path, kinds: list[str], patchable: bool = False) -> dict:
+def _emit_checked(
+    net, patch, tmp: Path, kinds: list[str], patchable: bool = False, full=None
+) -> dict:
     """Write the ONNX and PEFT artefacts of ``kinds`` into ``tmp``; their figures by kind.
 
     Each emitter checks its artefact against the torch patched model and raises a CtxcError
-    when the check fails, which removes the staging folder.
+    when the check fails, which removes the staging folder. ``full``: the full-context logits
+    at the query positions when the caller has them (``ctxc compile`` does).
     """
     figures: dict = {}
     if "onnx" not in kinds and "peft" not in kinds:
         return figures
-    from ctxc.backends.verify import reference_logits
+    if full is None:  # ctxc export: one full pass, shared by both emitters
+        from ctxc.backends.verify import reference_logits
 
-    full = reference_logits(net, patch)  # computed once for both emitters
+        full = reference_logits(net, patch)
     if "onnx" in kinds:
         if patchable:
             from ctxc.backends.onnx_patchable import emit_onnx_patchable as emit_onnx
@@ -213,7 +217,7 @@ def compile_cmd(
         if "torch" in kinds:
             with err.status("writing model/"):
                 emit_torch(net, tokenizer, result.patch, tmp / "model")
-        figures = _emit_checked(net, result.patch, tmp, kinds)
+        figures = _emit_checked(net, result.patch, tmp, kinds, full=result.full_logits)
         report = result.report.to_dict()
         report.update({kind: f.to_dict() for kind, f in figures.items()})
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")

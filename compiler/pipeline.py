@@ -32,10 +32,16 @@ _TRACES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[TracedModel, BlockMap]
 
 @dataclass(frozen=True)
 class CompileResult:
-    """What :func:`compile` returns: the patch and its report."""
+    """What :func:`compile` returns: the patch, its report, and the full-context logits.
+
+    Attributes:
+        full_logits: the model fed context + query, at the query positions [k, vocab], float32
+            (the reference emitters check against, without a second full pass).
+    """
 
     patch: Patch
     report: CompileReport
+    full_logits: torch.Tensor | None = None
 
 
 def traced_blocks(model: torch.nn.Module) -> tuple[TracedModel, BlockMap]:
@@ -167,7 +173,7 @@ def compile(
         ctxc_version=__version__,
         apply=apply,
     )
-    return CompileResult(patch=patch, report=report)
+    return CompileResult(patch=patch, report=report, full_logits=full.logits)
 
 
 def _solve_skipping(args: tuple, skip_unpatchable: bool) -> tuple:
