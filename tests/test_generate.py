@@ -45,29 +45,21 @@ def test_bfloat16_protocol_applies_low_rank_actions() -> None:
     assert max(diffs) <= 0.05, f"max {max(diffs):.3g} mean {sum(diffs) / len(diffs):.3g}"
 
 
-def test_cli_writes_json_and_plot(tiny_model_dir, tmp_path) -> None:
-    context = tmp_path / "c.txt"
-    context.write_text("w5 w6 w7 w8 w9 w10 w11")
-    out = tmp_path / "gen"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ctxc.cli",
-            "generate",
-            "--model",
-            str(tiny_model_dir),
-            "--context",
-            str(context),
-            "--max-new-tokens",
-            "3",
-            "--out",
-            str(out),
-        ],
+def _generate(model, context, steps: int, out) -> subprocess.CompletedProcess:
+    args = ["--model", str(model), "--context", str(context), "--out", str(out)]
+    return subprocess.run(
+        [sys.executable, "-m", "ctxc.cli", "generate", *args, "--max-new-tokens", str(steps)],
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_cli_writes_json_and_plot(tiny_model_dir, tmp_path) -> None:
+    context = tmp_path / "c.txt"
+    context.write_text("w5 w6 w7 w8 w9 w10 w11")
+    out = tmp_path / "gen"
+    proc = _generate(tiny_model_dir, context, 3, out)
     assert proc.returncode == 0, proc.stderr
     data = json.loads((out / "generate.json").read_text())
     assert len(data["steps"]) == 3
@@ -79,25 +71,7 @@ def test_cli_writes_json_and_plot(tiny_model_dir, tmp_path) -> None:
 def test_cli_rejects_zero_steps(tiny_model_dir, tmp_path) -> None:
     context = tmp_path / "c.txt"
     context.write_text("w5 w6 w7")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ctxc.cli",
-            "generate",
-            "--model",
-            str(tiny_model_dir),
-            "--context",
-            str(context),
-            "--max-new-tokens",
-            "0",
-            "--out",
-            str(tmp_path / "g"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _generate(tiny_model_dir, context, 0, tmp_path / "g")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode != 0 and len(lines) == 1 and "at least 1" in lines[0], proc.stderr
     assert not (tmp_path / "g").exists()
