@@ -209,11 +209,7 @@ def generate(
                 full = record_targets(traced, blocks, full_ids, 1)
             solution = solve(traced, blocks, full, current, update, apply=apply)
             fid = fidelity(solution.logits, full.logits)
-            changes = [
-                b.max_scale_change
-                for b in solution.stats
-                if b.max_scale_change == b.max_scale_change
-            ]
+            changes = [b.max_scale_change for b in solution.stats if b.max_scale_change is not None]
             record = GenerateStep(
                 step=step,
                 baseline_token=fid.top1_full,

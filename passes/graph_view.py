@@ -100,6 +100,11 @@ class GraphView:
         self.param_of = traced.param_of
 
     @cached_property
+    def param_node(self) -> dict[str, fx.Node]:
+        """Parameter name -> its placeholder node (from ``graph_signature``)."""
+        return {name: self.by_name[node] for node, name in self.param_of.items()}
+
+    @cached_property
     def dag(self) -> nx.DiGraph:
         g = nx.DiGraph()
         g.add_nodes_from(self.nodes)
