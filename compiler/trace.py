@@ -18,12 +18,18 @@ from torch.export.graph_signature import InputKind
 
 from ctxc.errors import CtxcError
 
-__all__ = ["LogitsOnly", "TracedModel", "trace"]
+__all__ = ["LogitsOnly", "TracedModel", "strip_wrapper", "trace"]
 
 # The wrapper holds the model under this attribute; parameter names in the graph signature
 # carry it as a prefix, which `TracedModel` strips so names match `model.state_dict()`.
 _WRAPPED = "model"
 _MAX_SEQ = 32768
+
+
+def strip_wrapper(path: str) -> str:
+    """A module path of the exported wrapper (``model.model.layers.0``) as one in the model."""
+    prefix = _WRAPPED + "."
+    return path[len(prefix) :] if path.startswith(prefix) else path
 
 
 class LogitsOnly(torch.nn.Module):

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ctxc.passes.block_map import LinearSite, TailStep
+from ctxc.passes.block_map import LinearSite, MlpBlock, TailStep
 from ctxc.passes.update_rules import (
     ConditionError,
     ScaleMove,
@@ -32,6 +32,7 @@ __all__ = [
     "experts_output_move",
     "input_moves",
     "outer_move",
+    "output_reads",
     "scale_move",
 ]
 
@@ -212,3 +213,21 @@ def bank_delta(site: LinearSite, block: str, factors: ExpertFactors) -> Delta:
     v = torch.stack([F.pad(x, (0, r - x.shape[1])) for _, _, x in factors])  # [n, in, r]
     experts = tuple(e for e, _, _ in factors)
     return Delta(site.weight, block, u=u, v=v, layout=site.layout, experts=experts)
+
+
+def output_reads(block: MlpBlock) -> set[str]:
+    """The nodes whose values the output move reads at ``y``.
+
+    The reduced run keeps them as computed: later in-place ops may change them (Falcon adds the
+    attention output into the MLP output with ``add_``).
+    """
+    keep = {block.activation, block.control}
+    keep.update(s.side for s in block.tail if s.side is not None)
+    if block.norm is not None:
+        keep.add(block.norm.input)
+        if block.scale is not None and block.scale.normalized:
+            keep.add(block.scale.normalized)
+    if block.experts is not None:
+        assert block.outer.experts is not None
+        keep.update({block.experts.gate, block.experts.combine, block.outer.experts})
+    return keep

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ctxc.errors import SolveError
 from ctxc.passes.block_map import LinearSite, MlpBlock
+from ctxc.passes.graph_view import GraphView
 
-__all__ = ["UPDATE_RULES", "BlockPlan", "ParamMove", "plan"]
+__all__ = ["UPDATE_RULES", "BlockPlan", "ParamMove", "check_in_time", "plan"]
 
 # standard: the paper's rule (input move, then output move); stable: MATH.md 4 for scaled post
 # norms; output: no input move, the outer function absorbs the whole difference.
@@ -133,3 +135,33 @@ def _matrix(site: LinearSite, move: str, part: str) -> ParamMove:
 
 def _vector(param: str, part: str) -> ParamMove:
     return ParamMove(param, param.rsplit(".", 1)[0], "output", "vector", part, rank=0)
+
+
+def check_in_time(view: GraphView, block: MlpBlock, param: str, after: str) -> None:
+    """Check the graph reads ``param`` only after node ``after`` (else a patch comes late).
+
+    Args:
+        view: the graph.
+        block: the block whose move changes ``param``.
+        param: parameter name.
+        after: fx node name where the move is computed (the MLP input, or an expert bank's ids).
+
+    Raises:
+        SolveError: the graph reads ``param`` at or before ``after``.
+    """
+    node = view.param_node[param]
+    chain, stack = [], [node]  # the weight's casts and transposes, then their readers
+    while stack:
+        for u in stack.pop().users:
+            if u not in view.input_dependent and u not in chain:
+                chain.append(u)
+                stack.append(u)
+    readers = [u for d in [node, *chain] for u in d.users if u in view.input_dependent]
+    at = view.index[view.by_name[after]]
+    early = sorted((u for u in readers if view.index[u] <= at), key=view.index.__getitem__)
+    if early:
+        raise SolveError(
+            block.path,
+            f"the graph reads {param} (at {view.module_path(early[0]) or 'the model'}) "
+            "before the block computes its patch: the solver cannot patch it in time",
+        )

@@ -15,7 +15,6 @@ target is the full run's block output (self-correcting).
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.block_stats import BlockStats
 from ctxc.passes.delta_math import add_in_float32, at_alignment_of, lowrank_action
 from ctxc.passes.graph_view import GraphView
-from ctxc.passes.plan import UPDATE_RULES, BlockPlan, plan
+from ctxc.passes.plan import UPDATE_RULES, BlockPlan, check_in_time, plan
 from ctxc.passes.reduced_run import Action, ReducedRun
 from ctxc.passes.run_graph import FullRun
 from ctxc.passes.update_rules import ConditionError, ScaleMove
@@ -37,16 +36,6 @@ from ctxc.patch import Delta
 from ctxc.trace import TracedModel
 
 __all__ = ["UPDATE_RULES", "Solution", "solve"]
-
-# `ctxc generate` solves at every token: keep the graph's structural queries per exported graph.
-_VIEWS: weakref.WeakKeyDictionary[fx.GraphModule, GraphView] = weakref.WeakKeyDictionary()
-
-
-def _view_of(traced: TracedModel) -> GraphView:
-    view = _VIEWS.get(traced.graph_module)
-    if view is None:
-        view = _VIEWS[traced.graph_module] = GraphView(traced)
-    return view
 
 
 @dataclass(frozen=True)
@@ -69,41 +58,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
-def _kept_values(block: MlpBlock) -> set[str]:
-    """Nodes whose values the output move reads at ``y``, kept as computed (later in-place ops
-    may change them: Falcon adds the attention output into the MLP output with add_)."""
-    keep = {block.activation, block.control}
-    keep.update(s.side for s in block.tail if s.side is not None)
-    if block.norm is not None:
-        keep.add(block.norm.input)
-        if block.scale is not None and block.scale.normalized:
-            keep.add(block.scale.normalized)
-    if block.experts is not None:
-        assert block.outer.experts is not None
-        keep.update({block.experts.gate, block.experts.combine, block.outer.experts})
-    return keep
-
-
-def _check_read_order(view: GraphView, block: MlpBlock, param: str, after: str) -> None:
-    """Check the graph reads ``param`` only after node ``after`` (else a patch comes late)."""
-    node = view.param_node[param]
-    chain, stack = [], [node]  # the weight's casts and transposes, then their readers
-    while stack:
-        for u in stack.pop().users:
-            if u not in view.input_dependent and u not in chain:
-                chain.append(u)
-                stack.append(u)
-    readers = [u for d in [node, *chain] for u in d.users if u in view.input_dependent]
-    at = view.index[view.by_name[after]]
-    early = sorted((u for u in readers if view.index[u] <= at), key=view.index.__getitem__)
-    if early:
-        raise SolveError(
-            block.path,
-            f"the graph reads {param} (at {view.module_path(early[0]) or 'the model'}) "
-            "before the block computes its patch: the solver cannot patch it in time",
-        )
-
-
 class _Solver:
     """Drives one reduced run: each block's moves (:mod:`block_moves`), put in place in turn.
 
@@ -114,7 +68,7 @@ class _Solver:
         self, traced: TracedModel, full: FullRun, query_ids: torch.Tensor, apply: str, keep
     ) -> None:
         self.full, self.apply = full, apply
-        self.view = view = _view_of(traced)
+        self.view = view = GraphView.of(traced)
         self.param_node = view.param_node
         self.deltas: dict[str, Delta] = {}
         inputs = traced.placeholder_values(query_ids)
@@ -395,12 +349,13 @@ def solve(
     skip = skip or {}
     k = int(query_ids.shape[1])
     plans = [
-        _checked_plan(_view_of(traced), block, update, k)
+        _checked_plan(GraphView.of(traced), block, update, k)
         if i >= start_layer and block.path not in skip
         else None
         for i, block in enumerate(blocks.blocks)
     ]
-    keep = set().union(*(_kept_values(b) for b, p in zip(blocks.blocks, plans, strict=True) if p))
+    patched = [b for b, p in zip(blocks.blocks, plans, strict=True) if p is not None]
+    keep = set().union(*(moves.output_reads(b) for b in patched))
     solver = _Solver(traced, full, query_ids, apply, keep)
     stats = []
     with torch.no_grad():
@@ -430,7 +385,7 @@ def _checked_plan(view: GraphView, block: MlpBlock, update: str, k: int) -> Bloc
         )
     for move in todo.input_moves:
         assert move.site is not None
-        _check_read_order(view, block, move.param, move.site.experts or block.mlp_in)
+        check_in_time(view, block, move.param, move.site.experts or block.mlp_in)
     for move in todo.output_moves:
-        _check_read_order(view, block, move.param, block.mlp_in)
+        check_in_time(view, block, move.param, block.mlp_in)
     return todo
