@@ -65,7 +65,12 @@ class _Solver:
     """
 
     def __init__(
-        self, traced: TracedModel, full: FullRun, query_ids: torch.Tensor, apply: str, keep
+        self,
+        traced: TracedModel,
+        full: FullRun,
+        query_ids: torch.Tensor,
+        apply: str,
+        keep: set[str],
     ) -> None:
         self.full, self.apply = full, apply
         self.view = view = GraphView.of(traced)
@@ -79,6 +84,7 @@ class _Solver:
         return self.run.value(self.view.by_name[name])
 
     def advance_to(self, name: str) -> fx.Node:
+        """Run up to node ``name`` (included); the node."""
         node = self.view.by_name[name]
         self.run.advance_to(node)
         return node
