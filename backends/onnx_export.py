@@ -184,6 +184,9 @@ def export_program(
         with torch.no_grad(), warnings.catch_warnings():
             # Dims shared by several inputs (a patch factor pair's rank) draw one warning each.
             warnings.filterwarnings("ignore", message=r"# The axis name")
+            # An exported program's GraphModule reports training mode and refuses eval(); its
+            # graph was traced in eval mode (trace() sets it), so the flag changes nothing.
+            warnings.filterwarnings("ignore", message=r"Exporting a model while it is in training")
             return torch.onnx.export(
                 module,
                 args,

@@ -148,6 +148,19 @@ def _example(slots: tuple[Slot, ...], patch: Patch) -> list[torch.Tensor]:
     return out
 
 
+def _factor_dims(slots: tuple[Slot, ...]) -> tuple[dict, ...]:
+    """The dynamic shapes of the factor inputs: the rank of each pair, shared by u and v."""
+    dims: list[dict] = []
+    for i, slot in enumerate(slots):
+        if slot.kind == "vector":
+            dims.append({})
+        else:
+            rank = Dim(f"rank_{i}", min=1)
+            axis = 2 if slot.experts else 1  # [E, out, r] for a bank, else [out, r]
+            dims += [{axis: rank}, {axis: rank}]
+    return tuple(dims)
+
+
 def emit_onnx_patchable(
     model: torch.nn.Module,
     patch: Patch,
@@ -187,14 +200,6 @@ def emit_onnx_patchable(
     slots = slots_of(model, patch)
     ids = check_ids(patch)
     names = ["input_ids"] + [n for s in slots for n in s.inputs]
-    factor_dims: list[dict] = []
-    for i, slot in enumerate(slots):
-        if slot.kind == "vector":
-            factor_dims.append({})
-        else:
-            rank = Dim(f"rank_{i}", min=1)  # u and v of one parameter share their rank
-            axis = 2 if slot.experts else 1
-            factor_dims += [{axis: rank}, {axis: rank}]
     clock = time.perf_counter()
     with export_settings(model) as experts:
         if full is None:
@@ -203,7 +208,7 @@ def emit_onnx_patchable(
         program = export_program(
             _Patchable(model, slots).eval(),
             (ids[-1], *_example(slots, patch)),
-            ({1: seq_dim(model)}, tuple(factor_dims)),  # forward(input_ids, *factors)
+            ({1: seq_dim(model)}, _factor_dims(slots)),  # forward(input_ids, *factors)
             names,
             opset,
         )

@@ -25,16 +25,18 @@ from ctxc.backends.onnx_model import ONNX_FILE, emit_onnx
 from ctxc.backends.onnx_patchable import emit_onnx_patchable, patch_feeds
 from ctxc.patch import Patch
 
-# family -> bound on max |onnxruntime - torch patched|, ten times the measured figure (in the
-# comment; the largest over the query and two other lengths).
+# family -> bound on max |onnxruntime - torch patched|, about ten times the measured figure (in
+# the comment; the largest over the query and two other lengths).
 BAKED_ATOL = {
-    "llama": 2e-6,  # 1.3e-7
-    "gpt2": 5e-6,  # 4.8e-7 (Conv1D, layout in_out)
-    "gemma3": 1e-5,  # 7.5e-7 (post-norm scales)
-    "mixtral": 1e-6,  # 7.5e-8 (expert banks)
+    "llama": 1.5e-6,  # 1.2e-7
+    "gpt2": 7e-6,  # 7.2e-7 (Conv1D, layout in_out)
+    "gemma3": 7e-6,  # 7.2e-7 (post-norm scales)
+    "mixtral": 1e-6,  # 1.0e-7 (expert banks)
 }
-# Patched model vs the unpatched model fed context + query (the compile's own fidelity).
-FULL_CONTEXT_ATOL = 1e-4
+# family -> bound on max |onnxruntime on the query - unpatched torch on context + query|: the
+# above plus the compile's own error (torch patched vs full context: 4.5e-8 to 7.5e-8 for the
+# Llama patches here, 6e-8 for Mixtral, 1.2e-7 for the CLI's Gemma 3).
+FULL_CONTEXT_ATOL = {"llama": 2e-6, "mixtral": 2e-6, "gemma3": 1e-5}
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -163,8 +165,9 @@ def test_baked_onnx_runs_in_plain_onnxruntime_at_any_length(llama, baked) -> Non
     query = patch.meta.query_ids
     full = _full(model, patch)
     got = _run(session, query)
-    assert _max(got, full) <= FULL_CONTEXT_ATOL, _msg("onnxruntime vs full context", got, full)
-    assert abs(figures.fidelity.max_abs_logit_diff - _max(got, full)) <= 1e-6
+    tol = FULL_CONTEXT_ATOL["llama"]
+    assert _max(got, full) <= tol, _msg("onnxruntime vs full context", got, full)
+    assert abs(figures.fidelity.max_abs_logit_diff - _max(got, full)) <= 1e-7
     _assert_matches_patched(model, patch, path, figures, BAKED_ATOL["llama"])
 
 
@@ -238,7 +241,8 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     for what, patch in (("context A", patch_a), ("context B", patch_b)):
         got = _run(session, patch.meta.query_ids, patch_feeds(patch, session))
         full = _full(model, patch)
-        assert _max(got, full) <= 1e-4, _msg(f"{what}: patchable ONNX vs full context", got, full)
+        tol = FULL_CONTEXT_ATOL["llama"]
+        assert _max(got, full) <= tol, _msg(f"{what}: patchable ONNX vs full context", got, full)
 
     # The feeds of a saved patch are those of the patch, and an all-zero feed is the base model.
     saved = patch_b.save(tmp_path / "patch.safetensors")
@@ -248,7 +252,8 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     zeros = {k: np.zeros_like(v[:, :1] if v.ndim == 2 else v) for k, v in from_file.items()}
     x = _ids(8, 6)
     got, want = _run(session, x, zeros), _torch(model, x)
-    assert _max(got, want) <= 1e-5, _msg("zero patch vs unpatched model", got, want)
+    tol = BAKED_ATOL["llama"]
+    assert _max(got, want) <= tol, _msg("zero patch vs unpatched model", got, want)
 
     # A patch of fewer blocks fits: the blocks it leaves alone are fed zero deltas.
     ids = _ids(9, 20)
@@ -257,7 +262,8 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     assert len(feeds) == len(names) - 1
     got = _run(session, later.meta.query_ids, feeds)
     full = _full(model, later)
-    assert _max(got, full) <= 1e-4, _msg("start-layer-1 patch vs full context", got, full)
+    tol = FULL_CONTEXT_ATOL["llama"]
+    assert _max(got, full) <= tol, _msg("start-layer-1 patch vs full context", got, full)
 
     other = build("llama", seed=1)
     alien = ctxc.compile(other, context_ids=ids).patch
@@ -283,7 +289,8 @@ def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
     assert shapes[f"{first}::u"][0] == model.get_parameter(first).shape[0], "not the whole bank"
     got = _run(session, b.meta.query_ids, patch_feeds(b, session))
     full = _full(model, b)
-    assert _max(got, full) <= 1e-4, _msg("other experts' patch, patchable ONNX", got, full)
+    tol = FULL_CONTEXT_ATOL["mixtral"]
+    assert _max(got, full) <= tol, _msg("other experts' patch, patchable ONNX", got, full)
 
 
 @pytest.mark.slow
@@ -315,8 +322,9 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
     query, full_ids = report["query_ids"], report["context_ids"] + report["query_ids"]
     full = _torch(base, full_ids)[-1:]
     got = _run(_session(out / "model.onnx"), query)
-    assert _max(got, full) <= 1e-4, _msg("CLI model.onnx vs full context", got, full)
-    assert abs(report["onnx"]["fidelity"]["max_abs_logit_diff"] - _max(got, full)) <= 1e-6
+    tol = FULL_CONTEXT_ATOL["gemma3"]
+    assert _max(got, full) <= tol, _msg("CLI model.onnx vs full context", got, full)
+    assert abs(report["onnx"]["fidelity"]["max_abs_logit_diff"] - _max(got, full)) <= 1e-7
 
     exported = tmp_path / "exported"
     proc = cli(
@@ -333,4 +341,4 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
     assert json.loads((exported / "report.json").read_text())["onnx"]["patchable"] is True
     path = exported / "model.onnx"
     got = _run(_session(path), query, patch_feeds(out / "patch.safetensors", path))
-    assert _max(got, full) <= 1e-4, _msg("patchable export vs full context", got, full)
+    assert _max(got, full) <= tol, _msg("patchable export vs full context", got, full)
