@@ -35,9 +35,8 @@ __all__ = [
 # The bound on max |logits_onnxruntime - logits_torch_patched|, absolute. onnxruntime and torch
 # sum in other orders, and a patched model's post-norm gains amplify that (MATH.md 8). Gemma 3
 # 270M patched on examples/short.txt measures 1.0e-4 at the query and 2.1e-4 at 16 tokens
-# (logits up to 45), a tenth of the bound; the former relative bound (1e-4 times the largest
-# logit) allowed it 4.5e-3, and passes nothing this one refuses there. Tiny random models measure
-# 1e-7 to 7e-7.
+# (logits up to 45), a tenth of the bound (the former relative bound, 1e-4 times the largest
+# logit, allowed 4.5e-3 there). Tiny random models measure 1e-7 to 7e-7.
 ONNX_ATOL = 2e-3
 
 
