@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from ctxc.patch import Patch
-from ctxc.trace import _no_cache
+from ctxc.trace import no_cache
 
 __all__ = ["check_ids", "reference_logits", "torch_logits"]
 
@@ -40,7 +40,7 @@ def reference_logits(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
     """
     ids = torch.tensor([patch.meta.context_ids + patch.meta.query_ids])
     k = len(patch.meta.query_ids)
-    with _no_cache(model):
+    with no_cache(model):
         return torch_logits(model, [ids])[0][-k:]
 
 

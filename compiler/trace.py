@@ -18,12 +18,15 @@ from torch.export.graph_signature import InputKind
 
 from ctxc.errors import CtxcError
 
-__all__ = ["LogitsOnly", "TracedModel", "trace"]
+__all__ = ["MAX_SEQ", "WRAPPED", "LogitsOnly", "TracedModel", "no_cache", "trace"]
 
 # The wrapper holds the model under this attribute; parameter names in the graph signature
 # carry it as a prefix, which `TracedModel` strips so names match `model.state_dict()`.
 _WRAPPED = "model"
 _MAX_SEQ = 32768
+# Public names of the two above, for the passes and backends that need them.
+WRAPPED = _WRAPPED
+MAX_SEQ = _MAX_SEQ
 
 
 class LogitsOnly(torch.nn.Module):
@@ -103,6 +106,10 @@ def _no_cache(model: torch.nn.Module) -> Iterator[None]:
     finally:
         if config is not None:
             config.use_cache = old
+
+
+# Public name, for the backends that export or run the model the same way.
+no_cache = _no_cache
 
 
 def trace(model: torch.nn.Module, example_len: int = 8) -> TracedModel:
