@@ -10,6 +10,7 @@ graph. The renderers (text, JSON, HTML) take it from there.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 
@@ -94,11 +95,12 @@ def _block(b: MlpBlock, roles: Mapping[str, Role]) -> BlockInspection:
 
 def _shape(b: MlpBlock) -> str:
     """The block's shape in words: arrangement, norms, MLP kind, linears, gain."""
+    post = b.norm.module if b.norm is not None else None
     if b.trailing_norm:
         norms = "post-LN (norm after the residual add)"
-    elif b.pre_norm and b.norm:
+    elif b.pre_norm and post:
         norms = "sandwich norms"
-    elif b.norm:
+    elif post:
         norms = "post-sublayer norm"
     elif b.pre_norm:
         norms = "pre-norm"
@@ -142,17 +144,8 @@ def _parts_of(b: MlpBlock, roles: Mapping[str, Role]) -> tuple[Part, ...]:
     outer_kind = "expert_output_bank" if b.outer.experts else "outer_linear"
     parts.append(_site_part(b, roles, b.outer, outer_kind, OUTPUT_CONTROLLABLE))
     if b.outer.bias is not None:
-        bias = b.outer.bias
-        parts.append(
-            Part(
-                "outer_bias",
-                b.outer.module,
-                "bias",
-                OUTPUT_CONTROLLABLE,
-                bias,
-                patched_by_default=False,
-            )
-        )
+        bias = Part("outer_bias", b.outer.module, "bias", OUTPUT_CONTROLLABLE, b.outer.bias)
+        parts.append(replace(bias, patched_by_default=False))  # an alternative, never used
     parts += _norm_parts(b)
     if b.experts is not None:
         parts.append(_node_part(b, b.experts.gate, "gate"))
@@ -275,4 +268,5 @@ def _matrix(b: MlpBlock, site: LinearSite, move: str, top_k: int) -> PatchEntry:
 def _vector(b: MlpBlock, param: str) -> PatchEntry:
     shape = b.param_shape(param)
     module = param.rsplit(".", 1)[0]
-    return PatchEntry(param, module, "output", "vector", shape, shape[0] if shape else 0, None)
+    floats = shape[0] if shape else 0
+    return PatchEntry(param, module, "output", "vector", shape, floats, rank=None)
