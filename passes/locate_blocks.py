@@ -78,7 +78,9 @@ def locate_blocks(traced: TracedModel, view: GraphView | None = None) -> BlockMa
         if core.z.name not in covered and rejection not in rejections:
             rejections.append(rejection)
     head = _locate_head(view, sites)
-    if not blocks:  # say, per layer, where the search stopped
+    # Misses explain a model with no block at all. Beside located blocks they are no failure: a
+    # layer without an MLP needs no patch (the next block's target absorbs its difference).
+    if not blocks:
         if head is not None:  # the LM head is no candidate block
             misses.pop(view.by_name[head], None)
         rejections += _unexplained(list(misses.values()), rejections)
