@@ -304,20 +304,16 @@ class MlpBlock:
         """The shape of one of the block's parameters (``()`` for a name it does not hold)."""
         return dict(self.param_shapes).get(param, ())
 
-    @property
-    def patched_params(self) -> tuple[str, ...]:
-        """Parameter names the solver may change, inner first."""
-        names = [s.weight for s in self.inner] + [self.outer.weight]
-        if self.scale is not None:
-            names.append(self.scale.param)
-        if self.output_control == "bias" and self.norm is not None and self.norm.bias:
-            names.append(self.norm.bias)
-        return tuple(dict.fromkeys(names))
-
 
 @dataclass(frozen=True)
 class Rejection:
-    """A candidate block that admits no exact patch, and why (with the offending value)."""
+    """A candidate that admits no exact patch, and why (with the offending value).
+
+    Attributes:
+        where: module path of the candidate: an MLP whose tail cannot be inverted, or (when a
+            model has no block at all) a linear that is not the outer linear of an MLP.
+        reason: what fails, naming the op or the value.
+    """
 
     where: str
     reason: str
