@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxc import __version__
+from ctxc._version import __version__
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
 from ctxc.metrics import fidelity
