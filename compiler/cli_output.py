@@ -116,6 +116,7 @@ def output_folder(path: Path, force: bool, command: str) -> Iterator[Path]:
             entries = sorted(p.name for p in staging.iterdir())
             marker = {"written_by": f"ctxc {__version__}", "command": command, "entries": entries}
             (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+            _follow_umask(staging)
             if final.exists():
                 shutil.rmtree(final)
             staging.rename(final)
@@ -124,6 +125,21 @@ def output_folder(path: Path, force: bool, command: str) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
             _remove_parents(created)
         raise
+
+
+def _follow_umask(folder: Path) -> None:
+    """Give every file and folder under ``folder`` the modes the umask asks for.
+
+    Some writers ignore the umask (safetensors' ``save_file``, behind ``save_pretrained``,
+    creates 0600 files); the output is the user's, so it gets the user's usual modes.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, dirs, files in os.walk(folder):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~umask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~umask)
 
 
 def _missing_parents(folder: Path) -> list[Path]:
