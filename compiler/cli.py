@@ -258,6 +258,7 @@ def generate_cmd(
             "ctxc: generate.png skipped: matplotlib is not installed (pip install 'ctxc[plot]')",
             highlight=False,
             markup=False,
+            soft_wrap=True,
         )
     out.print(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
 
