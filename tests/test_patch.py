@@ -185,7 +185,7 @@ def test_patch_folder_is_accepted(compiled, tmp_path) -> None:
     result.patch.save(tmp_path / "patch.safetensors")
     assert ctxc.Patch.load(tmp_path).meta == result.patch.meta
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ctxc.CtxcError, match="holds no patch.safetensors"):
+    with pytest.raises(ctxc.CtxcError, match=r"holds no patch\.safetensors"):
         ctxc.Patch.load(tmp_path / "empty")
 
 
