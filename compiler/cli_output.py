@@ -102,6 +102,7 @@ def output_folder(path: Path, force: bool, command: str) -> Iterator[Path]:
     """
     final = check_out(path, force)
     created = _missing_parents(final.parent)
+    _clean_dead_staging(final)
     staging = final.parent / f".{final.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         with deferred_signals():
@@ -125,6 +126,26 @@ def output_folder(path: Path, force: bool, command: str) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
             _remove_parents(created)
         raise
+
+
+def _clean_dead_staging(final: Path) -> None:
+    """Remove staging folders for ``final`` left by runs that were killed (their pid is gone)."""
+    if not final.parent.is_dir():
+        return
+    for staging in final.parent.glob(f".{final.name}.partial-*"):
+        pid = staging.name.rsplit(".partial-", 1)[1].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _follow_umask(folder: Path) -> None:

@@ -225,3 +225,14 @@ def _metadata(path: Path) -> dict[str, str]:
 
     with safe_open(str(path), framework="pt") as f:
         return dict(f.metadata())
+
+
+def test_staging_of_a_killed_run_is_removed(cwd, capsys):
+    dead = cwd / ".out.partial-999999999-abcd"
+    live = cwd / f".out.partial-{os.getpid()}-abcd"
+    dead.mkdir()
+    live.mkdir()
+    args = ["compile", "--model", "no-such-model", "--context", "context.txt", "--out", "out"]
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines()[0].startswith("ctxc: error: unknown model")
+    assert not dead.exists() and live.exists()
