@@ -179,13 +179,30 @@ def export_cmd(
         net, tokenizer = load(model, patch.meta.dtype)
         patch.check(net)  # fingerprint and shapes, without applying
         pause_point("writing")
+        report: dict = {"patch": str(patch_file), "model": patch.meta.model}
+        full = None
         if "torch" in kinds:
-            emit_torch(net, tokenizer, patch, tmp)
-        figures = emit_checked(net, patch, tmp, kinds, patchable)
-        if figures:
-            report = {"patch": str(patch_file), "model": patch.meta.model}
-            report.update({kind: f.to_dict() for kind, f in figures.items()})
-            (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            from ctxc.backends.verify import reference_logits
+
+            with err.status("writing the model folder and reloading it"):
+                emit_torch(net, tokenizer, patch, tmp)
+                full = reference_logits(net, patch)
+                reloaded = reload_fidelity(tmp, patch, patch.meta.dtype, full)
+            report["torch"] = {
+                "emitted": reloaded.to_dict(),
+                "emitted_measured_on": "the folder reloaded with "
+                "AutoModelForCausalLM.from_pretrained",
+            }
+        figures = emit_checked(net, patch, tmp, kinds, patchable, full=full)
+        report.update({kind: f.to_dict() for kind, f in figures.items()})
+        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if "torch" in kinds:
+        out.print(
+            f"model folder, reloaded, fed the query alone: max |logit diff| "
+            f"{reloaded.max_abs_logit_diff:.3g}, top-1 "
+            f"{'match' if reloaded.top1_match else 'MISMATCH'}",
+            highlight=False,
+        )
     for f in figures.values():
         out.print(f.summary(), highlight=False)
     out.print(f"wrote {out_dir}/")

@@ -318,7 +318,7 @@ def _deltas(md: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, D
             deltas[name] = Delta(vector=tensors[keys[0]], **common)
         else:
             deltas[name] = Delta(u=tensors[keys[0]], v=tensors[keys[1]], **common)
-        check_factors(deltas[name])
+        check_factors(deltas[name], len(json.loads(md["query_ids"])))
     extra = sorted(set(tensors) - used)
     if extra:
         raise CtxcError(f"tensor {extra[0]!r} belongs to no listed delta")

@@ -25,8 +25,15 @@ def check_tensor(key: str, t: torch.Tensor) -> None:
         raise CtxcError(f"tensor {key!r} has {bad} non-finite value(s) (NaN or Inf)")
 
 
-def check_factors(d: Delta) -> None:
-    """Internal consistency of a delta's factors (without a model)."""
+def check_factors(d: Delta, query_tokens: int) -> None:
+    """Internal consistency of a delta's factors (without a model).
+
+    Args:
+        d: the delta.
+        query_tokens: the patch's query length. A solver's delta has rank at most the query
+            length per move (or the matrix's own bound, ``min(out, in)``); a larger rank is no
+            patch ctxc wrote.
+    """
     if d.vector is not None:
         if d.vector.dim() != 1:
             raise CtxcError(f"tensor '{d.param}::vector' has shape {list(d.vector.shape)}, not [d]")
@@ -41,7 +48,7 @@ def check_factors(d: Delta) -> None:
         )
     if d.experts and not (d.u.shape[0] == d.v.shape[0] == len(d.experts)):
         raise CtxcError(f"tensor '{d.param}::u' does not hold one factor per listed expert")
-    rank, bound = d.rank, min(d.u.shape[-2], d.v.shape[-2])
+    rank, bound = d.rank, max(min(d.u.shape[-2], d.v.shape[-2]), query_tokens)
     if not 1 <= rank <= bound:
         raise CtxcError(f"tensor '{d.param}::u' has rank {rank}, outside 1..{bound}")
 

@@ -212,6 +212,8 @@ def test_export_takes_a_compile_folder_as_patch(compiled, cwd, tiny_model_dir, c
     args = ["export", "--patch", str(compiled), "--model", str(tiny_model_dir), "--to", "torch"]
     assert main([*args, "--out", "exported"]) == 0
     assert (cwd / "exported" / "config.json").is_file()
+    report = json.loads((cwd / "exported" / "report.json").read_text())
+    assert report["torch"]["emitted"]["max_abs_logit_diff"] <= 1e-5, report["torch"]
     capsys.readouterr()
     (cwd / "empty").mkdir()
     assert main(["export", "--patch", "empty", "--to", "torch", "--out", "x"]) == 2

@@ -208,3 +208,18 @@ def test_positions_are_found_in_a_text_config() -> None:
     assert max_positions(multimodal) == (512, "max_position_embeddings")
     assert max_positions(SimpleNamespace(n_positions=1024)) == (1024, "n_positions")
     assert max_positions(SimpleNamespace()) is None
+
+
+def test_rank_past_its_bounds_is_refused(compiled, tmp_path) -> None:
+    _, result = compiled
+    path = result.patch.save(tmp_path / "patch.safetensors")
+    name = "model.layers.2.mlp.gate_proj.weight"
+
+    def inflate(tensors):  # hidden 64, intermediate 128, one query token: rank 65 is no patch
+        tensors[f"{name}::u"] = torch.zeros(128, 65)
+        tensors[f"{name}::v"] = torch.zeros(64, 65)
+
+    bad = _rewrite(path, tmp_path / "bad.safetensors", inflate)
+    with pytest.raises(ctxc.CtxcError) as info:
+        ctxc.Patch.load(bad)
+    assert str(info.value) == f"patch {bad}: tensor '{name}::u' has rank 65, outside 1..64"
