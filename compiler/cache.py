@@ -50,17 +50,19 @@ def partial_entry(parent: Path) -> Iterator[Path]:
     name = f"{PARTIAL_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
     lock = parent / f"{name}.lock"
     path = parent / name
-    with deferred_signals():  # the lock and its owner's pid must exist together
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, f"{os.getpid()}\n".encode())
+    fd = None
     try:
+        with deferred_signals():  # the lock and its owner's pid must exist together
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, f"{os.getpid()}\n".encode())
         yield path
     finally:
         with deferred_signals():
             _remove(path)
             lock.unlink(missing_ok=True)
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
 
 def clean_stale(parent: Path) -> list[str]:

@@ -104,28 +104,42 @@ def output_folder(path: Path, force: bool, command: str) -> Iterator[Path]:
     created = _missing_parents(final.parent)
     _clean_dead_staging(final)
     staging = final.parent / f".{final.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
-    try:
-        with deferred_signals():
-            final.parent.mkdir(parents=True, exist_ok=True)
-            staging.mkdir()  # os.mkdir's default 0o777 & ~umask, unlike tempfile's 0700
-    except OSError as exc:
-        _remove_parents(created)
-        raise CtxcError(f"cannot write the output folder {path}: {exc.strerror}") from None
-    try:
+    try:  # one handler: a signal held while creating is delivered inside it, and cleans up
+        try:
+            with deferred_signals():
+                final.parent.mkdir(parents=True, exist_ok=True)
+                staging.mkdir()  # os.mkdir's default 0o777 & ~umask, unlike tempfile's 0700
+        except OSError as exc:
+            raise CtxcError(f"cannot write the output folder {path}: {exc.strerror}") from None
         yield staging
         with deferred_signals():  # the swap must not stop half way
             entries = sorted(p.name for p in staging.iterdir())
             marker = {"written_by": f"ctxc {__version__}", "command": command, "entries": entries}
             (staging / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
             _follow_umask(staging)
-            if final.exists():
-                shutil.rmtree(final)
-            staging.rename(final)
+            _swap(staging, final)
     except BaseException:
         with deferred_signals():
             shutil.rmtree(staging, ignore_errors=True)
             _remove_parents(created)
         raise
+
+
+def _swap(staging: Path, final: Path) -> None:
+    """Move ``staging`` to ``final``; an earlier output there is set aside first, deleted after,
+    and put back should the move fail, so it is never lost before the new one is in place."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+        final.rename(old)
+    try:
+        staging.rename(final)
+    except BaseException:
+        if old is not None:
+            old.rename(final)
+        raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _clean_dead_staging(final: Path) -> None:
