@@ -103,3 +103,25 @@ def test_help_does_not_import_torch() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60
     )
     assert proc.stdout.splitlines()[-1] == "0 []", proc.stdout + proc.stderr
+
+
+EXTRAS = {
+    "onnx": (
+        ["compile", "--context", "c.txt", "--emit", "torch,onnx"],
+        "ctxc: error: ONNX export needs onnx: pip install 'ctxc[onnx]' "
+        "(onnx, onnxruntime, onnxscript)",
+    ),
+    "peft": (
+        ["export", "--patch", "p.safetensors", "--to", "peft", "--out", "x"],
+        "ctxc: error: the PEFT adapter needs peft: pip install 'ctxc[peft]'",
+    ),
+}
+
+
+@pytest.mark.parametrize("extra", sorted(EXTRAS))
+def test_missing_extra_is_one_line_before_any_work(extra, cwd, capsys, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, extra, None)  # as if the extra were not installed
+    args, first = EXTRAS[extra]
+    assert main(args) == 2
+    assert capsys.readouterr().err.splitlines() == [first]
+    assert sorted(p.name for p in cwd.iterdir()) == ["c.txt"]
