@@ -307,6 +307,7 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
     proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", "onnx,peft")
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
+        ".ctxc",
         "adapter",
         "model.onnx",
         "patch.safetensors",
