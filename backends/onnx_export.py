@@ -28,7 +28,6 @@ evaluates once when a session is created, so inference costs what a baked file c
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import re
 import warnings
 from collections.abc import Iterator, Sequence
@@ -37,6 +36,7 @@ import torch
 from torch.export import Dim
 from torch.func import functional_call
 
+from ctxc.backends import backend
 from ctxc.errors import CtxcError
 from ctxc.passes.insert_deltas import InsertResult, insert_deltas
 from ctxc.patch import Patch
@@ -60,12 +60,7 @@ EXPORTABLE_EXPERTS = "batched_mm"
 
 def require_onnx() -> None:
     """Raise a one-line CtxcError when the ONNX extras are not installed."""
-    missing = [m for m in ("onnx", "onnxruntime", "onnxscript") if not importlib.util.find_spec(m)]
-    if missing:
-        raise CtxcError(
-            f"ONNX export needs {', '.join(missing)}: pip install 'ctxc[onnx]' "
-            "(onnx, onnxruntime, onnxscript)"
-        )
+    backend("onnx").require()
 
 
 def experts_implementation(model: torch.nn.Module) -> str:

@@ -17,7 +17,6 @@ weights, which is the baked weight again. The figures give both.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ctxc.backends import backend
 from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
@@ -114,8 +114,7 @@ class PeftFigures:
 
 def require_peft() -> None:
     """Raise a one-line CtxcError when PEFT is not installed."""
-    if importlib.util.find_spec("peft") is None:
-        raise CtxcError("the PEFT adapter needs peft: pip install 'ctxc[peft]'")
+    backend("peft").require()
 
 
 def plan_adapter(model: torch.nn.Module, patch: Patch) -> AdapterPlan:

@@ -30,6 +30,7 @@ from ctxc.cli_support import (
     progress,
     read_context,
     reload_fidelity,
+    written,
 )
 from ctxc.errors import CtxcError
 from ctxc.interrupts import install_handlers, pause_point, received
@@ -146,9 +147,7 @@ def compile_cmd(
     out.print(report.summary())
     for f in figures.values():
         out.print(f.summary(), highlight=False)
-    written = {"torch": "model/", "onnx": "model.onnx", "peft": "adapter/"}
-    names = ["patch.safetensors", "report.json", *(written[k] for k in kinds)]
-    out.print(f"wrote {out_dir}/ ({', '.join(names)})")
+    out.print(f"wrote {out_dir}/ ({', '.join(written(kinds))})")
 
 
 @app.command("export")

@@ -14,7 +14,6 @@ from ctxc.errors import CtxcError
 from ctxc.interrupts import pause_point
 
 __all__ = [
-    "EMITTERS",
     "emit_checked",
     "err",
     "load",
@@ -23,12 +22,11 @@ __all__ = [
     "progress",
     "read_context",
     "reload_fidelity",
+    "written",
 ]
 
 err = Console(stderr=True)
 out = Console()
-
-EMITTERS = ("torch", "onnx", "peft")
 
 
 def read_context(path: Path) -> str:
@@ -49,24 +47,10 @@ def read_context(path: Path) -> str:
 
 
 def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
-    """The artefact kinds of a comma list; a CtxcError for an unknown one or a missing extra."""
-    kinds = [k.strip() for k in emit.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in EMITTERS]
-    if unknown or not kinds:
-        got = repr(unknown[0]) if unknown else "nothing"
-        raise CtxcError(
-            f"invalid value for '{flag}': {got}; expected a comma list of {', '.join(EMITTERS)}"
-        )
-    # Fail before loading a model when an optional backend is not installed.
-    if "onnx" in kinds:
-        from ctxc.backends.onnx_model import require_onnx
+    """The backend names of a comma list; a CtxcError for an unknown one or a missing extra."""
+    from ctxc.backends import parse_backends
 
-        require_onnx()
-    if "peft" in kinds:
-        from ctxc.backends.peft_adapter import require_peft
-
-        require_peft()
-    return kinds
+    return parse_backends(emit, flag)
 
 
 def progress() -> Progress:
@@ -105,34 +89,33 @@ def load(model: str | None, dtype: str):
 
 
 def emit_checked(net, patch, tmp: Path, kinds: list[str], patchable: bool = False, full=None):
-    """Write the ONNX and PEFT artefacts of ``kinds`` into ``tmp``; their figures by kind.
+    """Write the artefacts of ``kinds`` other than ``torch`` into ``tmp``; their figures by kind.
 
     Each emitter checks its artefact against the torch patched model and raises a CtxcError
     when the check fails, which removes the staging folder. ``full``: the full-context logits
     at the query positions when the caller has them (``ctxc compile`` does).
     """
-    figures: dict = {}
-    if "onnx" not in kinds and "peft" not in kinds:
-        return figures
-    if full is None:  # ctxc export: one full pass, shared by both emitters
+    from ctxc.backends import backend
+
+    checked = [backend(k) for k in kinds if k != "torch"]
+    if not checked:
+        return {}
+    if full is None:  # ctxc export: one full pass, shared by every emitter
         from ctxc.backends.verify import reference_logits
 
         full = reference_logits(net, patch)
-    if "onnx" in kinds:
-        if patchable:
-            from ctxc.backends.onnx_patchable import emit_onnx_patchable as emit_onnx
-        else:
-            from ctxc.backends.onnx_model import emit_onnx
-        with err.status("exporting model.onnx and checking it with onnxruntime"):
-            _, onnx_figures = emit_onnx(net, patch, tmp, full=full)
-        figures["onnx"] = onnx_figures
-    if "peft" in kinds:
-        from ctxc.backends.peft_adapter import emit_peft
-
-        with err.status("writing the PEFT adapter and checking it"):
-            _, peft_figures = emit_peft(net, patch, tmp, full=full)
-        figures["peft"] = peft_figures
+    figures: dict = {}
+    for b in checked:
+        with err.status(b.status):
+            _, figures[b.name] = b.load(patchable)(net, patch, tmp, full=full)
     return figures
+
+
+def written(kinds: list[str]) -> list[str]:
+    """What a ``ctxc compile`` with ``kinds`` writes, for its closing line."""
+    from ctxc.backends import backend
+
+    return ["patch.safetensors", "report.json", *(backend(k).writes for k in kinds)]
 
 
 def reload_fidelity(folder: Path, patch, dtype: str, full):
