@@ -303,11 +303,8 @@ def emit_peft(
     # safetensors, which alone moves Gemma 3 270M's logits by ~5e-5. So the merged adapter
     # is compared with the baked weights in the same memory, and must match them exactly.
     base = copy.deepcopy(model).eval()
-    patch.apply(base, check=False)
-    try:
+    with patch.applied(base, check=False):
         (baked,) = torch_logits(base, query)
-    finally:
-        patch.remove(base)
     loaded = PeftModel.from_pretrained(base, str(path)).eval()
     (as_loaded,) = torch_logits(loaded, query)
     merged_model = loaded.merge_and_unload()
