@@ -17,13 +17,13 @@ import onnxruntime as ort
 import pytest
 import torch
 import transformers as tf
-from tiny_models import MOE, VOCAB, build, build_any
+from helpers import diff_msg, full_logits, logits, max_diff, random_ids
+from tiny_models import MOE, build, build_any
 
 import ctxc
 from ctxc.backends.onnx_check import ONNX_ATOL, check_lengths
 from ctxc.backends.onnx_model import ONNX_FILE, emit_onnx
 from ctxc.backends.onnx_patchable import emit_onnx_patchable, patch_feeds
-from ctxc.patch import Patch
 
 # family -> bound on max |onnxruntime - torch patched|, about ten times the measured figure (in
 # the comment; the largest over the query and two other lengths).
@@ -39,20 +39,6 @@ BAKED_ATOL = {
 FULL_CONTEXT_ATOL = {"llama": 2e-6, "mixtral": 2e-6, "gemma3": 1e-5}
 
 
-def _ids(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (n,), generator=g).tolist()
-
-
-def _msg(what: str, got, want) -> str:
-    diff = (torch.as_tensor(got).double() - torch.as_tensor(want).double()).abs()
-    return f"{what}: max {float(diff.max()):.3g} mean {float(diff.mean()):.3g}"
-
-
-def _max(got, want) -> float:
-    return float((torch.as_tensor(got).double() - torch.as_tensor(want).double()).abs().max())
-
-
 def _session(path: Path) -> ort.InferenceSession:
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
@@ -60,18 +46,6 @@ def _session(path: Path) -> ort.InferenceSession:
 def _run(session: ort.InferenceSession, ids: list[int], feeds: dict | None = None) -> np.ndarray:
     out = session.run(["logits"], {**(feeds or {}), "input_ids": np.array([ids], np.int64)})
     return out[0][0]  # [n, vocab]
-
-
-def _torch(model: torch.nn.Module, ids: list[int], patch: Patch | None = None) -> torch.Tensor:
-    """The torch model (patched with ``Patch.apply`` when given) on ``ids``: [n, vocab]."""
-    if patch is not None:
-        patch.apply(model)
-    try:
-        with torch.no_grad():
-            return model(input_ids=torch.tensor([ids])).logits[0]
-    finally:
-        if patch is not None:
-            patch.remove(model)
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int, bytes]]:
@@ -93,10 +67,10 @@ def _assert_matches_patched(model, patch, path, figures, atol: float) -> None:
     """onnxruntime on ``path`` vs the torch model with ``patch.apply``, at three lengths."""
     session = _session(path)
     worst = 0.0
-    for ids in (patch.meta.query_ids, _ids(7, 3), _ids(8, 11)):
-        got, want = _run(session, ids), _torch(model, ids, patch)
-        worst = max(worst, _max(got, want))
-        assert _max(got, want) <= atol, _msg(
+    for ids in (patch.meta.query_ids, random_ids(7, 3), random_ids(8, 11)):
+        got, want = _run(session, ids), logits(model, ids, patch)
+        worst = max(worst, max_diff(got, want))
+        assert max_diff(got, want) <= atol, diff_msg(
             f"onnxruntime vs torch patched, {len(ids)} tokens", got, want
         )
     for check in figures.checks:
@@ -105,18 +79,12 @@ def _assert_matches_patched(model, patch, path, figures, atol: float) -> None:
     print(f"max |onnxruntime - torch patched| {worst:.3g}")
 
 
-def _full(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
-    """The unpatched model fed context + query, at the query positions: [k, vocab]."""
-    ids = patch.meta.context_ids + patch.meta.query_ids
-    return _torch(model, ids)[-len(patch.meta.query_ids) :]
-
-
 @pytest.fixture(scope="module")
 def llama():
     """A tiny Llama and two contexts' patches: a one-token query (rank 1), a two-token (rank 2)."""
     model = build("llama")
-    a = _ids(1, 24)
-    b = _ids(2, 17)
+    a = random_ids(1, 24)
+    b = random_ids(2, 17)
     patch_a = ctxc.compile(model, context_ids=a).patch
     patch_b = ctxc.compile(model, context_ids=b[:-2], query_ids=b[-2:]).patch
     return model, patch_a, patch_b
@@ -163,11 +131,11 @@ def test_baked_onnx_runs_in_plain_onnxruntime_at_any_length(llama, baked) -> Non
     assert isinstance(ids.shape[1], str), f"sequence length fixed at export: {ids.shape}"
     assert [o.name for o in session.get_outputs()] == ["logits"]
     query = patch.meta.query_ids
-    full = _full(model, patch)
+    full = full_logits(model, patch)
     got = _run(session, query)
     tol = FULL_CONTEXT_ATOL["llama"]
-    assert _max(got, full) <= tol, _msg("onnxruntime vs full context", got, full)
-    assert abs(figures.fidelity.max_abs_logit_diff - _max(got, full)) <= 1e-7
+    assert max_diff(got, full) <= tol, diff_msg("onnxruntime vs full context", got, full)
+    assert abs(figures.fidelity.max_abs_logit_diff - max_diff(got, full)) <= 1e-7
     _assert_matches_patched(model, patch, path, figures, BAKED_ATOL["llama"])
 
 
@@ -186,7 +154,7 @@ def test_baked_onnx_is_the_same_file_twice(llama, baked, tmp_path) -> None:
 def test_baked_onnx_of_each_shape_matches_torch_patched(family: str, tmp_path) -> None:
     """Conv1D (in_out), post-norm scales, MoE expert banks: baked, untouched model."""
     model = build(family) if family == "gemma3" else build_any(family)
-    patch = ctxc.compile(model, context_ids=_ids(3, 20)).patch
+    patch = ctxc.compile(model, context_ids=random_ids(3, 20)).patch
     if family in MOE:
         assert any(d.experts for d in patch.deltas.values()), "no expert-bank delta to test"
         # The model's own default: its grouped_mm custom op does not export.
@@ -208,7 +176,7 @@ def test_a_failed_check_is_one_line_error(llama, baked) -> None:
     path, _, _ = baked
     session = _session(path)
     x = torch.tensor([patch.meta.query_ids])
-    unpatched = _torch(model, patch.meta.query_ids)
+    unpatched = logits(model, patch.meta.query_ids)
 
     def run(ids: np.ndarray) -> np.ndarray:
         return session.run(["logits"], {"input_ids": ids})[0]
@@ -240,9 +208,11 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     # Two contexts' patches, the second of another rank, through the same file.
     for what, patch in (("context A", patch_a), ("context B", patch_b)):
         got = _run(session, patch.meta.query_ids, patch_feeds(patch, session))
-        full = _full(model, patch)
+        full = full_logits(model, patch)
         tol = FULL_CONTEXT_ATOL["llama"]
-        assert _max(got, full) <= tol, _msg(f"{what}: patchable ONNX vs full context", got, full)
+        assert max_diff(got, full) <= tol, diff_msg(
+            f"{what}: patchable ONNX vs full context", got, full
+        )
 
     # The feeds of a saved patch are those of the patch, and an all-zero feed is the base model.
     saved = patch_b.save(tmp_path / "patch.safetensors")
@@ -250,20 +220,20 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     for name, array in patch_feeds(patch_b, path).items():
         assert np.array_equal(array, from_file[name]), name
     zeros = {k: np.zeros_like(v[:, :1] if v.ndim == 2 else v) for k, v in from_file.items()}
-    x = _ids(8, 6)
-    got, want = _run(session, x, zeros), _torch(model, x)
+    x = random_ids(8, 6)
+    got, want = _run(session, x, zeros), logits(model, x)
     tol = BAKED_ATOL["llama"]
-    assert _max(got, want) <= tol, _msg("zero patch vs unpatched model", got, want)
+    assert max_diff(got, want) <= tol, diff_msg("zero patch vs unpatched model", got, want)
 
     # A patch of fewer blocks fits: the blocks it leaves alone are fed zero deltas.
-    ids = _ids(9, 20)
+    ids = random_ids(9, 20)
     later = ctxc.compile(model, context_ids=ids, start_layer=1).patch
     feeds = patch_feeds(later, session)
     assert len(feeds) == len(names) - 1
     got = _run(session, later.meta.query_ids, feeds)
-    full = _full(model, later)
+    full = full_logits(model, later)
     tol = FULL_CONTEXT_ATOL["llama"]
-    assert _max(got, full) <= tol, _msg("start-layer-1 patch vs full context", got, full)
+    assert max_diff(got, full) <= tol, diff_msg("start-layer-1 patch vs full context", got, full)
 
     other = build("llama", seed=1)
     alien = ctxc.compile(other, context_ids=ids).patch
@@ -274,8 +244,8 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
 @pytest.mark.slow
 def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
     model = build_any("mixtral")
-    a = ctxc.compile(model, context_ids=_ids(4, 20)).patch
-    b = ctxc.compile(model, context_ids=_ids(5, 13)).patch
+    a = ctxc.compile(model, context_ids=random_ids(4, 20)).patch
+    b = ctxc.compile(model, context_ids=random_ids(5, 13)).patch
     banks_a = {n: d.experts for n, d in a.deltas.items() if d.experts}
     banks_b = {n: d.experts for n, d in b.deltas.items() if d.experts}
     assert banks_a and banks_a != banks_b, "the test needs contexts that change other experts"
@@ -288,9 +258,9 @@ def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
     first = next(iter(banks_a))
     assert shapes[f"{first}::u"][0] == model.get_parameter(first).shape[0], "not the whole bank"
     got = _run(session, b.meta.query_ids, patch_feeds(b, session))
-    full = _full(model, b)
+    full = full_logits(model, b)
     tol = FULL_CONTEXT_ATOL["mixtral"]
-    assert _max(got, full) <= tol, _msg("other experts' patch, patchable ONNX", got, full)
+    assert max_diff(got, full) <= tol, diff_msg("other experts' patch, patchable ONNX", got, full)
 
 
 @pytest.mark.slow
@@ -321,11 +291,11 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
     base = tf.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     base.eval()
     query, full_ids = report["query_ids"], report["context_ids"] + report["query_ids"]
-    full = _torch(base, full_ids)[-1:]
+    full = logits(base, full_ids)[-1:]
     got = _run(_session(out / "model.onnx"), query)
     tol = FULL_CONTEXT_ATOL["gemma3"]
-    assert _max(got, full) <= tol, _msg("CLI model.onnx vs full context", got, full)
-    assert abs(report["onnx"]["fidelity"]["max_abs_logit_diff"] - _max(got, full)) <= 1e-7
+    assert max_diff(got, full) <= tol, diff_msg("CLI model.onnx vs full context", got, full)
+    assert abs(report["onnx"]["fidelity"]["max_abs_logit_diff"] - max_diff(got, full)) <= 1e-7
 
     exported = tmp_path / "exported"
     proc = cli(
@@ -342,4 +312,4 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
     assert json.loads((exported / "report.json").read_text())["onnx"]["patchable"] is True
     path = exported / "model.onnx"
     got = _run(_session(path), query, patch_feeds(out / "patch.safetensors", path))
-    assert _max(got, full) <= tol, _msg("patchable export vs full context", got, full)
+    assert max_diff(got, full) <= tol, diff_msg("patchable export vs full context", got, full)
