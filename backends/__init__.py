@@ -1,5 +1,107 @@
-"""Emitters: patched Transformers model, ONNX, PEFT adapter."""
+"""Emitters: patched Transformers model, ONNX, PEFT adapter; and the registry the CLI reads.
+
+The registry names each backend, what it writes and the extra that brings its dependencies,
+without importing them: ``ctxc --help`` and a usage error must not load torch or onnx.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+import importlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ctxc.errors import CtxcError
+
+__all__ = ["BACKENDS", "Backend", "backend", "parse_backends"]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One artefact kind of ``--emit`` / ``--to``.
+
+    Attributes:
+        name: the value on the command line.
+        writes: what it adds to a ``ctxc compile`` output folder.
+        status: the progress line while it runs.
+        emitter: ``"module:function"``, imported on first use. Every emitter but ``torch``
+            takes ``(model, patch, out_dir, full=logits)`` and returns ``(path, figures)``.
+        patchable: the same for ``--patchable``, when the backend has such a variant.
+        extra: the pip extra that brings ``requires`` (``None``: the plain install has them).
+        requires: import names the emitter needs.
+    """
+
+    name: str
+    writes: str
+    status: str
+    emitter: str
+    patchable: str | None = None
+    extra: str | None = None
+    requires: tuple[str, ...] = ()
+
+    def require(self, flag: str = "--emit") -> None:
+        """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            raise CtxcError(
+                f"{flag} {self.name} needs {', '.join(missing)}: pip install 'ctxc[{self.extra}]'"
+            )
+
+    def load(self, patchable: bool = False) -> Callable:
+        """The emitter function (the ``--patchable`` variant when asked and available)."""
+        target = self.patchable if patchable and self.patchable else self.emitter
+        module, function = target.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+BACKENDS: dict[str, Backend] = {
+    b.name: b
+    for b in (
+        Backend(
+            "torch",
+            writes="model/",
+            status="writing model/",
+            emitter="ctxc.backends.torch_model:emit_torch",
+        ),
+        Backend(
+            "onnx",
+            writes="model.onnx",
+            status="exporting model.onnx and checking it with onnxruntime",
+            emitter="ctxc.backends.onnx_model:emit_onnx",
+            patchable="ctxc.backends.onnx_patchable:emit_onnx_patchable",
+            extra="onnx",
+            requires=("onnx", "onnxruntime", "onnxscript"),
+        ),
+        Backend(
+            "peft",
+            writes="adapter/",
+            status="writing the PEFT adapter and checking it",
+            emitter="ctxc.backends.peft_adapter:emit_peft",
+            extra="peft",
+            requires=("peft",),
+        ),
+    )
+}
+
+
+def backend(name: str) -> Backend:
+    """The registered backend called ``name``."""
+    return BACKENDS[name]
+
+
+def parse_backends(spec: str, flag: str = "--emit") -> list[str]:
+    """The backend names of a comma list, checked: known, and their extras installed.
+
+    Raises:
+        CtxcError: an unknown or empty list, or a missing extra (before any model is loaded).
+    """
+    names = [k.strip() for k in spec.split(",") if k.strip()]
+    unknown = [k for k in names if k not in BACKENDS]
+    if unknown or not names:
+        got = repr(unknown[0]) if unknown else "nothing"
+        raise CtxcError(
+            f"invalid value for '{flag}': {got}; expected a comma list of {', '.join(BACKENDS)}"
+        )
+    for name in names:
+        BACKENDS[name].require(flag)
+    return names

@@ -11,6 +11,14 @@ patch (or its file) into the feed dict.
 A zero delta leaves a weight exactly as it was (``W.float() + 0`` rounds back to ``W``), so a
 parameter a patch does not touch is fed zeros (:func:`patch_feeds` with the model does that), and
 the all-zero feed is the unpatched model.
+
+Why not :func:`~ctxc.passes.insert_deltas.insert_deltas` with the factors as graph inputs: the
+pass works on an unlifted GraphModule, whose inputs are fixed by the pytree spec of the first
+export; adding inputs would mean rewriting that spec and the placeholders by hand. Here the
+wrapper's ``forward(input_ids, *factors)`` gives ``torch.export`` the inputs directly, and
+``functional_call`` substitutes the patched weights without writing into the model, so neither
+route modifies the model. The factor slots also differ from a patch's deltas (a whole expert bank,
+a dynamic rank), which the baked pass has no reason to know about.
 """
 
 from __future__ import annotations
@@ -25,19 +33,16 @@ import torch
 from torch.export import Dim
 from torch.func import functional_call
 
-from ctxc.backends.onnx_model import (
-    DEFAULT_RTOL,
-    ONNX_FILE,
-    OnnxFigures,
+from ctxc.backends.onnx_check import ONNX_ATOL, OnnxFigures, verify_export
+from ctxc.backends.onnx_export import (
     export_program,
     export_settings,
-    patch_metadata,
+    patched_logits,
     require_onnx,
-    save_program,
     seq_dim,
-    verify_export,
 )
-from ctxc.backends.verify import check_ids, reference_logits, torch_logits
+from ctxc.backends.onnx_files import ONNX_FILE, patch_metadata, save_program
+from ctxc.backends.verify import check_ids, reference_logits
 from ctxc.errors import CtxcError
 from ctxc.patch import Delta, Patch
 
@@ -143,6 +148,19 @@ def _example(slots: tuple[Slot, ...], patch: Patch) -> list[torch.Tensor]:
     return out
 
 
+def _factor_dims(slots: tuple[Slot, ...]) -> tuple[dict, ...]:
+    """The dynamic shapes of the factor inputs: the rank of each pair, shared by u and v."""
+    dims: list[dict] = []
+    for i, slot in enumerate(slots):
+        if slot.kind == "vector":
+            dims.append({})
+        else:
+            rank = Dim(f"rank_{i}", min=1)
+            axis = 2 if slot.experts else 1  # [E, out, r] for a bank, else [out, r]
+            dims += [{axis: rank}, {axis: rank}]
+    return tuple(dims)
+
+
 def emit_onnx_patchable(
     model: torch.nn.Module,
     patch: Patch,
@@ -151,14 +169,15 @@ def emit_onnx_patchable(
     full: torch.Tensor | None = None,
     opset: int | None = None,
     external_data: bool | None = None,
-    rtol: float = DEFAULT_RTOL,
+    atol: float = ONNX_ATOL,
 ) -> tuple[Path, OnnxFigures]:
     """Write ``out/model.onnx`` with the base weights baked and ``patch``'s slots as inputs.
 
     The slots (which parameters, factors or vector, layout) are ``patch``'s; any patch whose
     deltas lie within them can be fed (:func:`patch_feeds` fills the rest with zeros). ``model``
-    is not modified. The file is checked by onnxruntime, fed ``patch``, at the query's length and
-    at a longer one against the torch model with ``patch`` applied.
+    is not modified (its parameters are neither written nor replaced). The file is checked by
+    onnxruntime, fed ``patch``, at the query's length and at a longer one against the torch
+    patched model.
 
     Args:
         model: the model the patch was computed on.
@@ -167,7 +186,7 @@ def emit_onnx_patchable(
         full: the full-context logits at the query positions [k, vocab], if already computed.
         opset: the ONNX opset (default: the exporter's).
         external_data: force or forbid ``model.onnx.data`` (default: only past 2 GB).
-        rtol: the check's bound, relative to the largest logit.
+        atol: the check's absolute bound on ``max |logits_ort - logits_torch|``.
 
     Returns:
         the path of ``model.onnx`` and its :class:`OnnxFigures` (``patchable=True``).
@@ -181,22 +200,15 @@ def emit_onnx_patchable(
     slots = slots_of(model, patch)
     ids = check_ids(patch)
     names = ["input_ids"] + [n for s in slots for n in s.inputs]
-    factor_dims: list[dict] = []
-    for i, slot in enumerate(slots):
-        if slot.kind == "vector":
-            factor_dims.append({})
-        else:
-            rank = Dim(f"rank_{i}", min=1)  # u and v of one parameter share their rank
-            axis = 2 if slot.experts else 1
-            factor_dims += [{axis: rank}, {axis: rank}]
     clock = time.perf_counter()
     with export_settings(model) as experts:
         if full is None:
             full = reference_logits(model, patch)
+        expected = patched_logits(model, patch, ids)
         program = export_program(
             _Patchable(model, slots).eval(),
             (ids[-1], *_example(slots, patch)),
-            ({1: seq_dim(model)}, tuple(factor_dims)),  # forward(input_ids, *factors)
+            ({1: seq_dim(model)}, _factor_dims(slots)),  # forward(input_ids, *factors)
             names,
             opset,
         )
@@ -205,23 +217,21 @@ def emit_onnx_patchable(
         external = save_program(program, path, metadata, external_data)
         opset_used = int(program.model.opset_imports.get("", 0))
         del program
-        patch.apply(model, check=False)
-        try:
-            expected = torch_logits(model, ids)
-        finally:
-            patch.remove(model)
+    export = {
+        "patchable": True,
+        "opset": opset_used,
+        "external_data": external,
+        "experts": experts,
+        "export_seconds": time.perf_counter() - clock,
+    }
     figures = verify_export(
         path,
         ids,
         expected,
         full,
-        patchable=True,
         feeds=lambda session: patch_feeds(patch, session),
-        opset=opset_used,
-        external_data=external,
-        experts=experts,
-        export_seconds=time.perf_counter() - clock,
-        rtol=rtol,
+        export=export,
+        atol=atol,
     )
     return path, figures
 

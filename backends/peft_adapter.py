@@ -17,7 +17,6 @@ weights, which is the baked weight again. The figures give both.
 from __future__ import annotations
 
 import copy
-import importlib.util
 import re
 import time
 from collections import Counter
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ctxc.backends import backend
 from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
@@ -114,8 +114,7 @@ class PeftFigures:
 
 def require_peft() -> None:
     """Raise a one-line CtxcError when PEFT is not installed."""
-    if importlib.util.find_spec("peft") is None:
-        raise CtxcError("the PEFT adapter needs peft: pip install 'ctxc[peft]'")
+    backend("peft").require()
 
 
 def plan_adapter(model: torch.nn.Module, patch: Patch) -> AdapterPlan:
@@ -304,11 +303,8 @@ def emit_peft(
     # safetensors, which alone moves Gemma 3 270M's logits by ~5e-5. So the merged adapter
     # is compared with the baked weights in the same memory, and must match them exactly.
     base = copy.deepcopy(model).eval()
-    patch.apply(base, check=False)
-    try:
+    with patch.applied(base, check=False):
         (baked,) = torch_logits(base, query)
-    finally:
-        patch.remove(base)
     loaded = PeftModel.from_pretrained(base, str(path)).eval()
     (as_loaded,) = torch_logits(loaded, query)
     merged_model = loaded.merge_and_unload()

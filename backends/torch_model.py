@@ -29,13 +29,12 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
     use_cache = config.use_cache
-    patch.apply(model, check=False)
-    try:
-        config.use_cache = True  # ctxc turns the cache off for export; users generate with it
-        model.save_pretrained(str(out))
-    finally:
-        config.use_cache = use_cache
-        patch.remove(model)
+    with patch.applied(model, check=False):
+        try:
+            config.use_cache = True  # ctxc turns the cache off for export; users generate with it
+            model.save_pretrained(str(out))
+        finally:
+            config.use_cache = use_cache
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out

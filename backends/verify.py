@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
 from ctxc.patch import Patch
-from ctxc.trace import _no_cache
+from ctxc.trace import no_cache
 
-__all__ = ["check_ids", "reference_logits", "torch_logits"]
+__all__ = ["check_ids", "reference_logits", "reloaded_logits", "torch_logits"]
 
 # The second length an export is checked at (the exporter can fix a length silently).
 _SECOND_LENGTH = 16
@@ -40,7 +41,7 @@ def reference_logits(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
     """
     ids = torch.tensor([patch.meta.context_ids + patch.meta.query_ids])
     k = len(patch.meta.query_ids)
-    with _no_cache(model):
+    with no_cache(model):
         return torch_logits(model, [ids])[0][-k:]
 
 
@@ -57,3 +58,24 @@ def torch_logits(model: torch.nn.Module, ids: Sequence[torch.Tensor]) -> list[to
     device = next(model.parameters()).device
     with torch.no_grad():
         return [model(input_ids=x.to(device)).logits[0].float().cpu() for x in ids]
+
+
+def reloaded_logits(folder: Path, query_ids: list[int], dtype: str) -> torch.Tensor:
+    """A written model folder as a user loads it (plain ``from_pretrained``), fed the query.
+
+    The report's ``emitted`` figures come from here: a model loaded from disk can take other
+    kernel paths than the one patched in memory (see README, Backends), so only the reloaded
+    folder measures what a user gets.
+
+    Args:
+        folder: a Transformers model folder.
+        query_ids: the token ids to feed.
+        dtype: ``float32`` | ``bfloat16`` | ``float16``.
+
+    Returns:
+        float32 [k, vocab] on the CPU.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+    return torch_logits(model, [torch.tensor([query_ids])])[0]

@@ -77,7 +77,11 @@ def main() -> None:
             path, figs = emit_onnx(model, patch, Path(tmp), full=full)
             took = time.perf_counter() - clock
             got = _plain_ort(path, rep.query_ids)
-            checks = ", ".join(f"{c.max_abs_diff:.3g} at {c.length}" for c in figs.checks)
+            checks = ", ".join(
+                f"{c.max_abs_diff:.3g} (mean {c.mean_abs_diff:.3g}, {c.max_rel_diff:.3g} of "
+                f"max |logit| {c.max_abs_logit:.3g}) at {c.length}"
+                for c in figs.checks
+            )
             print(
                 _row(
                     "model.onnx, onnxruntime",
@@ -87,6 +91,7 @@ def main() -> None:
                 )
             )
             print(f"  {'':28} emitter check, onnxruntime vs torch patched: max {checks} tokens")
+            print(f"  {'':28} deltas inserted into the graph: {figs.deltas_inserted}")
         if args.patchable:
             with tempfile.TemporaryDirectory() as tmp:
                 path, figs = emit_onnx_patchable(model, patch, Path(tmp), full=full)

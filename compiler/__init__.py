@@ -4,17 +4,24 @@ import ctxc
 model, tokenizer = ctxc.load_model("gemma-3-270m")
 result = ctxc.compile(model, tokenizer, context="...")
 result.patch.apply(model)      # result.patch.remove(model) restores the weights exactly
+
+The names below load on first use, so ``import ctxc`` (and ``ctxc --help``) does not import
+torch or Transformers.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING
 
+from ctxc._version import __version__
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
-from ctxc.models import load_model
-from ctxc.patch import Delta, Patch, PatchMeta
-from ctxc.pipeline import CompileResult, compile
-from ctxc.report import CompileReport
+
+if TYPE_CHECKING:
+    from ctxc.models import load_model
+    from ctxc.patch import Delta, Patch, PatchMeta
+    from ctxc.pipeline import CompileResult, compile
+    from ctxc.report import CompileReport
 
 __all__ = [
     "CompileReport",
@@ -29,3 +36,28 @@ __all__ = [
     "compile",
     "load_model",
 ]
+
+# Public name -> the module that defines it, imported on first attribute access.
+_LAZY = {
+    "load_model": "ctxc.models",
+    "Delta": "ctxc.patch",
+    "Patch": "ctxc.patch",
+    "PatchMeta": "ctxc.patch",
+    "CompileResult": "ctxc.pipeline",
+    "compile": "ctxc.pipeline",
+    "CompileReport": "ctxc.report",
+}
+
+
+def __getattr__(name: str):
+    """Import the module that defines ``name`` on first use (PEP 562)."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ctxc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,26 +1,39 @@
 """The ``ctxc`` command line (DESIGN.md, CLI contract).
 
-Errors a user can cause print one line, ``ctxc: error: ...``, and exit 2, with no traceback and
-no partly written output folder (outputs go to a temporary folder that is renamed at the end).
+Exit codes: 0 success (``ctxc`` alone prints the help, as ``--help`` does: asking for help is
+no error); 2 a usage error or any other error a user can cause, printed as one line
+``ctxc: error: ...``; 1 an internal error (a bug: one line, ``CTXC_DEBUG=1`` for the
+traceback); 130 after Ctrl-C and 143 after SIGTERM (128 + the signal, as shells report it),
+printed as ``ctxc: interrupted``. No error leaves a partly written output folder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import shutil
 import sys
-import tempfile
-from contextlib import contextmanager
+import warnings
 from enum import Enum
 from pathlib import Path
 
-import click
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
+from ctxc._version import __version__
+from ctxc.cli_output import output_folder
+from ctxc.cli_support import (
+    emit_checked,
+    err,
+    load,
+    out,
+    parse_emit,
+    progress,
+    read_context,
+    reload_fidelity,
+    written,
+)
 from ctxc.errors import CtxcError
+from ctxc.interrupts import install_handlers, pause_point, received
 
 __all__ = ["app", "main"]
 
@@ -30,10 +43,6 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Compile a context into exact low-rank patches of a transformer's MLP weights.",
 )
-err = Console(stderr=True)
-out = Console()
-
-EMITTERS = ("torch", "onnx", "peft")
 
 
 class Update(str, Enum):
@@ -54,115 +63,19 @@ class Format(str, Enum):
     html = "html"
 
 
-def read_context(path: Path) -> str:
-    """The UTF-8 text of ``path``; a CtxcError for a missing, unreadable, empty or binary file."""
-    if not path.exists():
-        raise CtxcError(f"context file not found: {path}")
-    if not path.is_file():
-        raise CtxcError(f"context path is not a file: {path}")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CtxcError(f"context file is not UTF-8 text: {path} (byte {exc.start})") from None
-    except OSError as exc:
-        raise CtxcError(f"cannot read context file {path}: {exc.strerror}") from None
-    if not text.strip():
-        raise CtxcError(f"context file is empty: {path}")
-    return text
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"ctxc {__version__}", highlight=False)
+        raise typer.Exit(0)
 
 
-def _parse_emit(emit: str, flag: str = "--emit") -> list[str]:
-    kinds = [k.strip() for k in emit.split(",") if k.strip()]
-    unknown = [k for k in kinds if k not in EMITTERS]
-    if unknown:
-        raise CtxcError(
-            f"unknown {flag} value {unknown[0]!r}; expected one of {', '.join(EMITTERS)}"
-        )
-    # Fail before loading a model when an optional backend is not installed.
-    if "onnx" in kinds:
-        from ctxc.backends.onnx_model import require_onnx
-
-        require_onnx()
-    if "peft" in kinds:
-        from ctxc.backends.peft_adapter import require_peft
-
-        require_peft()
-    return kinds
-
-
-def _emit_checked(
-    net, patch, tmp: Path, kinds: list[str], patchable: bool = False, full=None
-) -> dict:
-    """Write the ONNX and PEFT artefacts of ``kinds`` into ``tmp``; their figures by kind.
-
-    Each emitter checks its artefact against the torch patched model and raises a CtxcError
-    when the check fails, which removes the staging folder. ``full``: the full-context logits
-    at the query positions when the caller has them (``ctxc compile`` does).
-    """
-    figures: dict = {}
-    if "onnx" not in kinds and "peft" not in kinds:
-        return figures
-    if full is None:  # ctxc export: one full pass, shared by both emitters
-        from ctxc.backends.verify import reference_logits
-
-        full = reference_logits(net, patch)
-    if "onnx" in kinds:
-        if patchable:
-            from ctxc.backends.onnx_patchable import emit_onnx_patchable as emit_onnx
-        else:
-            from ctxc.backends.onnx_model import emit_onnx
-        with err.status("exporting model.onnx and checking it with onnxruntime"):
-            _, onnx_figures = emit_onnx(net, patch, tmp, full=full)
-        figures["onnx"] = onnx_figures
-    if "peft" in kinds:
-        from ctxc.backends.peft_adapter import emit_peft
-
-        with err.status("writing the PEFT adapter and checking it"):
-            _, peft_figures = emit_peft(net, patch, tmp, full=full)
-        figures["peft"] = peft_figures
-    return figures
-
-
-def _check_out(path: Path, force: bool) -> None:
-    if path.exists() and not path.is_dir():
-        raise CtxcError(f"output path exists and is not a folder: {path}")
-    if path.is_dir() and any(path.iterdir()) and not force:
-        raise CtxcError(f"output folder {path} is not empty (use --force to replace it)")
-
-
-@contextmanager
-def _staging(final: Path):
-    """A temporary folder beside ``final``, renamed to it on success, removed on failure."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if final.exists():
-        shutil.rmtree(final)
-    tmp.rename(final)
-
-
-def _progress() -> Progress:
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not err.is_terminal,
-    )
-
-
-def _load(model: str | None, dtype: str):
-    import ctxc
-
-    with err.status(f"loading {model or ctxc.models.DEFAULT_MODEL} ({dtype})"):
-        return ctxc.load_model(model, dtype)
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """Compile a context into exact low-rank patches of a transformer's MLP weights."""
 
 
 @app.command("compile")
@@ -180,58 +93,68 @@ def compile_cmd(
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
     ),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
-    import ctxc
-    from ctxc.backends.torch_model import emit_torch
-
     text = read_context(context)
-    kinds = _parse_emit(emit)
-    _check_out(out_dir, force)
+    kinds = parse_emit(emit)
     if query is not None and not query.strip():
         raise CtxcError("the query is empty")
-    net, tokenizer = _load(model, dtype.value)
-    with _progress() as progress:
-        task = progress.add_task("compiling", total=None)
+    with output_folder(out_dir, force, "compile") as tmp:
+        import ctxc
+        from ctxc.backends.torch_model import emit_torch
 
-        def on_stage(name: str) -> None:
-            progress.update(task, description=name)
+        net, tokenizer = load(model, dtype.value)
+        with progress() as bar:
+            task = bar.add_task("compiling", total=None)
 
-        def on_block(done: int, total: int, path: str) -> None:
-            progress.update(task, completed=done, total=total, description=f"solving {path}")
+            def on_stage(name: str) -> None:
+                bar.update(task, description=name)
+                pause_point(name)
 
-        result = ctxc.compile(
-            net,
-            tokenizer,
-            context=text,
-            query=query,
-            update=update.value,
-            start_layer=start_layer,
-            skip_unpatchable=skip_unpatchable,
-            on_stage=on_stage,
-            on_block=on_block,
-        )
-    with _staging(out_dir) as tmp:
+            def on_block(done: int, total: int, path: str) -> None:
+                bar.update(task, completed=done, total=total, description=f"solving {path}")
+
+            result = ctxc.compile(
+                net,
+                tokenizer,
+                context=text,
+                query=query,
+                update=update.value,
+                start_layer=start_layer,
+                skip_unpatchable=skip_unpatchable,
+                on_stage=on_stage,
+                on_block=on_block,
+            )
         result.patch.save(tmp / "patch.safetensors")
+        pause_point("writing")
+        report = result.report
+        measured = "the patched model in memory (no model/ written)"
         if "torch" in kinds:
-            with err.status("writing model/"):
+            with err.status("writing model/ and reloading it"):
                 emit_torch(net, tokenizer, result.patch, tmp / "model")
-        figures = _emit_checked(net, result.patch, tmp, kinds, full=result.full_logits)
-        report = result.report.to_dict()
-        report.update({kind: f.to_dict() for kind, f in figures.items()})
-        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    out.print(result.report.summary())
+                reloaded = reload_fidelity(
+                    tmp / "model", result.patch, report.dtype, result.full_logits
+                )
+            report = dataclasses.replace(report, emitted=reloaded)
+            measured = "model/ reloaded with AutoModelForCausalLM.from_pretrained"
+        figures = emit_checked(net, result.patch, tmp, kinds, full=result.full_logits)
+        data = report.to_dict()
+        data["emitted_measured_on"] = measured
+        data["in_memory"] = result.report.emitted.to_dict()
+        data.update({kind: f.to_dict() for kind, f in figures.items()})
+        (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+    out.print(report.summary())
     for f in figures.values():
         out.print(f.summary(), highlight=False)
-    written = {"torch": "model/", "onnx": "model.onnx", "peft": "adapter/"}
-    names = ["patch.safetensors", "report.json", *(written[k] for k in kinds)]
-    out.print(f"wrote {out_dir}/ ({', '.join(names)})")
+    out.print(f"wrote {out_dir}/ ({', '.join(written(kinds))})")
 
 
 @app.command("export")
 def export_cmd(
-    patch_file: Path = typer.Option(..., "--patch", help="patch.safetensors from ctxc compile."),
+    patch_file: Path = typer.Option(
+        ..., "--patch", help="patch.safetensors from ctxc compile, or its folder."
+    ),
     model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
     to: str = typer.Option(
         "torch", "--to", help="Artefact: torch (the model folder), onnx (model.onnx), peft."
@@ -240,28 +163,45 @@ def export_cmd(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),
     out_dir: Path = typer.Option(..., "--out", help="Output folder."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
 ) -> None:
     """Emit an artefact from a saved patch."""
-    import ctxc
-    from ctxc.backends.torch_model import emit_torch
+    from ctxc.patch import Patch
 
-    kinds = _parse_emit(to, "--to")
+    kinds = parse_emit(to, "--to")
     if patchable and "onnx" not in kinds:
         raise CtxcError("--patchable applies to --to onnx")
-    _check_out(out_dir, force)
-    patch = ctxc.Patch.load(patch_file)
-    net, tokenizer = _load(model, patch.meta.dtype)
-    patch.apply(net)  # checks the fingerprint
-    patch.remove(net)
-    with _staging(out_dir) as tmp:
+    patch = Patch.load(patch_file)  # validated: finite values, factor shapes, ranks
+    with output_folder(out_dir, force, "export") as tmp:
+        from ctxc.backends.torch_model import emit_torch
+
+        net, tokenizer = load(model, patch.meta.dtype)
+        patch.check(net)  # fingerprint and shapes, without applying
+        pause_point("writing")
+        report: dict = {"patch": str(patch_file), "model": patch.meta.model}
+        full = None
         if "torch" in kinds:
-            emit_torch(net, tokenizer, patch, tmp)
-        figures = _emit_checked(net, patch, tmp, kinds, patchable)
-        if figures:
-            report = {"patch": str(patch_file), "model": patch.meta.model}
-            report.update({kind: f.to_dict() for kind, f in figures.items()})
-            (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+            from ctxc.backends.verify import reference_logits
+
+            with err.status("writing the model folder and reloading it"):
+                emit_torch(net, tokenizer, patch, tmp)
+                full = reference_logits(net, patch)
+                reloaded = reload_fidelity(tmp, patch, patch.meta.dtype, full)
+            report["torch"] = {
+                "emitted": reloaded.to_dict(),
+                "emitted_measured_on": "the folder reloaded with "
+                "AutoModelForCausalLM.from_pretrained",
+            }
+        figures = emit_checked(net, patch, tmp, kinds, patchable, full=full)
+        report.update({kind: f.to_dict() for kind, f in figures.items()})
+        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    if "torch" in kinds:
+        out.print(
+            f"model folder, reloaded, fed the query alone: max |logit diff| "
+            f"{reloaded.max_abs_logit_diff:.3g}, top-1 "
+            f"{'match' if reloaded.top1_match else 'MISMATCH'}",
+            highlight=False,
+        )
     for f in figures.values():
         out.print(f.summary(), highlight=False)
     out.print(f"wrote {out_dir}/")
@@ -276,9 +216,9 @@ def inspect_cmd(
 ) -> None:
     """Report every residual MLP block: its shape, parts and roles, what ctxc patches per
     update rule, or why a block cannot be patched."""
+    net, _ = load(model, "float32")
     from ctxc.inspect_model import inspect_model
 
-    net, _ = _load(model, "float32")
     info = inspect_model(net)
     if fmt is Format.text:
         out.print(info.to_text(), highlight=False, markup=False, soft_wrap=True)
@@ -295,31 +235,32 @@ def generate_cmd(
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
-    force: bool = typer.Option(False, "--force", help="Replace a non-empty output folder."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
 ) -> None:
     """The paper's protocol: recompile the patch at every token against greedy generation."""
-    from ctxc.generate import generate
-    from ctxc.generate_report import plot_steps, steps_table, write_json
-
     text = read_context(context)
     if max_new_tokens < 1:
         raise CtxcError("--max-new-tokens must be at least 1")
-    _check_out(out_dir, force)
-    net, tokenizer = _load(model, dtype.value)
-    ids = list(tokenizer(text).input_ids)
-    with _progress() as progress:
-        task = progress.add_task("generating", total=max_new_tokens)
-        result = generate(
-            net,
-            ids,
-            max_new_tokens,
-            update=update.value,
-            on_step=lambda s: progress.update(task, completed=s.step + 1),
-        )
-    with _staging(out_dir) as tmp:
+    with output_folder(out_dir, force, "generate") as tmp:
+        from ctxc.generate import generate
+        from ctxc.generate_report import plot_steps, steps_table, write_json
+        from ctxc.models import check_length
+
+        net, tokenizer = load(model, dtype.value)
+        ids = list(tokenizer(text).input_ids)
+        check_length(net, len(ids) + max_new_tokens, f"context + {max_new_tokens} new tokens")
+        with progress() as bar:
+            task = bar.add_task("generating", total=max_new_tokens)
+            result = generate(
+                net,
+                ids,
+                max_new_tokens,
+                update=update.value,
+                on_step=lambda s: bar.update(task, completed=s.step + 1),
+            )
         tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
         write_json(result, tmp / "generate.json", tokens)
-        plot_steps(result, tmp / "generate.png")
+        plotted = plot_steps(result, tmp / "generate.png")
     out.print(steps_table(result, tokenizer.decode))
     summary = result.to_dict()["summary"]
     out.print(
@@ -328,29 +269,48 @@ def generate_cmd(
         f"mean step {result.timings['steps'] / max(1, len(result.steps)):.3f} s "
         f"(targets from {result.targets_from})"
     )
-    out.print(f"wrote {out_dir}/ (generate.json, generate.png)")
+    if plotted is None:
+        err.print(
+            "ctxc: generate.png skipped: matplotlib is not installed (pip install 'ctxc[plot]')",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+    out.print(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point: runs the app, turns every user error into one line."""
-    _quiet_libraries()
+    """Console entry point: runs the app; every error becomes one line and an exit code.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        the exit status (see the module docstring).
+    """
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    restore = install_handlers()
     try:
-        app(args=argv, standalone_mode=False)
-    except click.exceptions.Exit as exc:
-        return int(exc.exit_code or 0)
-    except click.ClickException as exc:
-        err.print(f"ctxc: error: {exc.format_message()}", highlight=False, soft_wrap=True)
-        return 2
-    except click.exceptions.Abort:
-        err.print("ctxc: interrupted")
-        return 130
-    except CtxcError as exc:
-        err.print(f"ctxc: error: {exc}", highlight=False, soft_wrap=True, markup=False)
-        return 2
+        return _run(argv)
+    finally:
+        restore()
+
+
+def _run(argv: list[str] | None) -> int:
+    try:
+        rc = app(args=argv, standalone_mode=False, prog_name="ctxc")
     except KeyboardInterrupt:
-        err.print("ctxc: interrupted")
-        return 130
+        rc = 130
+    except CtxcError as exc:
+        return _error(str(exc))
     except Exception as exc:
+        if _is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
+            out.print(exc.format_message(), highlight=False, markup=False, soft_wrap=True)
+            return 0
+        if _is_click(exc, "ClickException"):
+            return _error(_usage_message(exc, sys.argv[1:] if argv is None else argv))
         if os.environ.get("CTXC_DEBUG"):
             raise
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -362,22 +322,56 @@ def main(argv: list[str] | None = None) -> int:
             markup=False,
         )
         return 1
-    return 0
+    if rc == 130:  # typer turns KeyboardInterrupt into Exit(130) and returns the code
+        err.print("ctxc: interrupted", highlight=False)
+        return 128 + received()
+    return int(rc or 0) if isinstance(rc, int) else 0
 
 
-def _quiet_libraries() -> None:
-    import logging
-    import warnings
+def _error(message: str) -> int:
+    err.print(f"ctxc: error: {message}", highlight=False, soft_wrap=True, markup=False)
+    return 2
 
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    warnings.filterwarnings("ignore")
-    # The ONNX exporter logs a warning per optional op library it does not find (torchvision).
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
+def _is_click(exc: BaseException, name: str) -> bool:
+    # Typer vendors its own click (typer._click), so `except click.ClickException` misses its
+    # exceptions; match the class by name through the hierarchy instead, for either click.
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
+
+
+def _usage_message(exc, argv: list[str]) -> str:
+    """Click's message as one line that names the option, its value and what it takes."""
+    message = " ".join(str(exc.format_message()).split()).rstrip(".")
+    head, sep, detail = message.partition("': ")
+    if message.startswith("Invalid value for") and sep:
+        # Typer validates through pydantic: drop its prefix, and say what the value was.
+        detail = detail.removeprefix("Value error, ")
+        opts = getattr(getattr(exc, "param", None), "opts", None) or []
+        raw = _raw_value(argv, opts)
+        if detail.startswith("Input should be a valid integer") and raw is not None:
+            detail = f"{raw!r} is not an integer"
+        elif detail.startswith("Input should be") and raw is not None:
+            detail = f"{raw!r}: {detail[:1].lower()}{detail[1:]}"
+        message = f"{head}{sep}{detail}"
+    elif message.startswith("Got unexpected extra argument"):
+        extra = message[message.rfind("(") + 1 :].rstrip(")")
+        message = f"unexpected argument {extra!r} (flags such as --force take no value)"
+    elif message.startswith("No such command"):
+        names = ", ".join(sorted(cmd.name or "" for cmd in app.registered_commands))
+        message = f"{message}; commands: {names}"
+    return message[:1].lower() + message[1:]
+
+
+def _raw_value(argv: list[str], opts: list[str]) -> str | None:
+    """The value given to one of ``opts`` on the command line (``--x v`` or ``--x=v``)."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in opts:
+            if eq:
+                return value
+            if i + 1 < len(argv):
+                return argv[i + 1]
+    return None
 
 
 if __name__ == "__main__":

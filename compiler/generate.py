@@ -71,7 +71,11 @@ class GenerateResult:
                 "steps": len(self.steps),
                 "top1_match_rate": self.match_rate,
                 "max_abs_logit_diff": max(diffs, default=0.0),
-                "mean_abs_logit_diff": sum(diffs) / max(1, len(diffs)),
+                # Every step compares one vocabulary row: the mean of the step means is the
+                # mean over all compared logits. The mean of the step maxima is named as such.
+                "mean_abs_logit_diff": sum(s.mean_abs_logit_diff for s in self.steps)
+                / max(1, len(self.steps)),
+                "mean_step_max_abs_logit_diff": sum(diffs) / max(1, len(diffs)),
                 "max_total_variation": max((s.total_variation for s in self.steps), default=0.0),
             },
             "timings": self.timings,

@@ -42,9 +42,16 @@ def steps_table(result: GenerateResult, decode=None) -> Table:
     return table
 
 
-def plot_steps(result: GenerateResult, path: Path) -> Path:
-    """A PNG of max |logit diff| and total variation per step, mismatches marked."""
-    import matplotlib
+def plot_steps(result: GenerateResult, path: Path) -> Path | None:
+    """A PNG of max |logit diff| and total variation per step, mismatches marked.
+
+    Returns:
+        ``path``, or ``None`` when matplotlib (the ``plot`` extra) is not installed.
+    """
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

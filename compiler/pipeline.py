@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxc import __version__
+from ctxc._version import __version__
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
 from ctxc.metrics import fidelity
+from ctxc.models import check_length
 from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
@@ -102,6 +103,7 @@ def compile(
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
+    check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
     stage = on_stage or (lambda _name: None)
     timings: dict[str, float] = {}
     clock = time.perf_counter()
@@ -137,6 +139,12 @@ def compile(
         (traced, blocks, full, query, update, start_layer, on_block, apply), skip_unpatchable
     )
     lap("solve")
+    if not solution.deltas:  # e.g. --skip-unpatchable with every block failing: never a no-op
+        left = [str(r) for r in (*blocks.rejections, *failed)]
+        raise UnpatchableError(
+            "no block was patched"
+            + (f": {'; '.join(left)}" if left else f" from start layer {start_layer}")
+        )
     control = run_logits(traced, query)
     lap("control_run")
 
@@ -195,12 +203,8 @@ _SKIP_HINT = " (--skip-unpatchable patches the other blocks)"
 
 def _run_patched(model: torch.nn.Module, patch: Patch, query: torch.Tensor) -> torch.Tensor:
     """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored."""
-    patch.apply(model, check=False)
-    try:
-        with torch.no_grad():
-            return model(input_ids=query).logits[0].float()
-    finally:
-        patch.remove(model)
+    with patch.applied(model, check=False), torch.no_grad():
+        return model(input_ids=query).logits[0].float()
 
 
 def _ids(tokenizer, context, query, context_ids, query_ids) -> tuple[list[int], list[int]]:

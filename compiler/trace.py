@@ -18,18 +18,15 @@ from torch.export.graph_signature import InputKind
 
 from ctxc.errors import CtxcError
 
-__all__ = ["LogitsOnly", "TracedModel", "strip_wrapper", "trace"]
+__all__ = ["MAX_SEQ", "WRAPPED", "LogitsOnly", "TracedModel", "no_cache", "trace"]
 
 # The wrapper holds the model under this attribute; parameter names in the graph signature
 # carry it as a prefix, which `TracedModel` strips so names match `model.state_dict()`.
 _WRAPPED = "model"
 _MAX_SEQ = 32768
-
-
-def strip_wrapper(path: str) -> str:
-    """A module path of the exported wrapper (``model.model.layers.0``) as one in the model."""
-    prefix = _WRAPPED + "."
-    return path[len(prefix) :] if path.startswith(prefix) else path
+# Public names of the two above, for the passes and backends that need them.
+WRAPPED = _WRAPPED
+MAX_SEQ = _MAX_SEQ
 
 
 class LogitsOnly(torch.nn.Module):
@@ -109,6 +106,10 @@ def _no_cache(model: torch.nn.Module) -> Iterator[None]:
     finally:
         if config is not None:
             config.use_cache = old
+
+
+# Public name, for the backends that export or run the model the same way.
+no_cache = _no_cache
 
 
 def trace(model: torch.nn.Module, example_len: int = 8) -> TracedModel:

@@ -6,17 +6,21 @@ solver, never part of a stable report (``ctxc inspect`` prints module paths and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from enum import Enum
 
 __all__ = [
     "BlockMap",
     "ExpertOutput",
     "LinearSite",
     "MlpBlock",
+    "NodeLabel",
     "NormSite",
     "Rejection",
     "ScaleSite",
+    "StepKind",
     "TailStep",
+    "Term",
 ]
 
 
@@ -99,6 +103,64 @@ class NormSite:
     bias_node: str | None = None
 
 
+class StepKind(str, Enum):
+    """What one op between the outer function's output and the residual add computes.
+
+    A ``str`` enum: a kind compares equal to its value (``step.kind == "add"``).
+
+    The first four are what the solver inverts after the control point (``MlpBlock.tail``); the
+    last four occur only while the locator walks the tail, and :meth:`TailStep.after_control`
+    turns them into one of the first four once the control point is chosen.
+
+    Members:
+        VIEW: identity in value: a cast, copy, dropout or row-keeping reshape.
+        ADD: ``x + side``, another term of the sum (a parallel attention output, a shared
+            expert, the residual itself at the block's add).
+        GAIN: ``x * factor``, a non-zero constant (Granite's residual multiplier; ``x / c``).
+        GATE: ``x * side``, ``side`` one number per row (a shared expert's sigmoid gate).
+        NORM: the normalised value of a post norm (fused: the norm node itself).
+        SCALE: the normalised value times the norm's trainable scale (``side`` the scale).
+        BIAS: plus the norm's trainable bias (``side`` the bias parameter).
+        COMBINE: an expert bank's weighted rows summed per token.
+    """
+
+    VIEW = "view"
+    ADD = "add"
+    GAIN = "gain"
+    GATE = "gate"
+    NORM = "norm"
+    SCALE = "scale"
+    BIAS = "bias"
+    COMBINE = "combine"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Term(str, Enum):
+    """What the other operand of an ``add`` step of a block's tail is (names as reports say)."""
+
+    BIAS = "bias"  # a parameter added as is
+    RESIDUAL = "residual"  # the residual stream, at the block's own add
+    OTHER = "other term"  # any other activation: an attention output, a shared expert
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class NodeLabel:
+    """A graph node as reports name it: stable across exports, unlike fx node names.
+
+    Attributes:
+        module: innermost module path of the node ("" for a parameter).
+        op: its op kind (``aten.linear``), or ``parameter`` for a parameter placeholder.
+    """
+
+    module: str
+    op: str
+
+
 @dataclass(frozen=True)
 class TailStep:
     """One op between the output-controlled value and the residual add, in graph order.
@@ -107,18 +169,37 @@ class TailStep:
     output-controlled part must produce.
 
     Attributes:
-        kind: ``view`` (identity: cast, copy, dropout, reshape), ``add`` (``x + side``),
-            ``gain`` (``x * factor``, a constant) or ``gate`` (``x * side``, ``side`` a per-row
-            activation such as a sigmoid gate).
+        kind: what the op computes (:class:`StepKind`).
         node: fx node the step computes.
-        side: fx node of the other operand (``add``, ``gate``).
+        side: fx node of the other operand (``add``, ``gate``, ``scale``, ``bias``).
         factor: the constant of a ``gain`` step.
+        origin: for ``add`` and ``gate`` steps of a block's tail, how reports name ``side``
+            (at the residual add: the tensor the residual carries through casts and reshapes).
+        term: for ``add`` steps of a block's tail, what ``side`` is.
+        mixes_tokens: for an ``other term``, whether it is computed from the residual input
+            through a token mixer (the attention output of a parallel block).
     """
 
-    kind: str
+    kind: StepKind
     node: str
     side: str | None = None
     factor: float = 1.0
+    origin: NodeLabel | None = None
+    term: Term | None = None
+    mixes_tokens: bool = False
+
+    def after_control(self) -> TailStep:
+        """This step as the solver sees it after the control point.
+
+        Returns:
+            a bias as one more addend, a norm, scale or combine marker as an identity, and any
+            other step unchanged.
+        """
+        if self.kind == StepKind.BIAS:
+            return TailStep(StepKind.ADD, self.node, side=self.side)
+        if self.kind in (StepKind.NORM, StepKind.SCALE, StepKind.COMBINE):
+            return TailStep(StepKind.VIEW, self.node)
+        return self
 
 
 @dataclass(frozen=True)
@@ -151,8 +232,6 @@ class MlpBlock:
         inner: the inner linears (gate and up; fc_in; the router and expert input banks).
         activation: fx node ``h``, the outer linear's input.
         outer: the outer linear (down projection; fc_out; the experts' output bank).
-        post_norm: module path of a norm between the outer linear and the add, or None.
-        scale: the post norm's trainable scale, if it has one.
         gain: product of the constant factors between the outer function and the add.
         output_control: ``linear`` (outer linear), ``scale`` (post-norm scale), ``bias``
             (post-norm bias) or ``experts`` (every active expert's output map, by gate sum).
@@ -170,6 +249,13 @@ class MlpBlock:
         stable_ok: the outer linear feeds the post norm directly, so the stable rule's
             linear move applies (MATH.md 4).
         routers: fx nodes of the inner linears whose outputs choose an MoE's experts.
+        fused_gate_up: the only inner linear besides routers and banks has its output split in
+            two (Phi-3's ``gate_up_proj``): a gated MLP with one fused projection.
+        gated_others: for each of ``others``, whether a per-row gate multiplies its output
+            before it is summed (Qwen2-MoE's sigmoid-gated shared expert).
+        labels: how reports name the block's own nodes, by fx node name (``residual_in``:
+            the tensor it carries through casts and reshapes); see :meth:`label`.
+        param_shapes: the shape of every parameter of the block's linears and post norm.
     """
 
     path: str
@@ -180,8 +266,6 @@ class MlpBlock:
     inner: tuple[LinearSite, ...]
     activation: str
     outer: LinearSite
-    post_norm: str | None = None
-    scale: ScaleSite | None = None
     gain: float = 1.0
     output_control: str = "linear"
     control: str = ""
@@ -194,21 +278,42 @@ class MlpBlock:
     trailing_norm: str | None = None
     stable_ok: bool = False
     routers: tuple[str, ...] = ()
+    fused_gate_up: bool = False
+    gated_others: tuple[bool, ...] = ()
+    labels: tuple[tuple[str, NodeLabel], ...] = ()
+    param_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     @property
-    def patched_params(self) -> tuple[str, ...]:
-        """Parameter names the solver may change, inner first."""
-        names = [s.weight for s in self.inner] + [self.outer.weight]
-        if self.scale is not None:
-            names.append(self.scale.param)
-        if self.output_control == "bias" and self.norm is not None and self.norm.bias:
-            names.append(self.norm.bias)
-        return tuple(dict.fromkeys(names))
+    def scale(self) -> ScaleSite | None:
+        """The post norm's trainable scale, if it has one."""
+        return self.norm.scale if self.norm is not None else None
+
+    def label(self, node: str) -> NodeLabel:
+        """How reports name the block's node ``node`` (one of its parts' fx nodes).
+
+        Args:
+            node: fx node name: ``residual_in``, ``mlp_in``, ``activation``,
+                ``residual_add``, or an expert gate or combine node.
+
+        Returns:
+            its :class:`NodeLabel`.
+        """
+        return dict(self.labels)[node]
+
+    def param_shape(self, param: str) -> tuple[int, ...]:
+        """The shape of one of the block's parameters (``()`` for a name it does not hold)."""
+        return dict(self.param_shapes).get(param, ())
 
 
 @dataclass(frozen=True)
 class Rejection:
-    """A candidate block that admits no exact patch, and why (with the offending value)."""
+    """A candidate that admits no exact patch, and why (with the offending value).
+
+    Attributes:
+        where: module path of the candidate: an MLP whose tail cannot be inverted, or (when a
+            model has no block at all) a linear that is not the outer linear of an MLP.
+        reason: what fails, naming the op or the value.
+    """
 
     where: str
     reason: str
@@ -226,12 +331,13 @@ class BlockMap:
         rejections: candidates that are not patchable, with reasons.
         head: fx node of the LM head linear, when only position-wise ops follow it (the full
             run then computes logits at the query positions only), else None.
+        head_module: module path of that linear, or None.
     """
 
     blocks: tuple[MlpBlock, ...]
     rejections: tuple[Rejection, ...] = ()
     head: str | None = None
-    notes: tuple[str, ...] = field(default=())
+    head_module: str | None = None
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -15,7 +15,7 @@ import sympy
 import torch
 from torch import fx
 
-from ctxc.trace import TracedModel, strip_wrapper
+from ctxc.trace import WRAPPED, TracedModel
 
 __all__ = ["ELEMENTWISE", "ROW_VIEWS", "TRANSPOSES", "VIEW_LIKE", "GraphView", "op_name"]
 
@@ -183,7 +183,8 @@ class GraphView:
         if not stack:
             return ""
         path = list(stack.values())[-1][0]
-        return strip_wrapper(path)
+        prefix = WRAPPED + "."
+        return path[len(prefix) :] if path.startswith(prefix) else path
 
     def module_type(self, node: fx.Node) -> str:
         stack = node.meta.get("nn_module_stack") or {}

@@ -3,14 +3,16 @@
 ``Patch.apply`` overwrites a model's weights; this pass instead leaves the weights alone and adds
 the delta factors to an unlifted ``GraphModule`` (``traced.program.module()``), with nodes that
 compute the patched weight from the original one where the graph reads it. The result is one
-self-contained module that computes the patched model (for a backend to export, say) while its
-base weights stay shared and untouched.
+self-contained module that computes the patched model (the ONNX backend exports it) while its
+base weights stay shared with the model and untouched.
 
 The inserted nodes compute exactly :meth:`Delta.materialize`, op for op::
 
     (W.to(float32) + mm(u, t(v)) [then t(), for layout "in_out"]).to(W.dtype)
     (W.to(float32) + vector).to(W.dtype)
+    w = W.to(float32); w[idx] = w[idx] + bmm(u, v.mT) [.mT for "in_out"]; w.to(W.dtype)
 
+(the last for a stacked MoE expert bank ``[E, out, in]``, ``idx`` the experts the delta changes),
 so the patched graph's outputs are bit for bit those of the model with ``patch.apply``.
 """
 
@@ -25,7 +27,7 @@ from torch import fx
 
 from ctxc.errors import CtxcError
 from ctxc.patch import Delta, Patch
-from ctxc.trace import _WRAPPED
+from ctxc.trace import WRAPPED
 
 __all__ = ["DELTA_PREFIX", "InsertResult", "ParamOf", "delta_attr_name", "insert_deltas"]
 
@@ -48,11 +50,17 @@ class InsertResult:
         gm: the GraphModule, mutated in place (the same object that was passed in).
         inserted: names of the patched parameters, in the patch's order.
         nodes_added: number of graph nodes added (``get_attr`` nodes of the factors included).
+        replaced: number of original parameters whose readers now read the patched value (one
+            per delta).
+        attrs_added: the attributes registered on ``gm``: the factors (``u``, ``v``, ``vector``)
+            as frozen parameters, an expert bank's indices (``experts``) as a buffer.
     """
 
     gm: fx.GraphModule
     inserted: tuple[str, ...]
     nodes_added: int
+    replaced: int = 0
+    attrs_added: tuple[str, ...] = ()
 
 
 def delta_attr_name(param: str, part: str) -> str:
@@ -60,7 +68,7 @@ def delta_attr_name(param: str, part: str) -> str:
 
     Args:
         param: parameter name (``model.layers.0.mlp.up_proj.weight``).
-        part: ``"u"``, ``"v"`` or ``"vector"``.
+        part: ``"u"``, ``"v"``, ``"vector"``, or ``"experts"`` (an expert bank's indices).
 
     Returns:
         e.g. ``ctxc_delta_model_layers_0_mlp_up_proj_weight_u`` (a plain identifier, so it is an
@@ -79,11 +87,12 @@ def insert_deltas(
 ) -> InsertResult:
     """Add ``patch``'s deltas to ``gm`` so that it computes the patched model.
 
-    This MUTATES ``gm``: for each patched parameter it registers the delta's factors (``u``, ``v``)
-    or vector as new frozen parameters named by :func:`delta_attr_name`, inserts nodes computing
+    This MUTATES ``gm`` and returns it inside the result: for each patched parameter it
+    registers the delta's factors (``u``, ``v``) or vector as new frozen parameters named by
+    :func:`delta_attr_name` (and an expert bank's indices as a buffer), inserts nodes computing
     :meth:`Delta.materialize` from the original weight just before the graph first reads it, and
-    makes every reader of the weight read the patched value instead. The original weights are
-    not modified. The graph is linted and the module recompiled.
+    makes every reader of the weight read the patched value instead. The original weights (the
+    model's own tensors) are not modified. The graph is linted and the module recompiled.
 
     Args:
         gm: an unlifted GraphModule, ``traced.program.module()``: parameters are ``get_attr``
@@ -94,7 +103,8 @@ def insert_deltas(
             export wrapper's ``model.`` prefix, which gives ``model.state_dict()`` names.
 
     Returns:
-        an :class:`InsertResult`: ``gm`` itself, the patched parameter names, the nodes added.
+        an :class:`InsertResult`: ``gm`` itself, the patched parameter names, the counts of
+        nodes added and parameters replaced, the attributes registered.
 
     Raises:
         CtxcError: a patched parameter is not in the graph, a delta's shape does not match its
@@ -124,6 +134,8 @@ def insert_deltas(
         _check(name, delta, weights[name], gm, taken)
 
     added = 0
+    replaced = 0
+    attrs_before = set(dict(gm.named_parameters())) | set(dict(gm.named_buffers()))
     for name, delta in patch.deltas.items():
         nodes = sources[name]
         users = [user for node in nodes for user in node.users]
@@ -138,10 +150,18 @@ def insert_deltas(
             for node in nodes:
                 user.replace_input_with(node, patched)
         added += len(new)
+        replaced += bool(users)
 
     graph.lint()
     gm.recompile()
-    return InsertResult(gm=gm, inserted=tuple(patch.deltas), nodes_added=added)
+    attrs = set(dict(gm.named_parameters())) | set(dict(gm.named_buffers()))
+    return InsertResult(
+        gm=gm,
+        inserted=tuple(patch.deltas),
+        nodes_added=added,
+        replaced=replaced,
+        attrs_added=tuple(sorted(attrs - attrs_before)),
+    )
 
 
 def _resolver(param_of_node: ParamOf | None) -> Callable[[fx.Node], str | None]:
@@ -156,7 +176,7 @@ def _resolver(param_of_node: ParamOf | None) -> Callable[[fx.Node], str | None]:
 def _strip_wrapper(node: fx.Node) -> str | None:
     # trace() exports a wrapper holding the model as `model`: strip it to get state_dict names.
     target = str(node.target)
-    prefix = _WRAPPED + "."
+    prefix = WRAPPED + "."
     return target[len(prefix) :] if target.startswith(prefix) else target
 
 
@@ -185,18 +205,11 @@ def _check(
     if "vector" in parts:
         shape = tuple(parts["vector"].shape)
     else:
-        u, v = parts["u"], parts["v"]
-        if u.dim() != 2 or v.dim() != 2 or u.shape[1] != v.shape[1]:
-            raise CtxcError(
-                f"delta of {name}: factors u {tuple(u.shape)} and v {tuple(v.shape)} are not "
-                "[out, r] and [in, r]"
-            )
-        out, inp = int(u.shape[0]), int(v.shape[0])
-        shape = (inp, out) if delta.layout == "in_out" else (out, inp)
+        shape = _factor_shape(name, delta, parts["u"], parts["v"], weight)
     # An exact check: a mismatched vector would otherwise broadcast silently.
     if shape != tuple(weight.shape):
         raise CtxcError(f"delta of {name} has shape {shape}, its parameter {tuple(weight.shape)}")
-    for part in parts:
+    for part in [*parts, *(["experts"] if delta.experts else [])]:
         attr = delta_attr_name(name, part)
         if hasattr(gm, attr):
             raise CtxcError(
@@ -206,6 +219,30 @@ def _check(
         if attr in taken:
             raise CtxcError(f"two patched parameters map to the same attribute {attr}")
         taken.add(attr)
+
+
+def _factor_shape(
+    name: str, delta: Delta, u: torch.Tensor, v: torch.Tensor, weight: torch.Tensor
+) -> tuple[int, ...]:
+    """The parameter shape ``u @ v.T`` (per expert, for a bank) implies, in its layout."""
+    bank = bool(delta.experts)
+    want = 3 if bank else 2
+    if u.dim() != want or v.dim() != want or u.shape[-1] != v.shape[-1]:
+        what = "[n, out, r] and [n, in, r]" if bank else "[out, r] and [in, r]"
+        raise CtxcError(
+            f"delta of {name}: factors u {tuple(u.shape)} and v {tuple(v.shape)} are not {what}"
+        )
+    out, inp = int(u.shape[-2]), int(v.shape[-2])
+    shape = (inp, out) if delta.layout == "in_out" else (out, inp)
+    if not bank:
+        return shape
+    n, size = len(delta.experts), int(weight.shape[0]) if weight.dim() == 3 else 0
+    if u.shape[0] != n or v.shape[0] != n or not all(0 <= e < size for e in delta.experts):
+        raise CtxcError(
+            f"delta of {name}: experts {list(delta.experts)} do not fit factors of {u.shape[0]} "
+            f"experts and a bank of {size}"
+        )
+    return (size, *shape)
 
 
 def _emit(
@@ -218,13 +255,16 @@ def _emit(
     fake_mode = getattr(source.meta.get("val"), "fake_mode", None)
     new: list[fx.Node] = []
 
-    def factor(part: str, value: torch.Tensor) -> fx.Node:
-        attr = delta_attr_name(name, part)
+    def attr(part: str, value: torch.Tensor) -> fx.Node:
+        target = delta_attr_name(name, part)
         # A copy on the weight's device: the module owns its deltas, later edits of the patch
         # do not leak in, and the to(copy=True) keeps strides, so products match bit for bit.
         tensor = value.detach().to(device=weight.device, copy=True)
-        gm.register_parameter(attr, torch.nn.Parameter(tensor, requires_grad=False))
-        node = graph.get_attr(attr)
+        if tensor.is_floating_point():
+            gm.register_parameter(target, torch.nn.Parameter(tensor, requires_grad=False))
+        else:
+            gm.register_buffer(target, tensor)
+        node = graph.get_attr(target)
         if fake_mode is not None:
             node.meta["val"] = fake_mode.from_tensor(tensor, static_shapes=True)
         new.append(node)
@@ -234,9 +274,7 @@ def _emit(
         node = graph.create_node("call_function", op, args, name=f"{base}_{suffix}")
         if fake_mode is not None:
             with fake_mode:
-                node.meta["val"] = op(
-                    *(a.meta["val"] if isinstance(a, fx.Node) else a for a in args)
-                )
+                node.meta["val"] = op(*fx.node.map_arg(args, lambda a: a.meta["val"]))
         new.append(node)
         return node
 
@@ -245,13 +283,27 @@ def _emit(
     parts = _parts(delta)
     w32 = call(aten.to.dtype, (source, torch.float32), "w32")
     if "vector" in parts:
-        dense = factor("vector", parts["vector"])
+        dense = attr("vector", parts["vector"])
+    elif delta.experts:
+        u, v = attr("u", parts["u"]), attr("v", parts["v"])
+        vt = call(aten.transpose.int, (v, -2, -1), "vt")
+        dense = call(aten.bmm.default, (u, vt), "dw")  # [n, out, in]: u @ v.mT
+        if delta.layout == "in_out":
+            dense = call(aten.transpose.int, (dense, -2, -1), "dwt")
     else:
-        u, v = factor("u", parts["u"]), factor("v", parts["v"])
+        u, v = attr("u", parts["u"]), attr("v", parts["v"])
         vt = call(aten.t.default, (v,), "vt")
         dense = call(aten.mm.default, (u, vt), "dw")  # [out, in]
         if delta.layout == "in_out":
             dense = call(aten.t.default, (dense,), "dwt")
-    summed = call(aten.add.Tensor, (w32, dense), "sum")
+    if delta.experts:
+        # w[idx] = w[idx] + dense, functionally: the listed experts change, the others keep
+        # their bits (adding zeros instead would turn a -0.0 weight into +0.0).
+        idx = attr("experts", torch.tensor(delta.experts, dtype=torch.long))
+        picked = call(aten.index.Tensor, (w32, [idx]), "picked")
+        summed = call(aten.add.Tensor, (picked, dense), "sum")
+        summed = call(aten.index_put.default, (w32, [idx], summed), "put")
+    else:
+        summed = call(aten.add.Tensor, (w32, dense), "sum")
     call(aten.to.dtype, (summed, weight.dtype), "patched")
     return new

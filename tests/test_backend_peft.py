@@ -6,26 +6,13 @@ import json
 
 import pytest
 import torch
+from helpers import diff_msg, full_logits, max_diff, random_ids
 from peft import PeftModel
-from tiny_models import VOCAB, build, build_any
+from tiny_models import build, build_any
 
 import ctxc
 from ctxc.backends.peft_adapter import ADAPTER_DIR, emit_peft, plan_adapter
 from ctxc.patch import Delta, Patch
-
-
-def _ids(seed: int, n: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(4, VOCAB, (n,), generator=g).tolist()
-
-
-def _msg(what: str, got: torch.Tensor, want: torch.Tensor) -> str:
-    diff = (got.double() - want.double()).abs()
-    return f"{what}: max {float(diff.max()):.3g} mean {float(diff.mean()):.3g}"
-
-
-def _max(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want.double()).abs().max())
 
 
 def _adapter_logits(family: str, adapter, query: list[int], merge: bool) -> torch.Tensor:
@@ -37,16 +24,10 @@ def _adapter_logits(family: str, adapter, query: list[int], merge: bool) -> torc
         return model(input_ids=torch.tensor([query])).logits[0].float()
 
 
-def _full(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
-    ids = patch.meta.context_ids + patch.meta.query_ids
-    with torch.no_grad():
-        return model(input_ids=torch.tensor([ids])).logits[0, -len(patch.meta.query_ids) :]
-
-
 def test_llama_adapter_is_plain_lora_and_reproduces_the_full_context(tmp_path) -> None:
     model = build("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    ids = _ids(1, 24)
+    ids = random_ids(1, 24)
     patch = ctxc.compile(model, context_ids=ids[:-3], query_ids=ids[-3:]).patch
     path, figures = emit_peft(model, patch, tmp_path)
 
@@ -58,11 +39,11 @@ def test_llama_adapter_is_plain_lora_and_reproduces_the_full_context(tmp_path) -
     assert not config["modules_to_save"] and not config["rank_pattern"]
     assert figures.lora_modules == len(modules) and figures.modules_to_save == ()
 
-    full = _full(model, patch)
+    full = full_logits(model, patch)
     for merge in (False, True):
         got = _adapter_logits("llama", path, patch.meta.query_ids, merge)
-        msg = _msg(f"llama adapter (merged={merge}) vs full context", got, full)
-        assert _max(got, full) <= 1e-4, msg
+        msg = diff_msg(f"llama adapter (merged={merge}) vs full context", got, full)
+        assert max_diff(got, full) <= 1e-4, msg
     assert figures.lora.max_abs_logit_diff <= 1e-4 and figures.lora.top1_match, figures
     assert figures.merged_vs_baked <= figures.tolerance
     changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
@@ -72,7 +53,7 @@ def test_llama_adapter_is_plain_lora_and_reproduces_the_full_context(tmp_path) -
 @pytest.mark.parametrize("update", ["standard", "stable"])
 def test_gemma3_norm_scales_go_to_modules_to_save(tmp_path, update: str) -> None:
     model = build("gemma3")
-    patch = ctxc.compile(model, context_ids=_ids(2, 20), update=update).patch
+    patch = ctxc.compile(model, context_ids=random_ids(2, 20), update=update).patch
     path, figures = emit_peft(model, patch, tmp_path)
 
     norms = sorted(n.rpartition(".")[0] for n, d in patch.deltas.items() if d.vector is not None)
@@ -81,21 +62,21 @@ def test_gemma3_norm_scales_go_to_modules_to_save(tmp_path, update: str) -> None
     assert sorted(config["modules_to_save"]) == norms
     assert "modules_to_save" in figures.note and "merge_and_unload" in figures.note
 
-    full = _full(model, patch)
+    full = full_logits(model, patch)
     merged = _adapter_logits("gemma3", path, patch.meta.query_ids, merge=True)
-    assert _max(merged, full) <= 1e-5, _msg("merged adapter vs full context", merged, full)
+    assert max_diff(merged, full) <= 1e-5, diff_msg("merged adapter vs full context", merged, full)
     # As loaded, LoRA adds B (A x) after W x: the post-norm scale change, solved against the
     # baked weights, amplifies that rounding. On these tiny models it stays far below 1e-4
     # (measured: ~3e-7 stable, ~1e-5 standard); the figure is in the report either way.
     loaded = _adapter_logits("gemma3", path, patch.meta.query_ids, merge=False)
-    msg = _msg(f"gemma3/{update} adapter as loaded vs full context", loaded, full)
-    assert _max(loaded, full) <= 1e-4, msg
-    assert abs(figures.lora.max_abs_logit_diff - _max(loaded, full)) <= 1e-6, (figures, msg)
+    msg = diff_msg(f"gemma3/{update} adapter as loaded vs full context", loaded, full)
+    assert max_diff(loaded, full) <= 1e-4, msg
+    assert abs(figures.lora.max_abs_logit_diff - max_diff(loaded, full)) <= 1e-6, (figures, msg)
 
 
 def test_mixed_ranks_and_vector_deltas_match_the_baked_model(tmp_path) -> None:
     model = build("llama")
-    ids = _ids(3, 20)
+    ids = random_ids(3, 20)
     patch = ctxc.compile(model, context_ids=ids[:-2], query_ids=ids[-2:]).patch
     deltas = dict(patch.deltas)
     first = next(iter(deltas))
@@ -122,13 +103,13 @@ def test_mixed_ranks_and_vector_deltas_match_the_baked_model(tmp_path) -> None:
         mixed.remove(model)
     for merge in (False, True):
         got = _adapter_logits("llama", path, mixed.meta.query_ids, merge)
-        msg = _msg(f"adapter (merged={merge}) vs baked model", got, baked)
-        assert _max(got, baked) <= 1e-5, msg
+        msg = diff_msg(f"adapter (merged={merge}) vs baked model", got, baked)
+        assert max_diff(got, baked) <= 1e-5, msg
 
 
 def test_moe_expert_banks_are_lora_parameters(tmp_path) -> None:
     model = build_any("mixtral")
-    patch = ctxc.compile(model, context_ids=_ids(4, 20)).patch
+    patch = ctxc.compile(model, context_ids=random_ids(4, 20)).patch
     path, figures = emit_peft(model, patch, tmp_path)
     banks = sorted(n for n, d in patch.deltas.items() if d.experts)
     config = json.loads((path / "adapter_config.json").read_text())
@@ -138,13 +119,13 @@ def test_moe_expert_banks_are_lora_parameters(tmp_path) -> None:
     loaded = PeftModel.from_pretrained(build_any("mixtral"), str(path)).eval()
     with torch.no_grad():
         got = loaded(input_ids=torch.tensor([patch.meta.query_ids])).logits[0]
-    full = _full(model, patch)
-    assert _max(got, full) <= 1e-5, _msg("MoE adapter as loaded vs full context", got, full)
+    full = full_logits(model, patch)
+    assert max_diff(got, full) <= 1e-5, diff_msg("MoE adapter as loaded vs full context", got, full)
 
 
 def test_a_patch_lora_cannot_hold_is_a_clear_error(tmp_path) -> None:
     model = build("gemma3")
-    patch = ctxc.compile(model, context_ids=_ids(5, 16)).patch
+    patch = ctxc.compile(model, context_ids=random_ids(5, 16)).patch
     norms = {n: d for n, d in patch.deltas.items() if d.vector is not None}
     with pytest.raises(ctxc.CtxcError, match="PEFT cannot hold this patch"):
         emit_peft(model, Patch(norms, patch.meta), tmp_path)

@@ -41,7 +41,8 @@ def test_compile_writes_patch_report_and_a_plain_transformers_model(tiny_model_d
         cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == ["model", "patch.safetensors", "report.json"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [".ctxc", "model", "patch.safetensors", "report.json"], names
     report = json.loads((out / "report.json").read_text())
     for key in (
         "context_ids",
@@ -102,9 +103,9 @@ def test_bad_input_gives_one_line_and_no_output(case, files, tmp_path):
     out = tmp_path / "out"
     proc = ctxc_cli("compile", *args, "--out", str(out), cwd=tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode != 0
+    assert proc.returncode == 2
     assert len(lines) == 1, proc.stderr
-    assert expected in lines[0], lines[0]
+    assert lines[0].startswith("ctxc: error: ") and expected in lines[0], lines[0]
     assert "Traceback" not in proc.stderr + proc.stdout
     assert not out.exists()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.partial")]
@@ -124,7 +125,11 @@ def test_non_empty_output_folder_is_kept(tiny_model_dir, files, tmp_path):
         str(out),
         cwd=tmp_path,
     )
-    assert proc.returncode != 0 and "not empty" in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[0] == (
+        f"ctxc: error: output folder {out} holds files ctxc did not write ('keep.txt'): "
+        "name another folder (--force replaces only an earlier ctxc output)"
+    )
     assert (out / "keep.txt").read_text() == "mine"
 
 

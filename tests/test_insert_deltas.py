@@ -1,9 +1,11 @@
 """Tests of ``insert_deltas``: a patch baked into the exported graph computes the patched model.
 
 Tiny random decoders are built from Transformers config classes (nothing is downloaded), with
-their norm weights randomised so that every part of the graph matters. The patches come from
-``ctxc.compile`` (plus hand-made ones for the branches compile does not produce here: the
-``in_out`` layout, vectors on a model without post norms, all-zero factors).
+their norm weights randomised so that every part of the graph matters: Llama (and in bfloat16),
+GPT-2 (Conv1D, layout ``in_out``), Gemma 3 (post-norm scale vectors) and Mixtral (stacked expert
+banks). The patches come from ``ctxc.compile`` (plus hand-made ones for the branches compile does
+not produce here: both layouts on one model, vectors on a model without post norms, all-zero
+factors).
 
 The unlifted module from ``program.module()`` shares its weight tensors with the model, so
 ``patch.apply(model)`` would also change the graph module's base weights: every test runs the
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import build
+from tiny_models import build_any
 from torch import fx
 
 import ctxc
@@ -30,12 +32,14 @@ CONTEXT = list(range(3, 15))
 FULL_CONTEXT_ATOL = 1e-5
 
 
-# name -> (factory, dtype, query ids). Gemma's post-FFN norm scale can match one query position
+# name -> (family, dtype, query ids). Gemma's post-FFN norm scale can match one query position
 # only, so its query is a single token; bfloat16 checks the final .to(W.dtype) rounding.
 ARCHS: dict[str, tuple[str, torch.dtype, list[int]]] = {
     "gemma3": ("gemma3", torch.float32, [20]),
+    "gpt2": ("gpt2", torch.float32, [20, 21, 22]),
     "llama": ("llama", torch.float32, [20, 21, 22]),
     "llama-bf16": ("llama", torch.bfloat16, [20, 21, 22]),
+    "mixtral": ("mixtral", torch.float32, [20, 21, 22]),
 }
 
 
@@ -51,7 +55,7 @@ class Case:
 @pytest.fixture(scope="module", params=sorted(ARCHS))
 def case(request: pytest.FixtureRequest) -> Case:
     family, dtype, query_ids = ARCHS[request.param]
-    model = build(family).to(dtype)  # seeded, random norm weights
+    model = build_any(family).to(dtype)  # seeded, random norm weights
     patch = ctxc.compile(model, context_ids=CONTEXT, query_ids=query_ids).patch
     traced, _ = traced_blocks(model)  # cached by compile: the same export
     query = torch.tensor([query_ids], dtype=torch.long)
@@ -83,12 +87,18 @@ def _factor_parts(delta: Delta) -> tuple[str, ...]:
     return ("vector",) if delta.vector is not None else ("u", "v")
 
 
+def _attrs(delta: Delta) -> tuple[str, ...]:
+    # An expert bank's delta also registers its expert indices (a buffer).
+    return _factor_parts(delta) + (("experts",) if delta.experts else ())
+
+
 def _expected_nodes(delta: Delta) -> int:
     # to(f32), add, to(dtype), plus the vector's get_attr; or the factors' two get_attrs, t, mm,
-    # and one more t for the in_out layout.
+    # and one more t for the in_out layout; an expert bank adds the indices' get_attr, index and
+    # index_put.
     if delta.vector is not None:
         return 4
-    return 7 + (delta.layout == "in_out")
+    return 7 + (delta.layout == "in_out") + 3 * bool(delta.experts)
 
 
 def _zero_patch(patch: Patch) -> Patch:
@@ -99,15 +109,25 @@ def _zero_patch(patch: Patch) -> Patch:
         else:
             assert d.u is not None and d.v is not None
             zu, zv = torch.zeros_like(d.u), torch.zeros_like(d.v)
-            deltas[name] = Delta(name, d.block, u=zu, v=zv, layout=d.layout)
+            deltas[name] = Delta(name, d.block, u=zu, v=zv, layout=d.layout, experts=d.experts)
     return Patch(deltas, patch.meta)
 
 
 def _random_patch(model: torch.nn.Module, patch: Patch, rank: int = 2) -> Patch:
-    """Random deltas on the patch's matrices, alternating layouts, and on every input norm."""
+    """Random deltas on the patch's matrices, alternating layouts, and on every input norm.
+
+    An expert bank keeps its layout and gets random factors on every expert but the first.
+    """
     gen = torch.Generator().manual_seed(1)
     deltas: dict[str, Delta] = {}
-    matrices = [n for n, d in patch.deltas.items() if d.vector is None]
+    banks = [n for n, d in patch.deltas.items() if d.experts]
+    for name in banks:
+        size, out, inp = model.get_parameter(name).shape
+        experts = tuple(range(1, size))
+        u = torch.randn(len(experts), out, rank, generator=gen) * 0.05
+        v = torch.randn(len(experts), inp, rank, generator=gen) * 0.05
+        deltas[name] = Delta(name, "", u=u, v=v, experts=experts)
+    matrices = [n for n, d in patch.deltas.items() if d.vector is None and not d.experts]
     for i, name in enumerate(matrices):
         out, inp = model.get_parameter(name).shape
         layout = "in_out" if i % 2 else "out_in"
@@ -134,14 +154,17 @@ def test_counts(case: Case) -> None:
     assert result.gm is gm
     assert result.inserted == tuple(deltas)
     assert len(result.inserted) == len(deltas) > 0
+    assert result.replaced == len(deltas), "one original parameter replaced per delta"
     added_params = set(dict(gm.named_parameters())) - set(params_before)
     expected_params = {
         delta_attr_name(n, part) for n, d in deltas.items() for part in _factor_parts(d)
     }
     assert added_params == expected_params
-    assert all(name.startswith(DELTA_PREFIX) for name in added_params)
+    expected_attrs = {delta_attr_name(n, part) for n, d in deltas.items() for part in _attrs(d)}
+    assert set(result.attrs_added) == expected_attrs
+    assert all(name.startswith(DELTA_PREFIX) for name in expected_attrs)
     get_attrs_after = sum(n.op == "get_attr" for n in gm.graph.nodes)
-    assert get_attrs_after - get_attrs_before == len(expected_params)
+    assert get_attrs_after - get_attrs_before == len(expected_attrs)
     assert result.nodes_added == sum(_expected_nodes(d) for d in deltas.values())
     assert len(gm.graph.nodes) - nodes_before == result.nodes_added
     # The base weights are the model's own tensors, untouched.
@@ -177,7 +200,10 @@ def test_matches_applied_patch_and_full_context(case: Case) -> None:
 
 def test_random_deltas_both_layouts_match_applied_patch(case: Case) -> None:
     patch = _random_patch(case.model, case.patch)
-    assert {d.layout for d in patch.deltas.values() if d.vector is None} == {"out_in", "in_out"}
+    assert {d.layout for d in patch.deltas.values() if d.u is not None and not d.experts} == {
+        "out_in",
+        "in_out",
+    }
     gm = case.traced.program.module()
     result = insert_deltas(gm, patch)
     assert result.nodes_added == sum(_expected_nodes(d) for d in patch.deltas.values())
@@ -210,6 +236,11 @@ def test_errors_leave_module_unchanged(case: Case) -> None:
     wrong = Patch({name: Delta(name, delta.block, vector=torch.zeros(1))}, case.patch.meta)
     with pytest.raises(CtxcError, match="shape"):
         insert_deltas(gm, wrong)
+    for bank, d in case.patch.deltas.items():
+        if d.experts:  # an expert outside the bank
+            outside = Delta(bank, d.block, u=d.u, v=d.v, experts=(99,) * len(d.experts))
+            with pytest.raises(CtxcError, match="do not fit"):
+                insert_deltas(gm, Patch({bank: outside}, case.patch.meta))
     assert gm.code == code
     assert not [n for n, _ in gm.named_parameters() if n.startswith(DELTA_PREFIX)]
     insert_deltas(gm, case.patch)

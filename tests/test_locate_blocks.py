@@ -1,12 +1,29 @@
-"""The locator and classifier on the families of the core compiler."""
+"""The locator and classifier: the families of the core compiler, each kind of linear site,
+and what the locator says when it finds no block."""
 
 from __future__ import annotations
 
-import pytest
-from tiny_models import FAMILIES, build
+from types import SimpleNamespace
 
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import FAMILIES, build
+from transformers.pytorch_utils import Conv1D
+
+import ctxc
+from ctxc.passes.block_map import LinearSite
 from ctxc.passes.classify import INPUT_CONTROLLABLE, OUTPUT_CONTROLLABLE, classify
+from ctxc.passes.graph_view import GraphView, op_name
 from ctxc.passes.locate_blocks import locate_blocks
+from ctxc.passes.match_linears import (
+    LINEAR_MATCHERS,
+    find_linear_sites,
+    match_conv1d,
+    match_expert_bank,
+    match_linear,
+    match_transposed_matmul,
+)
 from ctxc.trace import trace
 
 
@@ -38,3 +55,88 @@ def test_classify_roles() -> None:
     assert controls.count(INPUT_CONTROLLABLE) == 2 * n
     assert controls.count(OUTPUT_CONTROLLABLE) == 2 * n  # down_proj and the post-norm scale
     assert locate_blocks(trace(build("gemma3"))) == blocks  # pure and deterministic
+
+
+# -- one small traced module per kind of linear site --------------------------------------------
+
+
+class _Lm(torch.nn.Module):
+    """``input_ids -> logits`` around one layer, so ``trace`` exports it."""
+
+    def __init__(self, layer: torch.nn.Module, width: int = 8, vocab: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.layer = layer
+        self.head = torch.nn.Linear(width, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> SimpleNamespace:
+        return SimpleNamespace(logits=self.head(self.layer(self.embed(input_ids))))
+
+
+class _FalconLinear(torch.nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.T + self.bias
+
+
+class _Bank(torch.nn.Module):
+    """Two experts, every row routed to expert ``token % 2``: ``bmm(W[ids], x[..., None])``."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        ids = (rows[:, 0] > 0).long()
+        return torch.bmm(self.weight[ids], rows.unsqueeze(-1)).squeeze(-1).reshape(x.shape)
+
+
+def _sites(layer: torch.nn.Module) -> list[tuple[LinearSite, GraphView]]:
+    view = GraphView(trace(_Lm(layer)))
+    return [(s, view) for s in find_linear_sites(view).values() if s.module == "layer"]
+
+
+@pytest.mark.parametrize(
+    ("layer", "matcher", "op", "layout", "bias"),
+    [
+        (torch.nn.Linear(8, 8), match_linear, "aten.linear", "out_in", "layer.bias"),
+        (Conv1D(8, 8), match_conv1d, "aten.addmm", "in_out", "layer.bias"),
+        (_FalconLinear(8, 8), match_transposed_matmul, "aten.matmul", "out_in", "layer.bias"),
+        (_Bank(), match_expert_bank, "aten.bmm", "out_in", None),
+    ],
+    ids=["linear", "conv1d", "falcon", "expert_bank"],
+)
+def test_each_linear_matcher_finds_its_site(layer, matcher, op, layout, bias) -> None:
+    ((site, view),) = _sites(layer)
+    assert (site.weight, site.op, site.layout, site.bias) == ("layer.weight", op, layout, bias)
+    assert bool(site.experts) == (matcher is match_expert_bank)
+    product = next(n for n in view.nodes if op_name(n) == op)
+    assert [m for m in LINEAR_MATCHERS if m(view, product) is not None] == [matcher]
+
+
+# -- where the search stops when there is no block ------------------------------------------------
+
+
+class _Mixer(torch.nn.Module):
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.out = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return x + self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+def test_no_block_names_where_the_search_stopped_in_every_layer() -> None:
+    model = _Lm(torch.nn.Sequential(_Mixer(), _Mixer()))  # attention only: no MLP anywhere
+    blocks = locate_blocks(trace(model))
+    assert not blocks.blocks
+    where = [r.where for r in blocks.rejections]
+    assert where == ["layer.0.out", "layer.0.qkv", "layer.1.out", "layer.1.qkv"], where
+    reasons = {r.where: r.reason for r in blocks.rejections}
+    assert reasons["layer.0.qkv"].endswith("reached the model input, no linear")
+    assert "token mixer (aten.scaled_dot_product_attention in layer.0)" in reasons["layer.0.out"]
+    message = r"no residual MLP block found in this model: layer\.0\.out: .*; layer\.1\.qkv: "
+    with pytest.raises(ctxc.UnpatchableError, match=message):
+        ctxc.compile(model, context_ids=[1, 2, 3, 4], query_ids=[5])

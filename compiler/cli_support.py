@@ -1,0 +1,153 @@
+"""Helpers of the ``ctxc`` commands: input checks, model loading with progress, emitters.
+
+Nothing here imports torch or Transformers at module level: ``ctxc --help`` must stay fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from ctxc.errors import CtxcError
+from ctxc.interrupts import pause_point
+
+__all__ = [
+    "emit_checked",
+    "err",
+    "load",
+    "out",
+    "parse_emit",
+    "progress",
+    "read_context",
+    "reload_fidelity",
+    "written",
+]
+
+err = Console(stderr=True)
+out = Console()
+
+
+def read_context(path: Path) -> str:
+    """The UTF-8 text of ``path``; a CtxcError for a missing, unreadable, empty or binary file."""
+    if not path.exists():
+        raise CtxcError(f"context file not found: {path}")
+    if not path.is_file():
+        raise CtxcError(f"context path is not a file: {path}")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CtxcError(f"context file is not UTF-8 text: {path} (byte {exc.start})") from None
+    except OSError as exc:
+        raise CtxcError(f"cannot read context file {path}: {exc.strerror}") from None
+    if not text.strip():
+        raise CtxcError(f"context file is empty: {path}")
+    return text
+
+
+def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
+    """The backend names of a comma list; a CtxcError for an unknown one or a missing extra."""
+    from ctxc.backends import parse_backends
+
+    return parse_backends(emit, flag)
+
+
+def progress() -> Progress:
+    """A transient progress display on stderr (silent when stderr is not a terminal)."""
+    return Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+        disable=not err.is_terminal,
+    )
+
+
+def load(model: str | None, dtype: str):
+    """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
+
+    Returns:
+        ``(model, tokenizer)``.
+    """
+    _quiet_libraries()
+    from ctxc.models import DEFAULT_MODEL, load_model
+
+    name = model or DEFAULT_MODEL
+    pause_point("loading")
+    with err.status(f"loading {name} ({dtype})") as status:
+
+        def on_stage(line: str) -> None:
+            # Conversion steps take minutes: keep each as a line, not only in the spinner.
+            err.print(f"ctxc: {line}", highlight=False, soft_wrap=True, markup=False)
+            status.update(line)
+
+        return load_model(model, dtype, on_stage=on_stage)
+
+
+def emit_checked(net, patch, tmp: Path, kinds: list[str], patchable: bool = False, full=None):
+    """Write the artefacts of ``kinds`` other than ``torch`` into ``tmp``; their figures by kind.
+
+    Each emitter checks its artefact against the torch patched model and raises a CtxcError
+    when the check fails, which removes the staging folder. ``full``: the full-context logits
+    at the query positions when the caller has them (``ctxc compile`` does).
+    """
+    from ctxc.backends import backend
+
+    checked = [backend(k) for k in kinds if k != "torch"]
+    if not checked:
+        return {}
+    if full is None:  # ctxc export: one full pass, shared by every emitter
+        from ctxc.backends.verify import reference_logits
+
+        full = reference_logits(net, patch)
+    figures: dict = {}
+    for b in checked:
+        with err.status(b.status):
+            _, figures[b.name] = b.load(patchable)(net, patch, tmp, full=full)
+    return figures
+
+
+def written(kinds: list[str]) -> list[str]:
+    """What a ``ctxc compile`` with ``kinds`` writes, for its closing line."""
+    from ctxc.backends import backend
+
+    return ["patch.safetensors", "report.json", *(backend(k).writes for k in kinds)]
+
+
+def reload_fidelity(folder: Path, patch, dtype: str, full):
+    """The written model folder, reloaded by plain Transformers and fed the query alone.
+
+    Args:
+        folder: the emitted ``model/``.
+        patch: its query ids are fed.
+        dtype: the model dtype name.
+        full: the full-context logits at the query positions [k, vocab].
+
+    Returns:
+        the :class:`~ctxc.metrics.Fidelity` of the reloaded model against ``full``.
+
+    Raises:
+        CtxcError: the reloaded model gives non-finite logits.
+    """
+    from ctxc.backends.verify import reloaded_logits
+    from ctxc.metrics import fidelity
+
+    logits = reloaded_logits(folder, patch.meta.query_ids, dtype)
+    if not bool(logits.isfinite().all()):
+        raise CtxcError("the written model gives non-finite logits: nothing was written")
+    return fidelity(logits.to(full.device), full)
+
+
+def _quiet_libraries() -> None:
+    import logging
+
+    # The ONNX exporter logs a warning per optional op library it does not find (torchvision).
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()

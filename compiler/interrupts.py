@@ -1,0 +1,69 @@
+"""Signals: SIGTERM as an interrupt, cleanup that a second Ctrl-C cannot cut short, test pauses.
+
+Kept free of torch and Transformers imports: the CLI installs it before anything heavy loads.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+__all__ = ["deferred_signals", "install_handlers", "pause_point", "received"]
+
+_RECEIVED: list[int] = []
+
+
+def install_handlers() -> Callable[[], None]:
+    """Make SIGTERM raise KeyboardInterrupt like SIGINT, so both take the same cleanup path.
+
+    Returns:
+        a function that restores the previous handlers (``main`` may run inside a test).
+    """
+    _RECEIVED.clear()
+    old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+    def on_signal(signum: int, _frame) -> None:
+        _RECEIVED.append(signum)
+        raise KeyboardInterrupt
+
+    for sig in old:
+        signal.signal(sig, on_signal)
+
+    def restore() -> None:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+    return restore
+
+
+def received() -> int:
+    """The first signal the handlers saw (``SIGINT`` when none was recorded)."""
+    return _RECEIVED[0] if _RECEIVED else int(signal.SIGINT)
+
+
+@contextmanager
+def deferred_signals() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the body (a cleanup); they are delivered when it ends."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def pause_point(stage: str) -> None:
+    """Test hook: with ``CTXC_TEST_PAUSE_AT=stage``, say so on stderr and wait to be signalled.
+
+    The interrupt tests use it to send SIGINT at a known stage (loading, converting, solving,
+    writing) instead of guessing with timers.
+    """
+    if os.environ.get("CTXC_TEST_PAUSE_AT") != stage:
+        return
+    sys.stderr.write(f"ctxc-test: paused at {stage}\n")
+    sys.stderr.flush()
+    time.sleep(120)

@@ -1,0 +1,42 @@
+"""What the tests share: random token ids, logits of a (patched) model, difference figures."""
+
+from __future__ import annotations
+
+import torch
+from tiny_models import VOCAB
+
+from ctxc.patch import Patch
+
+__all__ = ["diff_msg", "full_logits", "logits", "max_diff", "random_ids"]
+
+
+def random_ids(seed: int, n: int, vocab: int = VOCAB) -> list[int]:
+    """``n`` seeded token ids in ``[4, vocab)`` (below 4: the tiny tokenizer's specials)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(4, vocab, (n,), generator=g).tolist()
+
+
+def max_diff(got, want) -> float:
+    """max |got - want| in float64 (tensors or arrays)."""
+    return float((torch.as_tensor(got).double() - torch.as_tensor(want).double()).abs().max())
+
+
+def diff_msg(what: str, got, want) -> str:
+    """``what: max M mean A`` for an assertion message."""
+    diff = (torch.as_tensor(got).double() - torch.as_tensor(want).double()).abs()
+    return f"{what}: max {float(diff.max()):.3g} mean {float(diff.mean()):.3g}"
+
+
+def logits(model: torch.nn.Module, ids: list[int], patch: Patch | None = None) -> torch.Tensor:
+    """``model`` (with ``patch`` applied for the call, when given) on ``ids``: [n, vocab]."""
+    with torch.no_grad():
+        if patch is None:
+            return model(input_ids=torch.tensor([ids])).logits[0]
+        with patch.applied(model):
+            return model(input_ids=torch.tensor([ids])).logits[0]
+
+
+def full_logits(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
+    """The unpatched model fed the patch's context + query, at the query positions: [k, vocab]."""
+    ids = patch.meta.context_ids + patch.meta.query_ids
+    return logits(model, ids)[-len(patch.meta.query_ids) :]
