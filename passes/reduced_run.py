@@ -77,9 +77,17 @@ class ReducedRun(fx.Interpreter):
         if node.target is _ASSERT_METADATA:
             self.env[node] = None  # an export-time guard of a weight's dtype; nothing to compute
             return
-        # Interpreter.run_node without its error-context manager: this loop runs at every
-        # generated token of `ctxc generate`, where the per-node overhead shows.
-        self.env[node] = self._compute(node)
+        # Interpreter.run_node without its error-context manager, inlined (:meth:`_compute`):
+        # this loop runs at every generated token of `ctxc generate`, where per-node cost shows.
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        value = getattr(self, node.op)(node.target, args, kwargs)
+        acts = self.actions.get(node)
+        if acts:
+            for act in acts:
+                value = act(value)
+        if node in self.keep:
+            self.kept[node] = value.detach().clone()
+        self.env[node] = value
         if node.op == "output":
             self.result = self.graph.process_outputs(self.env[node])
 
