@@ -15,7 +15,7 @@ coverage = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = coverage  # dataclasses look their module up by name
 _SPEC.loader.exec_module(coverage)
 
-_ENTRIES = {e.family: e for e in coverage.entries()}
+_ENTRIES = {e.family: e for e in coverage.entries(set(coverage.CI_SUBSET))}
 
 
 def _fig(rec: dict) -> str:
