@@ -27,6 +27,8 @@ from pathlib import Path
 
 __all__ = [
     "CI_SUBSET",
+    "FAINT",
+    "OVERRIDES",
     "TOL",
     "Entry",
     "build_model",
@@ -34,7 +36,9 @@ __all__ = [
     "main",
     "run_entry",
     "run_isolated",
+    "summarise",
     "tiny_config",
+    "write_reports",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,9 +111,10 @@ _FIXED: dict[str, object] = {
     "n_shared_experts": 1,
     "num_shared_experts": 1,
     "n_group": 1,
+    "num_expert_group": 1,
     "topk_group": 1,
     "first_k_dense_replace": 1,
-    "num_kv_shared_layers": 1,
+    "num_kv_shared_layers": 0,  # KV sharing needs its layer kinds on both sides of the cut
     "vocab_size": VOCAB,
     "sliding_window": 8,
     "attention_chunk_size": 8,
@@ -122,6 +127,8 @@ _FIXED: dict[str, object] = {
     "linear_value_head_dim": 16,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
     "rotary_dim": 8,
     "initializer_range": 0.1,
     "init_std": 0.1,
@@ -135,6 +142,18 @@ OVERRIDES: dict[str, dict] = {
     # Defaults with routed experts but no top-k, or a top-k but no experts.
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # No default rotary settings per layer kind, though the model reads them.
+    "cohere_compass_text": {
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0}
+            for kind in ("full_attention", "sliding_attention")
+        }
+    },
+    # Its shared transformer's weight tying needs two hybrid layers.
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+    },
     # No default layer types, though the model reads them.
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
 }
@@ -291,6 +310,12 @@ def _shrink(cls, overrides: dict, defaults: dict | None = None) -> dict:
             if isinstance(value, list) and len(value) == old_layers and key not in kw:
                 other = [v for v in value if v != value[0]]
                 kw[key] = [value[0], (other or value)[0]]
+    n_layers = kw.get("num_hidden_layers", 2)
+    for key, value in defaults.items():  # per-layer settings keyed by layer index
+        if key == "id2label" or not isinstance(value, dict) or not value:
+            continue
+        if all(str(k).isdigit() for k in value):
+            kw[key] = {k: v for k, v in value.items() if int(k) < n_layers}
     if "is_decoder" in defaults:
         kw["is_decoder"] = True
     for key, sub in getattr(cls, "sub_configs", {}).items():
@@ -410,7 +435,7 @@ def run_entry(entry: Entry, seed: int = SEED) -> dict:
             exact = rep.emitted.max_abs_logit_diff <= TOL and not rep.rejections
             rec["status"] = "exact" if exact else "inexact"
         rec["blocks"] = _block_kinds(model)
-    except BaseException as exc:  # the record says what broke, at which stage
+    except Exception as exc:  # the record says what broke, at which stage
         rec.update(
             status="failed",
             stage=stage,
@@ -735,9 +760,13 @@ def write_reports(results: list[dict], meta: dict, out_dir: Path) -> None:
     (out_dir / "coverage.md").write_text("\n".join(lines) + "\n")
 
 
-def meta_args(argv: list[str] | None) -> str:
-    """The command line as the report header shows it."""
-    return " ".join(argv if argv is not None else sys.argv[1:])
+def _meta_args(argv: list[str] | None) -> str:
+    """The command line as the report header shows it (without ``--out``: a local path)."""
+    args = list(argv if argv is not None else sys.argv[1:])
+    if "--out" in args:
+        i = args.index("--out")
+        del args[i : i + 2]
+    return " ".join(a for a in args if not a.startswith("--out="))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -795,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
     results = _run_all(todo, args.jobs, args.timeout, progress)
     meta = {
         "versions": _versions(),
-        "args": meta_args(argv),
+        "args": _meta_args(argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "seconds": time.perf_counter() - start,
         "timeout": args.timeout,
@@ -808,7 +837,7 @@ def main(argv: list[str] | None = None) -> int:
         rerun = {(r["family"], r["cls"]) for r in results}
         kept = [r for r in old["results"] if (r["family"], r["cls"]) not in rerun]
         meta = {**old["meta"], "versions": meta["versions"], "date": meta["date"]}
-        meta["merged"] = [*old["meta"].get("merged", []), meta_args(argv)]
+        meta["merged"] = [*old["meta"].get("merged", []), _meta_args(argv)]
         results = kept + results
     write_reports(results, meta, Path(args.out))
     s = summarise(results)
