@@ -8,6 +8,10 @@ model runs in its own forked process with a timeout. Writes ``docs/coverage.md``
 ``docs/coverage.json``, so a new Transformers release shows what it broke or added.
 
     python benchmarks/coverage.py [--only llama,gpt2] [--subset ci] [--jobs 1] [--timeout 120]
+        [--out docs] [--list] [--strict] [--merge] [--render]
+
+``--merge`` reruns the selected entries into an existing ``coverage.json`` (after a fix);
+``--render`` rewrites ``coverage.md`` from it. ``tests/test_coverage.py`` runs the ``ci`` subset.
 """
 
 from __future__ import annotations
