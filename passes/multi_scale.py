@@ -1,0 +1,281 @@
+"""One post-norm scale for k query positions (MATH.md 7, "Rank-k patches"), as pure float32 tensor functions.
+
+A block with a scaled RMS post norm gives, at query position j,
+``y_j = v_j + s ⊙ f_j`` with ``f_j = u_j / sqrt(mean(u_j^2) + eps)`` and ``u_j = W_down a_j``.
+For one position the scale absorbs whatever the MLP output misses (MATH.md 2, 4). For k
+positions one shared scale ``s'`` must serve them all: ``s' ⊙ w_j = t_j`` (``t_j = y_C,j - v_j``)
+forces ``w_j = t_j / s'`` and the post norm forces ``mean(w_j^2) = rho_j = M_j / (M_j + eps)``
+(``M_j = mean(u_j^2)``). With ``q_i = 1 / s'_i^2`` these are k linear equations
+``sum_i t_ji^2 q_i = d rho_j`` in ``d >> k`` positive unknowns; the rank-k output move on the
+down projection (MATH.md 7) then gives each position ``u*_j = sqrt(M_j + eps) w_j``.
+
+Among the solutions we take the one nearest the stable rule's (MATH.md 4): minimise
+``sum_j ||s ⊙ w_j - t_j||^2`` over ``w_j = t_j ⊙ p`` (``p = 1/s'``), i.e.
+``sum_i c_i (|s_i| p_i - 1)^2`` with ``c_i = sum_j t_ji^2``, convex in ``q = p^2``. Its KKT
+conditions give ``s'_i = sign(s_i) (s_i^2 - mu_i) / |s_i|`` with ``mu_i = sum_j pi_ji lambda_j``,
+``pi_ji = t_ji^2 / c_i``: for k = 1 exactly the stable rule (``mu_i = mu``, ``s' = s - mu / s``).
+``lambda`` [k] maximises the concave dual ``g = b.lambda - sum_i c_i s_i^2 / (s_i^2 - mu_i)``,
+found by damped Newton. When no positive ``q`` exists, Farkas' lemma gives ``y`` with
+``T^T y >= 0`` and ``b.y < 0`` (T the squared targets): the proof the block cannot be matched with
+these magnitudes, reported with its value.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ctxc.passes.update_rules import SCALE_FLOOR, ConditionError
+
+__all__ = ["SharedScale", "SharedScaleFit", "fit_shared_scale", "shared_scale_targets"]
+
+_MAX_ITER = 100
+_TOL = 1e-13  # relative residual of the k RMS equations
+
+
+@dataclass(frozen=True)
+class SharedScale:
+    """Result of :func:`shared_scale_targets`.
+
+    Attributes:
+        scale: the shared scale ``s'`` [d], float32.
+        targets: outer-linear outputs ``u*`` [k, d], float32, with ``s' ⊙ u*_j / rms(u*_j) = t_j``.
+        rho: ``mean(w_j^2)`` each position's normalised output must have [k], float64.
+        iterations: Newton steps taken.
+        rms_error: largest relative miss ``|mean(w_j^2) / rho_j - 1|`` after the solve.
+        max_change: largest ``|s'_i - s_i|``.
+        max_gain: largest ``|s'_i|``.
+    """
+
+    scale: torch.Tensor
+    targets: torch.Tensor
+    rho: torch.Tensor
+    iterations: int
+    rms_error: float
+    max_change: float
+    max_gain: float
+
+
+def shared_scale_targets(
+    s: torch.Tensor, t: torch.Tensor, u: torch.Tensor, eps: float
+) -> SharedScale:
+    """The scale ``s'`` and MLP outputs ``u*`` matching k positions through one RMS post norm.
+
+    Args:
+        s: current effective scale [d] (``1 + w`` for Gemma); ``|s|`` is floored at
+            :data:`SCALE_FLOOR` for the fit only (MATH.md 8), the sign kept (+ at exact zeros).
+        t: wanted scaled outputs ``y_C - v`` [k, d].
+        u: outer-linear outputs reached [k, d]; their magnitudes ``M_j = mean(u_j^2)`` are kept.
+        eps: the post norm's epsilon.
+
+    Returns:
+        the :class:`SharedScale`; coordinates where every ``t_ji = 0`` keep ``s_i`` and get
+        ``u*_ji = 0``.
+
+    Raises:
+        ConditionError: non-finite input, or no positive shared scale exists (with the Farkas
+            certificate's value), or the Newton solve did not converge (with the residual).
+    """
+    s, t, u = s.double().flatten(), t.double(), u.double()  # [d], [k, d], [k, d]
+    if not bool(torch.isfinite(s).all() and torch.isfinite(t).all() and torch.isfinite(u).all()):
+        raise ConditionError("scale, target or MLP output is not finite")
+    k, d = t.shape
+    sign = torch.where(s < 0, -torch.ones_like(s), torch.ones_like(s))  # [d]
+    a2 = s.abs().clamp_min(SCALE_FLOOR).pow(2)  # [d]: floored s^2 (MATH.md 8)
+    m = u.pow(2).mean(dim=1)  # [k]: kept magnitudes M_j
+    t2 = t.pow(2)  # [k, d]
+    live = t2.sum(dim=1) > 0  # [k]: positions with something to produce
+    if bool((live & (m == 0)).any()):
+        j = int(torch.nonzero(live & (m == 0))[0])
+        raise ConditionError(
+            f"MLP output is exactly 0 at query position {j} while its wanted output is not "
+            f"(max |t| {float(t[j].abs().max()):.3g}): no magnitude to keep"
+        )
+    rho = torch.where(live, m / (m + eps), torch.zeros_like(m))  # [k]
+    support = t2.sum(dim=0) > 0  # [d]: coordinates some position needs
+    tt = t2[live][:, support]  # [k', n]
+    b = d * rho[live]  # [k']
+    lam, iterations, rel = _solve_dual(tt, b, a2[support], sign.numel())
+    mu = (tt / tt.sum(dim=0)).T @ lam  # [n]: mu_i = sum_j pi_ji lambda_j
+    new = s.clone()  # [d]
+    new[support] = sign[support] * (a2[support] - mu) / a2[support].sqrt()
+    w = t / torch.where(support, new, torch.ones_like(new))  # [k, d]: w_j = t_j / s'
+    w[:, ~support] = 0.0
+    targets = (m + eps).sqrt()[:, None] * w  # [k, d]: rms(u*_j) = sqrt(M_j + eps)
+    targets[~live] = 0.0
+    got = w.pow(2).mean(dim=1)  # [k]
+    err = (got[live] / rho[live] - 1.0).abs()
+    if not bool(torch.isfinite(new).all() and torch.isfinite(targets).all()):
+        raise ConditionError("shared post-norm scale is not finite")
+    return SharedScale(
+        scale=new.float(),
+        targets=targets.float(),
+        rho=rho,
+        iterations=iterations,
+        rms_error=float(err.max()) if err.numel() else 0.0,
+        max_change=float((new - s).abs().max()),
+        max_gain=float(new.abs().max()),
+    )
+
+
+def _solve_dual(
+    tt: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, d: int
+) -> tuple[torch.Tensor, int, float]:
+    """Maximise ``g(lam) = b.lam - sum_i c_i a2_i / (a2_i - mu_i)`` by damped Newton.
+
+    Args:
+        tt: squared targets on the support [k, n] (every column has a nonzero).
+        b: right-hand sides ``d rho`` [k].
+        a2: floored squared scales [n].
+        d: model width (for messages).
+
+    Returns:
+        ``(lam [k], iterations, relative residual)``, float64.
+    """
+    k = tt.shape[0]
+    c = tt.sum(dim=0)  # [n]
+    pi = tt / c  # [k, n]: columns on the simplex
+    lam = torch.zeros(k, dtype=torch.float64)
+
+    def dual(lam_: torch.Tensor) -> tuple[float, torch.Tensor]:
+        gap = a2 - pi.T @ lam_  # [n]: a_i^2 - mu_i, > 0 on the domain
+        if bool((gap <= 0).any()):
+            return -math.inf, gap
+        return float(b @ lam_ - (c * a2 / gap).sum()), gap
+
+    g, gap = dual(lam)
+    rel, it = math.inf, 0
+    for it in range(1, _MAX_ITER + 1):
+        q = a2 / gap.pow(2)  # [n]: q_i = 1 / s'_i^2
+        res = tt @ q - b  # [k]: the k RMS equations' misses
+        rel = float((res.abs() / b).max())
+        if rel <= _TOL:
+            break
+        dq = 2.0 * a2 / gap.pow(3)  # [n]: dq_i / dmu_i
+        jac = (tt * dq) @ pi.T  # [k, k], symmetric positive semi-definite
+        # Eigenvalues floored: along a null direction (positions with alike squared targets)
+        # the dual is linear, and an unbounded one runs away to a Farkas certificate.
+        ev, vec = torch.linalg.eigh(jac)  # [k], [k, k]
+        ev = ev.clamp_min(1e-14 * max(float(ev.max()), 1e-300))
+        step = vec @ ((vec.T @ -res) / ev)  # [k]: ascent direction of g
+        slope = float(-res @ step)
+        t_step, moved = 1.0, False
+        for _ in range(60):  # backtracking: stay in the domain, Armijo on the concave dual
+            g_new, gap_new = dual(lam + t_step * step)
+            if g_new >= g + 1e-4 * t_step * slope and math.isfinite(g_new):
+                lam, g, gap, moved = lam + t_step * step, g_new, gap_new, True
+                break
+            t_step *= 0.5
+        if not moved or float(lam.abs().max()) > 1e30:
+            break
+    if rel > 1e-9:
+        _refuse(tt, b, lam, vec, rel, it, d)
+    return lam, it, rel
+
+
+def _refuse(
+    tt: torch.Tensor,
+    b: torch.Tensor,
+    lam: torch.Tensor,
+    vec: torch.Tensor,
+    rel: float,
+    it: int,
+    d: int,
+):
+    """Raise with the reason: a Farkas certificate ``y`` (``T^T y >= 0``, ``b.y < 0``: no
+    ``q >= 0`` has ``T q = b``) when one is found along the dual's run-away direction or a
+    flat direction of its Hessian (``vec`` [k, k]), else the residual reached."""
+    norm = float(lam.norm())
+    cands = [-lam / norm] if norm > 0 else []
+    cands += [sgn * vec[:, i] for i in range(vec.shape[1]) for sgn in (1.0, -1.0)]
+    scale = float(tt.abs().max())
+    for y in cands:  # [k]
+        if float((tt.T @ y).min()) >= -1e-9 * scale and float(b @ y) < 0:
+            raise ConditionError(
+                f"no shared post-norm scale serves the {tt.shape[0]} query positions with their "
+                f"MLP output magnitudes: with y = {[round(float(v), 4) for v in y]}, "
+                f"sum_j y_j t_ji^2 >= 0 at all {d} coordinates but sum_j y_j d rho_j = "
+                f"{float(b @ y):.4g} < 0 (Farkas: the positions' squared targets are too alike "
+                "for their normalised outputs' RMS under one scale)"
+            )
+    raise ConditionError(
+        f"shared post-norm scale: the {tt.shape[0]} RMS conditions are still off by "
+        f"{rel:.3g} (relative) after {it} Newton steps (|lambda| {norm:.3g})"
+    )
+
+
+@dataclass(frozen=True)
+class SharedScaleFit:
+    """Result of :func:`fit_shared_scale`.
+
+    Attributes:
+        ds: change of the effective scale [d], float32.
+        min_divisor: smallest ``sqrt(sum_j f_ji^2)`` divided by (on coordinates that move).
+        max_change: largest ``|ds_i|``.
+        max_gain: largest ``|s_i + ds_i|``.
+        max_miss: largest ``|t_ji - (s_i + ds_i) f_ji|`` left in float32 arithmetic.
+        unreached: coordinates with ``f_ji = 0`` at every position but a needed change.
+        max_unreached: the largest change such a coordinate missed.
+    """
+
+    ds: torch.Tensor
+    min_divisor: float
+    max_change: float
+    max_gain: float
+    max_miss: float
+    unreached: int = 0
+    max_unreached: float = 0.0
+
+
+def fit_shared_scale(
+    s: torch.Tensor,
+    f: torch.Tensor,
+    t: torch.Tensor,
+    tol: torch.Tensor | None = None,
+    allow_unreached: bool = False,
+) -> SharedScaleFit:
+    """The scale change from the outputs the patched MLP actually produces (MATH.md 7, 8).
+
+    One scale cannot be re-fit per position: ``s_i + ds_i`` is the least-squares fit
+    ``sum_j f_ji t_ji / sum_j f_ji^2`` over the k positions (for k = 1 the exact ``t / f``).
+
+    Args:
+        s: current effective scale [d].
+        f: normalised MLP outputs reached after the output move [k, d].
+        t: wanted products [k, d].
+        tol: per-coordinate change [d] too small to matter; default 0.
+        allow_unreached: leave coordinates with ``f_ji = 0`` at every position unchanged and
+            count them instead of raising (low precision).
+
+    Raises:
+        ConditionError: such an unreachable coordinate, or a non-finite result.
+    """
+    s, f, t = s.float(), f.float(), t.float()  # [d], [k, d], [k, d]
+    den = f.pow(2).sum(dim=0)  # [d]
+    zero = den == 0
+    miss = (t - s * f).abs().amax(dim=0)  # [d]
+    bad = zero & (miss > (0.0 if tol is None else tol))
+    if bool(bad.any()) and not allow_unreached:
+        i = int(torch.nonzero(bad)[0])
+        raise ConditionError(
+            f"normalised MLP output is exactly 0 at every query position at {int(bad.sum())} "
+            f"coordinate(s) (first: {i}, needed change {float(miss[i]):.3g}): the scale cannot "
+            "reach it"
+        )
+    fit = (f * t).sum(dim=0) / torch.where(zero, torch.ones_like(den), den)  # [d]
+    new = torch.where(zero, s, fit)  # [d]
+    ds = new - s  # [d]
+    if not bool(torch.isfinite(ds).all()):
+        raise ConditionError("scale change is not finite (|f| underflows)")
+    nz = den[~zero].sqrt()
+    return SharedScaleFit(
+        ds=ds,
+        min_divisor=float(nz.min()) if nz.numel() else 0.0,
+        max_change=float(ds.abs().max()),
+        max_gain=float(new.abs().max()),
+        max_miss=float((t - new * f).abs().max()),
+        unreached=int(bad.sum()),
+        max_unreached=float(miss[bad].max()) if bool(bad.any()) else 0.0,
+    )
