@@ -1,4 +1,4 @@
-"""One post-norm scale for k query positions (MATH.md 7, "Rank-k patches"), as pure float32 tensor functions.
+"""One post-norm scale for k query positions (MATH.md 7, rank-k patches): pure tensor functions.
 
 A block with a scaled RMS post norm gives, at query position j,
 ``y_j = v_j + s ⊙ f_j`` with ``f_j = u_j / sqrt(mean(u_j^2) + eps)`` and ``u_j = W_down a_j``.
@@ -27,9 +27,16 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxc.passes.block_map import MlpBlock
 from ctxc.passes.update_rules import SCALE_FLOOR, ConditionError
 
-__all__ = ["SharedScale", "SharedScaleFit", "fit_shared_scale", "shared_scale_targets"]
+__all__ = [
+    "SharedScale",
+    "SharedScaleFit",
+    "fit_shared_scale",
+    "multi_refusal",
+    "shared_scale_targets",
+]
 
 _MAX_ITER = 100
 _TOL = 1e-13  # relative residual of the k RMS equations
@@ -59,7 +66,7 @@ class SharedScale:
 
 
 def shared_scale_targets(
-    s: torch.Tensor, t: torch.Tensor, u: torch.Tensor, eps: float
+    s: torch.Tensor, t: torch.Tensor, u: torch.Tensor, rho: torch.Tensor
 ) -> SharedScale:
     """The scale ``s'`` and MLP outputs ``u*`` matching k positions through one RMS post norm.
 
@@ -68,7 +75,8 @@ def shared_scale_targets(
             :data:`SCALE_FLOOR` for the fit only (MATH.md 8), the sign kept (+ at exact zeros).
         t: wanted scaled outputs ``y_C - v`` [k, d].
         u: outer-linear outputs reached [k, d]; their magnitudes ``M_j = mean(u_j^2)`` are kept.
-        eps: the post norm's epsilon.
+        rho: ``mean(f_j^2)`` of the post norm's output for ``u_j`` [k] (``M_j / (M_j + eps)``,
+            read off the norm as the model computes it, so no epsilon has to be known).
 
     Returns:
         the :class:`SharedScale`; coordinates where every ``t_ji = 0`` keep ``s_i`` and get
@@ -79,31 +87,33 @@ def shared_scale_targets(
             certificate's value), or the Newton solve did not converge (with the residual).
     """
     s, t, u = s.double().flatten(), t.double(), u.double()  # [d], [k, d], [k, d]
-    if not bool(torch.isfinite(s).all() and torch.isfinite(t).all() and torch.isfinite(u).all()):
-        raise ConditionError("scale, target or MLP output is not finite")
-    k, d = t.shape
+    rho = rho.double().flatten()  # [k]
+    finite = [bool(torch.isfinite(x).all()) for x in (s, t, u, rho)]
+    if not all(finite):
+        raise ConditionError("scale, target, MLP output or its RMS is not finite")
+    d = t.shape[1]
     sign = torch.where(s < 0, -torch.ones_like(s), torch.ones_like(s))  # [d]
     a2 = s.abs().clamp_min(SCALE_FLOOR).pow(2)  # [d]: floored s^2 (MATH.md 8)
     m = u.pow(2).mean(dim=1)  # [k]: kept magnitudes M_j
     t2 = t.pow(2)  # [k, d]
     live = t2.sum(dim=1) > 0  # [k]: positions with something to produce
-    if bool((live & (m == 0)).any()):
-        j = int(torch.nonzero(live & (m == 0))[0])
+    if bool((live & ((m == 0) | (rho <= 0))).any()):
+        j = int(torch.nonzero(live & ((m == 0) | (rho <= 0)))[0])
         raise ConditionError(
             f"MLP output is exactly 0 at query position {j} while its wanted output is not "
             f"(max |t| {float(t[j].abs().max()):.3g}): no magnitude to keep"
         )
-    rho = torch.where(live, m / (m + eps), torch.zeros_like(m))  # [k]
     support = t2.sum(dim=0) > 0  # [d]: coordinates some position needs
     tt = t2[live][:, support]  # [k', n]
     b = d * rho[live]  # [k']
-    lam, iterations, rel = _solve_dual(tt, b, a2[support], sign.numel())
+    lam, iterations = _solve_dual(tt, b, a2[support], sign.numel())
     mu = (tt / tt.sum(dim=0)).T @ lam  # [n]: mu_i = sum_j pi_ji lambda_j
     new = s.clone()  # [d]
     new[support] = sign[support] * (a2[support] - mu) / a2[support].sqrt()
     w = t / torch.where(support, new, torch.ones_like(new))  # [k, d]: w_j = t_j / s'
     w[:, ~support] = 0.0
-    targets = (m + eps).sqrt()[:, None] * w  # [k, d]: rms(u*_j) = sqrt(M_j + eps)
+    # rms(u*_j) = sqrt(M_j + eps) = sqrt(M_j / rho_j) keeps mean(u*_j^2) = M_j.
+    targets = (m / torch.where(live, rho, torch.ones_like(rho))).sqrt()[:, None] * w  # [k, d]
     targets[~live] = 0.0
     got = w.pow(2).mean(dim=1)  # [k]
     err = (got[live] / rho[live] - 1.0).abs()
@@ -122,7 +132,7 @@ def shared_scale_targets(
 
 def _solve_dual(
     tt: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, d: int
-) -> tuple[torch.Tensor, int, float]:
+) -> tuple[torch.Tensor, int]:
     """Maximise ``g(lam) = b.lam - sum_i c_i a2_i / (a2_i - mu_i)`` by damped Newton.
 
     Args:
@@ -132,7 +142,10 @@ def _solve_dual(
         d: model width (for messages).
 
     Returns:
-        ``(lam [k], iterations, relative residual)``, float64.
+        ``(lam [k], iterations)``, float64.
+
+    Raises:
+        ConditionError: the k RMS equations have no positive solution, or were not solved.
     """
     k = tt.shape[0]
     c = tt.sum(dim=0)  # [n]
@@ -146,8 +159,10 @@ def _solve_dual(
         return float(b @ lam_ - (c * a2 / gap).sum()), gap
 
     g, gap = dual(lam)
+    vec = torch.eye(k, dtype=torch.float64)  # [k, k]
     rel, it = math.inf, 0
-    for it in range(1, _MAX_ITER + 1):
+    while it < _MAX_ITER:
+        it += 1
         q = a2 / gap.pow(2)  # [n]: q_i = 1 / s'_i^2
         res = tt @ q - b  # [k]: the k RMS equations' misses
         rel = float((res.abs() / b).max())
@@ -164,7 +179,12 @@ def _solve_dual(
         t_step, moved = 1.0, False
         for _ in range(60):  # backtracking: stay in the domain, Armijo on the concave dual
             g_new, gap_new = dual(lam + t_step * step)
-            if g_new >= g + 1e-4 * t_step * slope and math.isfinite(g_new):
+            ok = math.isfinite(g_new) and g_new >= g + 1e-4 * t_step * slope
+            if not ok and math.isfinite(g_new) and g_new >= g - 1e-12 * abs(g):
+                # Near the optimum g is flat to rounding: take the step if the equations improve.
+                res_new = tt @ (a2 / gap_new.pow(2)) - b  # [k]
+                ok = float((res_new.abs() / b).max()) < rel
+            if ok:
                 lam, g, gap, moved = lam + t_step * step, g_new, gap_new, True
                 break
             t_step *= 0.5
@@ -172,7 +192,7 @@ def _solve_dual(
             break
     if rel > 1e-9:
         _refuse(tt, b, lam, vec, rel, it, d)
-    return lam, it, rel
+    return lam, it
 
 
 def _refuse(
@@ -279,3 +299,31 @@ def fit_shared_scale(
         unreached=int(bad.sum()),
         max_unreached=float(miss[bad].max()) if bool(bad.any()) else 0.0,
     )
+
+
+def multi_refusal(block: MlpBlock, k: int) -> str:
+    """Why ``block`` cannot be matched at ``k > 1`` query positions, or ``""`` if it can.
+
+    Decided from the block's shape alone, before any pass runs.
+    """
+    ctl = block.output_control
+    if ctl == "bias":
+        return (
+            f"a post-norm bias adds one vector at every position and the norm's output has no "
+            f"scale to share: it can match one query position, not {k} (query of {k} tokens)"
+        )
+    if ctl != "scale":
+        return ""
+    assert block.norm is not None
+    if block.norm.centered:
+        return (
+            f"the post norm is a LayerNorm (centred): one shared scale for {k} query positions "
+            "is solved for RMS norms only; use a single-token query"
+        )
+    if not block.stable_ok:
+        return (
+            "ops between the down projection and the post norm: the down projection cannot set "
+            f"each of the {k} query positions' normalised output, and one scale alone matches "
+            "one position; use a single-token query"
+        )
+    return ""
