@@ -207,8 +207,9 @@ def _solve_dual(
         for _ in range(60):  # backtracking: stay in the domain, Armijo on the concave dual
             g_new, gap_new = dual(lam + t_step * step)
             ok = math.isfinite(g_new) and g_new >= g + 1e-4 * t_step * slope
-            if not ok and math.isfinite(g_new) and g_new >= g - 1e-12 * abs(g):
-                # Near the optimum g is flat to rounding: take the step if the equations improve.
+            if not ok and math.isfinite(g_new) and rel < 1e-2:
+                # Near the optimum g's gain drowns in its rounding (terms c_i ~ t^2 reach 1e5):
+                # there Newton converges on the equations themselves, so judge by them.
                 res_new = tt @ q_of(gap_new) - b  # [k]
                 ok = float((res_new.abs() / b).max()) < rel
             if ok:
@@ -217,7 +218,7 @@ def _solve_dual(
             t_step *= 0.5
         if not moved or float(lam.abs().max()) > 1e30:
             break
-    if rel > 1e-9:
+    if rel > 1e-7:  # float32's resolution: the normalised outputs are float32
         _refuse(tt, b, lam, vec, rel, it, d)
     return lam, it
 
