@@ -9,6 +9,7 @@ variation, top-1 agreement at every position, the unpatched control's max |logit
 largest post-norm gain ``max |s'|`` over the blocks.
 
     python benchmarks/multi_token.py [--model M] [--dtype float32] [--updates stable standard]
+        [--texts short medium] [--cases 0 3]
 """
 
 from __future__ import annotations
@@ -74,11 +75,12 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--updates", nargs="+", default=["stable"])
     parser.add_argument("--texts", nargs="+", default=["short", "medium"])
+    parser.add_argument("--cases", nargs="+", type=int, default=None, help="indices into CASES")
     args = parser.parse_args()
     hf_logging.disable_progress_bar()
     model, tok = ctxc.load_model(args.model, args.dtype)
-    for name, query in CASES:
-        if name not in args.texts:
+    for i, (name, query) in enumerate(CASES):
+        if name not in args.texts or (args.cases is not None and i not in args.cases):
             continue
         text = (ROOT / "examples" / f"{name}.txt").read_text()
         for update in args.updates:
