@@ -121,6 +121,11 @@ def shared_scale_targets(
     b = d * rho[live]  # [k']
     if objective not in _OBJECTIVES:
         raise ValueError(f"unknown objective {objective!r}; expected one of {_OBJECTIVES}")
+    if not bool(live.any()):  # nothing to produce anywhere: u* = 0 with the scale unchanged
+        zero = torch.zeros_like(t, dtype=torch.float32)  # [k, d]
+        return SharedScale(
+            s.float(), zero, torch.zeros_like(rho), 0, 0.0, 0.0, float(s.abs().max())
+        )
     lam, iterations = _solve_dual(tt, b, a2[support], sign.numel(), objective)
     mu = (tt / tt.sum(dim=0)).T @ lam  # [n]: mu_i = sum_j pi_ji lambda_j
     gap = a2[support] - mu  # [n], > 0
