@@ -1,4 +1,4 @@
-"""One post-norm scale for k query positions (MATH.md 7, rank-k patches): pure tensor functions.
+"""One post-norm scale for k query positions (MATH.md 7, 9): pure tensor functions.
 
 A block with a scaled RMS post norm gives, at query position j,
 ``y_j = v_j + s ⊙ f_j`` with ``f_j = u_j / sqrt(mean(u_j^2) + eps)`` and ``u_j = W_down a_j``.
