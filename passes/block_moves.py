@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxc.passes.block_map import LinearSite, MlpBlock, TailStep
+from ctxc.passes.multi_scale import SharedScaleFit, fit_shared_scale, shared_scale_targets
 from ctxc.passes.update_rules import (
     ConditionError,
     ScaleMove,
@@ -34,6 +35,7 @@ __all__ = [
     "outer_move",
     "output_reads",
     "scale_move",
+    "shared_scale_move",
 ]
 
 # Per expert of a bank: (expert, u [out, r], v [in, r]).
@@ -169,6 +171,36 @@ def scale_move(
     tol = torch.finfo(y_target.dtype).eps * y_target.float().abs()  # [d]
     low = y_target.dtype != torch.float32
     return scale_output_move(s, f[0], t[0], tol, allow_unreached=low)
+
+
+def shared_scale_move(
+    s: torch.Tensor,
+    t: torch.Tensor,
+    y_target: torch.Tensor,
+    u_now: torch.Tensor,
+    f_now: torch.Tensor,
+    reach: Callable[[torch.Tensor | None], torch.Tensor],
+) -> SharedScaleFit:
+    """k query positions, one scale: the outer linear sets each position's normalised output
+    ``t_j / s'``, then ``s'`` is fitted to what the patched MLP produces (MATH.md 9).
+
+    Args:
+        s: the effective scale [d], float32.
+        t: the values [k, d] the scaled product must take.
+        y_target: the full run's block outputs [k, d], in the model's dtype.
+        u_now: the outer linear's output reached [k, d], float32.
+        f_now: the normalised output reached [k, d].
+        reach: as for :func:`scale_move`.
+
+    Returns:
+        the :class:`SharedScaleFit`: ``ds`` [d] and its figures.
+    """
+    rho = f_now.double().pow(2).mean(dim=1)  # [k]: M / (M + eps)
+    shared = shared_scale_targets(s, t, u_now, rho)
+    f = reach(shared.targets - u_now)  # [k, d], recomputed (MATH.md 8)
+    tol = (torch.finfo(y_target.dtype).eps * y_target.float().abs()).amax(dim=0)  # [d]
+    low = y_target.dtype != torch.float32
+    return fit_shared_scale(s, f, t, tol, allow_unreached=low)
 
 
 def experts_output_move(

@@ -93,12 +93,14 @@ class BlockPlan:
         return self.output_control == "scale"
 
 
-def plan(block: MlpBlock, rule: str) -> BlockPlan:
-    """What ``rule`` changes in ``block`` (pure).
+def plan(block: MlpBlock, rule: str, k: int = 1) -> BlockPlan:
+    """What ``rule`` changes in ``block`` for a ``k``-token query (pure).
 
     Args:
         block: a located block.
         rule: one of :data:`UPDATE_RULES`.
+        k: query tokens; with k > 1 every rule moves the outer linear before a post-norm scale
+            (one scale for k positions, MATH.md 9: ``multi_scale.py``).
 
     Returns:
         the :class:`BlockPlan`.
@@ -109,7 +111,7 @@ def plan(block: MlpBlock, rule: str) -> BlockPlan:
     if rule != "output":
         moves += [_matrix(site, "input", _inner_part(block, site)) for site in block.inner]
     ctl = block.output_control
-    stable = ctl == "scale" and rule in ("stable", "output") and block.stable_ok
+    stable = ctl == "scale" and (rule in ("stable", "output") or k > 1) and block.stable_ok
     outer_part = "expert_output_bank" if block.outer.experts else "outer_linear"
     if ctl in ("linear", "experts") or stable:
         moves.append(_matrix(block.outer, "output", outer_part))

@@ -28,6 +28,7 @@ from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.block_stats import BlockStats
 from ctxc.passes.delta_math import add_in_float32, at_alignment_of, lowrank_action
 from ctxc.passes.graph_view import GraphView
+from ctxc.passes.multi_scale import SharedScaleFit, multi_refusal
 from ctxc.passes.plan import UPDATE_RULES, BlockPlan, check_in_time, plan
 from ctxc.passes.reduced_run import Action, ReducedRun
 from ctxc.passes.run_graph import FullRun
@@ -161,7 +162,7 @@ class _Solver:
 
     def _output_move(
         self, block: MlpBlock, todo: BlockPlan, y: fx.Node
-    ) -> tuple[ScaleMove | None, float | None]:
+    ) -> tuple[ScaleMove | SharedScaleFit | None, float | None]:
         """The output move at ``y``; the scale move's figures and the smallest gate sum."""
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
         tail = [(s, _rows(self.value(s.side)) if s.side else None) for s in block.tail]
@@ -183,21 +184,27 @@ class _Solver:
             raise SolveError(block.path, f"unknown output control {ctl!r}")
         return None, None
 
-    def _scale_move(self, block: MlpBlock, todo: BlockPlan, t: torch.Tensor, y) -> ScaleMove:
+    def _scale_move(
+        self, block: MlpBlock, todo: BlockPlan, t: torch.Tensor, y
+    ) -> ScaleMove | SharedScaleFit:
         sc = block.scale
         assert sc is not None
         h = u_now = None
-        if todo.stable:  # the outer linear moves first (MATH.md 4)
+        if todo.stable or t.shape[0] > 1:  # the outer linear moves first (MATH.md 4, 9)
             h = _rows(self.value(block.activation))  # [k, d_ff]
             u_now = self._outer_now(block, h)  # [k, d]
 
         def reach(residual: torch.Tensor | None) -> torch.Tensor:
             if residual is not None:
                 self._put_outer(block, residual, h, y)
-            return self._normalized(block)  # [1, d]
+            return self._normalized(block)  # [k, d]
 
-        y_target = self.full.targets[block.path].y[0]  # [d], model dtype
-        move = moves.scale_move(self._scale(block), t, y_target, u_now, reach)
+        y_target = self.full.targets[block.path].y  # [k, d], model dtype
+        if t.shape[0] > 1:  # k positions, one scale (MATH.md 9)
+            f_now = self._normalized(block)  # [k, d]
+            move = moves.shared_scale_move(self._scale(block), t, y_target, u_now, f_now, reach)
+        else:
+            move = moves.scale_move(self._scale(block), t, y_target[0], u_now, reach)
         self._put(Delta(sc.param, block.path, vector=move.ds / sc.alpha), y, block)
         return move
 
@@ -381,14 +388,9 @@ def solve(
 
 def _checked_plan(view: GraphView, block: MlpBlock, update: str, k: int) -> BlockPlan:
     """The block's plan, once the solver is known to be able to follow it."""
-    todo = plan(block, update)
-    if block.output_control in ("scale", "bias") and k > 1:
-        what = "post-norm scale" if block.output_control == "scale" else "post-norm bias"
-        raise SolveError(
-            block.path,
-            f"a {what} can match one query position, not {k}: use a "
-            "single-token query for this model",
-        )
+    todo = plan(block, update, k)
+    if k > 1 and (reason := multi_refusal(block, k)):
+        raise SolveError(block.path, reason)
     for move in todo.input_moves:
         assert move.site is not None
         check_in_time(view, block, move.param, move.site.experts or block.mlp_in)

@@ -1,0 +1,47 @@
+"""The coverage matrix's CI subset: one family per block pattern, built the way the matrix builds
+every ``*ForCausalLM`` class (benchmarks/coverage.py), must compile exactly."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "coverage.py"
+_SPEC = importlib.util.spec_from_file_location("ctxc_coverage", _PATH)
+coverage = importlib.util.module_from_spec(_SPEC)
+sys.modules[_SPEC.name] = coverage  # dataclasses look their module up by name
+_SPEC.loader.exec_module(coverage)
+
+_ENTRIES = {e.family: e for e in coverage.entries(set(coverage.CI_SUBSET))}
+
+
+def _fig(rec: dict) -> str:
+    if rec["status"] in ("exact", "inexact"):
+        return (
+            f"{rec['family']} ({rec['cls']}): {rec['status']}, emitted max "
+            f"{rec['max_abs_logit_diff']:.3g}, solver max {rec['solver_max_abs_logit_diff']:.3g}, "
+            f"unpatched control max {rec['control_max_abs_logit_diff']:.3g}; "
+            f"blocks {rec.get('blocks')}"
+        )
+    return f"{rec['family']} ({rec['cls']}): {rec}"
+
+
+def test_ci_subset_is_known() -> None:
+    missing = [f for f in coverage.CI_SUBSET if f not in _ENTRIES]
+    assert not missing, f"the installed Transformers has no {missing}"
+    assert not [f for f in coverage.CI_SUBSET if _ENTRIES[f].scope]
+
+
+@pytest.mark.parametrize("family", coverage.CI_SUBSET)
+def test_ci_family_compiles_exactly(family: str) -> None:
+    rec = coverage.run_entry(_ENTRIES[family])
+    assert rec["status"] == "exact", _fig(rec)
+    assert rec["max_abs_logit_diff"] <= coverage.TOL, _fig(rec)
+    assert rec["top1_match"], _fig(rec)
+    # A context the random model hardly sees would make "exact" vacuous.
+    assert rec["control_max_abs_logit_diff"] > 1e-2, "the context hardly matters: " + _fig(rec)
+    blocks = rec["blocks"]
+    assert blocks["count"] >= 2 and not blocks["rejected"], _fig(rec)
