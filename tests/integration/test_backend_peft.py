@@ -43,8 +43,8 @@ def test_llama_adapter_is_plain_lora_and_reproduces_the_full_context(tmp_path) -
     for merge in (False, True):
         got = _adapter_logits("llama", path, patch.meta.query_ids, merge)
         msg = diff_msg(f"llama adapter (merged={merge}) vs full context", got, full)
-        assert max_diff(got, full) <= 1e-4, msg
-    assert figures.lora.max_abs_logit_diff <= 1e-4 and figures.lora.top1_match, figures
+        assert max_diff(got, full) <= 1e-6, msg  # measured 9e-8
+    assert figures.lora.max_abs_logit_diff <= 1e-6 and figures.lora.top1_match, figures
     assert figures.merged_vs_baked <= figures.tolerance
     changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
     assert not changed, f"emit_peft left the model modified: {changed[:3]}"
@@ -64,13 +64,14 @@ def test_gemma3_norm_scales_go_to_modules_to_save(tmp_path, update: str) -> None
 
     full = full_logits(model, patch)
     merged = _adapter_logits("gemma3", path, patch.meta.query_ids, merge=True)
-    assert max_diff(merged, full) <= 1e-5, diff_msg("merged adapter vs full context", merged, full)
+    merged_msg = diff_msg("merged adapter vs full context", merged, full)
+    assert max_diff(merged, full) <= 1.5e-6, merged_msg  # measured 1.2e-7
     # As loaded, LoRA adds B (A x) after W x: the post-norm scale change, solved against the
-    # baked weights, amplifies that rounding. On these tiny models it stays far below 1e-4
-    # (measured: ~3e-7 stable, ~1e-5 standard); the figure is in the report either way.
+    # baked weights, amplifies that rounding (measured: 4.1e-7 stable, 9.3e-6 standard, with
+    # the standard rule's larger gains); the figure is in the report either way.
     loaded = _adapter_logits("gemma3", path, patch.meta.query_ids, merge=False)
     msg = diff_msg(f"gemma3/{update} adapter as loaded vs full context", loaded, full)
-    assert max_diff(loaded, full) <= 1e-4, msg
+    assert max_diff(loaded, full) <= {"stable": 5e-6, "standard": 1e-4}[update], msg
     assert abs(figures.lora.max_abs_logit_diff - max_diff(loaded, full)) <= 1e-6, (figures, msg)
 
 
@@ -104,7 +105,7 @@ def test_mixed_ranks_and_vector_deltas_match_the_baked_model(tmp_path) -> None:
     for merge in (False, True):
         got = _adapter_logits("llama", path, mixed.meta.query_ids, merge)
         msg = diff_msg(f"adapter (merged={merge}) vs baked model", got, baked)
-        assert max_diff(got, baked) <= 1e-5, msg
+        assert max_diff(got, baked) <= 5e-7, msg  # measured 4.5e-8
 
 
 def test_moe_expert_banks_are_lora_parameters(tmp_path) -> None:
@@ -120,7 +121,8 @@ def test_moe_expert_banks_are_lora_parameters(tmp_path) -> None:
     with torch.no_grad():
         got = loaded(input_ids=torch.tensor([patch.meta.query_ids])).logits[0]
     full = full_logits(model, patch)
-    assert max_diff(got, full) <= 1e-5, diff_msg("MoE adapter as loaded vs full context", got, full)
+    msg = diff_msg("MoE adapter as loaded vs full context", got, full)
+    assert max_diff(got, full) <= 1e-6, msg  # measured 6e-8
 
 
 def test_a_patch_lora_cannot_hold_is_a_clear_error(tmp_path) -> None:
