@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
-
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
-
-
-def ctxc_cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "ctxc.cli", *args],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=300,
-    )
 
 
 def test_compile_writes_patch_report_and_a_plain_transformers_model(tiny_model_dir, tmp_path):
     context = tmp_path / "context.txt"
     context.write_text("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
     out = tmp_path / "out"
-    proc = ctxc_cli(
+    proc = run_cli(
         "compile",
         "--model",
         str(tiny_model_dir),
@@ -101,7 +85,7 @@ def test_bad_input_gives_one_line_and_no_output(case, files, tmp_path):
     subst = {"tmp": tmp_path, **files}
     args = [a.format(**subst) for a in args]
     out = tmp_path / "out"
-    proc = ctxc_cli("compile", *args, "--out", str(out), cwd=tmp_path)
+    proc = run_cli("compile", *args, "--out", str(out), cwd=tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2
     assert len(lines) == 1, proc.stderr
@@ -115,7 +99,7 @@ def test_non_empty_output_folder_is_kept(tiny_model_dir, files, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "keep.txt").write_text("mine")
-    proc = ctxc_cli(
+    proc = run_cli(
         "compile",
         "--model",
         str(tiny_model_dir),
@@ -134,7 +118,7 @@ def test_non_empty_output_folder_is_kept(tiny_model_dir, files, tmp_path):
 
 
 def test_inspect_json_names_every_block(tiny_model_dir, tmp_path):
-    proc = ctxc_cli("inspect", "--model", str(tiny_model_dir), "--format", "json", cwd=tmp_path)
+    proc = run_cli("inspect", "--model", str(tiny_model_dir), "--format", "json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     s = info["summary"]

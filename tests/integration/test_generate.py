@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers import CliRun, run_cli
 from tiny_models import VOCAB, build
 
 from ctxc.generate import generate
@@ -51,14 +50,9 @@ def test_bfloat16_protocol_applies_low_rank_actions() -> None:
     assert control >= 10 * max(diffs), figures
 
 
-def _generate(model, context, steps: int, out) -> subprocess.CompletedProcess:
+def _generate(model, context, steps: int, out) -> CliRun:
     args = ["--model", str(model), "--context", str(context), "--out", str(out)]
-    return subprocess.run(
-        [sys.executable, "-m", "ctxc.cli", "generate", *args, "--max-new-tokens", str(steps)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_cli("generate", *args, "--max-new-tokens", str(steps))
 
 
 def test_cli_writes_json_and_plot(tiny_model_dir, tmp_path) -> None:
@@ -79,5 +73,6 @@ def test_cli_rejects_zero_steps(tiny_model_dir, tmp_path) -> None:
     context.write_text("w5 w6 w7")
     proc = _generate(tiny_model_dir, context, 0, tmp_path / "g")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode != 0 and len(lines) == 1 and "at least 1" in lines[0], proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert lines == ["ctxc: error: --max-new-tokens must be at least 1"], proc.stderr
     assert not (tmp_path / "g").exists()
