@@ -495,7 +495,7 @@ def _block_kinds(model) -> dict:
         tags = [b.output_control]
         if b.parallel:
             tags.append("parallel")
-        if b.post_norm:
+        if b.norm is not None:
             tags.append("post-norm")
         if b.trailing_norm:
             tags.append("post-LN")
