@@ -29,7 +29,8 @@ __all__ = [
 
 RANK_NOTE = (
     "ranks are for a single-token query; a k-token query gives rank-k matrix moves (a post-norm "
-    "scale or bias matches one position only)"
+    "scale is shared by the k positions, with a rank-k move of the outer linear under every "
+    "rule; a post-norm bias matches one position only)"
 )
 
 

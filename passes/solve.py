@@ -26,6 +26,7 @@ from torch import fx
 from ctxc.errors import SolveError
 from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.graph_view import GraphView
+from ctxc.passes.multi_scale import fit_shared_scale, multi_refusal, shared_scale_targets
 from ctxc.passes.run_graph import FullRun
 from ctxc.passes.update_rules import (
     ConditionError,
@@ -252,13 +253,8 @@ class _Solver:
             if not patched:
                 self._add_hook(block.residual_add, self._finish_hook(block, i, n))
                 continue
-            if block.output_control in ("scale", "bias") and k > 1:
-                what = "post-norm scale" if block.output_control == "scale" else "post-norm bias"
-                raise SolveError(
-                    block.path,
-                    f"a {what} can match one query position, not {k}: use a "
-                    "single-token query for this model",
-                )
+            if k > 1 and (reason := multi_refusal(block, k)):
+                raise SolveError(block.path, reason)
             self._setup_block(block, i, n)
 
     # -- setup -------------------------------------------------------------------------------
@@ -296,7 +292,8 @@ class _Solver:
         ctl = block.output_control
         if ctl == "scale":
             assert block.scale is not None
-            stable = self.update in ("stable", "output") and block.stable_ok
+            # k > 1: every rule moves the down projection (multi_scale.py).
+            stable = (self.update in ("stable", "output") or self.k > 1) and block.stable_ok
             return [block.outer.weight, block.scale.param] if stable else [block.scale.param]
         if ctl == "bias":
             assert block.norm is not None and block.norm.bias is not None
@@ -566,6 +563,9 @@ class _Solver:
     def _scale_move(self, run: _ReducedRun, block: MlpBlock, t: torch.Tensor, y) -> None:
         sc = block.scale
         assert sc is not None
+        if t.shape[0] > 1:
+            self._shared_scale_move(run, block, t, y)
+            return
         if self.update in ("stable", "output") and block.stable_ok:
             # Stable rule: move u towards the unit-RMS target, the scale does the rest (MATH.md 4).
             h = _rows(self._value(run, block.activation))  # [k, d_ff]
@@ -590,6 +590,30 @@ class _Solver:
             max_unreached=move.max_unreached,
         )
         self._put(run, Delta(sc.param, block.path, vector=move.ds / sc.alpha), y, at=block)
+
+    def _shared_scale_move(self, run: _ReducedRun, block: MlpBlock, t: torch.Tensor, y) -> None:
+        """k query positions, one scale: the down projection sets each position's normalised
+        output ``t_j / s'``, then ``s'`` is fitted to what the patched MLP produces."""
+        sc = block.scale
+        assert sc is not None
+        h = _rows(self._value(run, block.activation))  # [k, d_ff]
+        u_now = self._outer_now(run, block, h)  # [k, d]
+        rho = self._normalized(run, block).double().pow(2).mean(dim=1)  # [k]: M / (M + eps)
+        shared = shared_scale_targets(self._scale(run, block), t, u_now, rho)
+        self._linear_delta(run, block, shared.targets - u_now, h, y)  # [k, d] residual
+        f = self._normalized(run, block)  # [k, d], recomputed (MATH.md 8)
+        y_target = self._targets(block).y  # [k, d], model dtype
+        tol = (torch.finfo(y_target.dtype).eps * y_target.float().abs()).amax(dim=0)  # [d]
+        low = y_target.dtype != torch.float32
+        fit = fit_shared_scale(self._scale(run, block), f, t, tol, allow_unreached=low)
+        self.stats[block.path].update(
+            min_divisor=fit.min_divisor,
+            max_scale_change=fit.max_change,
+            max_gain=fit.max_gain,
+            unreached=fit.unreached,
+            max_unreached=fit.max_unreached,
+        )
+        self._put(run, Delta(sc.param, block.path, vector=fit.ds / sc.alpha), y, at=block)
 
     def _experts_move(self, run: _ReducedRun, block: MlpBlock, t: torch.Tensor, y) -> None:
         """Every active expert's output map takes ``d / S`` (MATH.md 1, MoE)."""

@@ -32,8 +32,8 @@ CONTEXT = list(range(3, 15))
 FULL_CONTEXT_ATOL = 1e-5
 
 
-# name -> (family, dtype, query ids). Gemma's post-FFN norm scale can match one query position
-# only, so its query is a single token; bfloat16 checks the final .to(W.dtype) rounding.
+# name -> (family, dtype, query ids). Gemma keeps a single-token query (the one-position scale
+# move; k > 1 shares one scale: tests/test_multi_scale.py); bfloat16 checks .to(W.dtype) rounding.
 ARCHS: dict[str, tuple[str, torch.dtype, list[int]]] = {
     "gemma3": ("gemma3", torch.float32, [20]),
     "gpt2": ("gpt2", torch.float32, [20, 21, 22]),
