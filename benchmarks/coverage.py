@@ -460,6 +460,7 @@ def _figures(rep) -> dict:
         "solver_max_abs_logit_diff": rep.patched.max_abs_logit_diff,
         "patched_blocks": sum(b.patched for b in rep.blocks),
         "rejections": list(rep.rejections),
+        "frontend": rep.frontend,
     }
 
 
@@ -494,7 +495,7 @@ def _block_kinds(model) -> dict:
         tags = [b.output_control]
         if b.parallel:
             tags.append("parallel")
-        if b.post_norm:
+        if b.norm is not None:
             tags.append("post-norm")
         if b.trailing_norm:
             tags.append("post-LN")
