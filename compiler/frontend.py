@@ -6,8 +6,8 @@ ladder tries, in order:
 
 1. ``dynamic``: ``seq`` from 1 to the config's maximum position (``trace.max_positions``).
 2. ``bounded``: the ranges ``torch.export`` suggests in its error (``Dim('seq', min=.., max=..)``;
-   each failed try may suggest a narrower one), then ``[2, max]`` and ``[2, max - 1]`` (guards
-   that hold from 2 on, or below the configured maximum).
+   each failed try may suggest a narrower one), then ``[1, max - 1]``, ``[2, max]`` and
+   ``[2, max - 1]`` (guards that hold below the configured maximum, or from 2 tokens on).
 3. ``static``: one export per input length, made on demand (:func:`Frontend.traced_for`): the
    full run and the reduced run each get their own graph, and the block maps correspond by
    block path (the pipeline checks it).
@@ -31,7 +31,7 @@ from ctxc.trace import TracedModel, max_positions, trace
 __all__ = ["Frontend", "build_frontend", "suggested_range"]
 
 # Bounded tries at most: each failure may suggest a narrower range.
-_MAX_TRIES = 5
+_MAX_TRIES = 6
 # Static exports kept per model (one per input length seen).
 _MAX_STATIC = 8
 _SUGGESTED = re.compile(r"Dim\('seq'((?:,\s*(?:min|max)=\d+)*)\)")
@@ -126,7 +126,7 @@ def build_frontend(model: torch.nn.Module, locate: Callable[[TracedModel], objec
         return Frontend((traced, locate(traced)), (), weakref.ref(model), locate)
     except CtxcError as exc:
         reasons.append(f"dynamic [1, {top}]: {_short(exc)}")
-        queue = [suggested_range(exc, (1, top)), (2, top), (2, top - 1)]
+        queue = [suggested_range(exc, (1, top)), (1, top - 1), (2, top), (2, top - 1)]
     tried: set[tuple[int, int]] = set()
     while queue and len(tried) < _MAX_TRIES:
         rng = queue.pop(0)
