@@ -280,7 +280,7 @@ class GraphView:
 
 
 def _strip_wrapper(path: str) -> str:
-    from ctxc.trace import _WRAPPED
+    from ctxc.trace import WRAPPED
 
-    prefix = _WRAPPED + "."
+    prefix = WRAPPED + "."
     return path[len(prefix) :] if path.startswith(prefix) else path
