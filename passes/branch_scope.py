@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from torch import fx
 
+from ctxc.passes.block_map import LinearSite, Rejection
 from ctxc.passes.find_mlp_core import MlpCore
 from ctxc.passes.graph_view import GraphView, op_name
 from ctxc.passes.match_linears import ADDS
 
-__all__ = ["not_a_branch"]
+__all__ = ["not_a_branch", "unmatched_weights"]
+
+# Ops that apply a matrix to rows, by the operand that holds the matrix.
+_MATRIX_OPS = {"aten.linear": 1, "aten.matmul": 1, "aten.mm": 1}
 
 
 def not_a_branch(view: GraphView, core: MlpCore) -> str | None:
@@ -58,3 +62,38 @@ def not_a_branch(view: GraphView, core: MlpCore) -> str | None:
             f"mixer ({sorted(set(mixers))[0]})"
         )
     return "not a residual block: its output reaches no residual add (an output head)"
+
+
+def unmatched_weights(view: GraphView, sites: dict[fx.Node, LinearSite]) -> list[Rejection]:
+    """Matrix products whose weight is a parameter read through another op (no matcher's).
+
+    JetMoE's experts apply ``select(bank, 0, i)`` to the rows ``split_with_sizes`` gives expert
+    ``i`` (sizes read from the router at run time): no linear matcher takes that weight, so no
+    MLP core is found. One entry per module, naming the op that reads the parameter.
+
+    Args:
+        view: the graph.
+        sites: the matched linears.
+
+    Returns:
+        a :class:`Rejection` per module path with such a product, in graph order.
+    """
+    found: dict[str, Rejection] = {}
+    for node in view.nodes:
+        pos = _MATRIX_OPS.get(op_name(node)) if node.op == "call_function" else None
+        if pos is None or node in sites or len(node.args) <= pos:
+            continue
+        w = node.args[pos]
+        if not isinstance(w, fx.Node) or w.op != "call_function" or not view.param_only(w):
+            continue
+        params = [a for a in w.args if isinstance(a, fx.Node) and view.param_root(a) is not None]
+        path = view.module_path(node)
+        if not params or path in found:
+            continue
+        name = view.param_name(view.param_root(params[0]))
+        found[path] = Rejection(
+            path,
+            f"{op_name(node)} reads {name} through {op_name(w)} {list(w.args[1:])}: no linear "
+            f"matcher takes a weight sliced from a parameter bank, so no MLP core is found",
+        )
+    return list(found.values())

@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import fx
 
 from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock, Rejection
-from ctxc.passes.branch_scope import not_a_branch
+from ctxc.passes.branch_scope import not_a_branch, unmatched_weights
 from ctxc.passes.choose_control import choose_control
 from ctxc.passes.describe_block import (
     is_fused_gate_up,
@@ -92,6 +92,7 @@ def locate_blocks(traced: TracedModel, view: GraphView | None = None) -> BlockMa
     if not blocks:
         if head is not None:  # the LM head is no candidate block
             misses.pop(view.by_name[head], None)
+        rejections += _unexplained(unmatched_weights(view, sites), rejections)
         rejections += _unexplained([*notes, *misses.values()], rejections)
     rejections.sort(key=lambda r: _path_key(r.where))
     notes.sort(key=lambda r: _path_key(r.where))
