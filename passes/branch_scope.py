@@ -27,8 +27,9 @@ def not_a_branch(view: GraphView, core: MlpCore) -> str | None:
     """Why ``core`` is no residual MLP branch, or None when it may be one.
 
     Walks forward from the outer linear's output, stopping at token mixers; the core may be a
-    branch when the walk meets an addition whose other operand carries an ancestor of ``z``
-    (the residual).
+    branch when the walk meets an addition that merges it with another stream (an input-
+    dependent operand that does not descend from the core: the residual, or any other; the
+    tail analysis then says why it fails).
 
     Args:
         view: the graph.
@@ -37,8 +38,8 @@ def not_a_branch(view: GraphView, core: MlpCore) -> str | None:
     Returns:
         the note (naming the token mixer that stops every path, if any), or None.
     """
-    z_anc = view.ancestors(core.z) | {core.z}
     start = view.by_name[core.outer.node]
+    after = view.descendants(start)
     seen: set[fx.Node] = {start}
     todo = [start]
     mixers: list[str] = []
@@ -53,8 +54,8 @@ def not_a_branch(view: GraphView, core: MlpCore) -> str | None:
                 continue
             if u.op == "call_function" and u.target in ADDS:
                 others = [a for a in u.args if isinstance(a, fx.Node) and a is not cur]
-                if any(a in z_anc for a in others):
-                    return None
+                if any(a in view.input_dependent and a not in after for a in others):
+                    return None  # merges with another stream: may be a residual add
             todo.append(u)
     if mixers:
         return (
