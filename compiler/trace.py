@@ -1,7 +1,8 @@
 """Frontend: export a Hugging Face decoder to a torch.fx graph with ``torch.export``.
 
-The graph is exported once per model, with a dynamic sequence length, and reused for the full
-(context + query) run and the reduced (query only) run. It is not decomposed, so ``aten.linear``
+The graph is exported with a dynamic sequence length (or a bounded range, or one static length:
+``compiler/frontend.py`` climbs that ladder) and reused for the full (context + query) run and
+the reduced (query only) run when its range holds both. It is not decomposed, so ``aten.linear``
 and the module paths in ``nn_module_stack`` survive for the locator.
 """
 
