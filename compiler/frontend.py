@@ -31,11 +31,12 @@ from ctxc.trace import TracedModel, max_positions, trace
 __all__ = ["Frontend", "build_frontend", "suggested_range"]
 
 # Bounded tries at most: each failure may suggest a narrower range.
-_MAX_TRIES = 6
+_MAX_TRIES = 4
 # Static exports kept per model (one per input length seen).
 _MAX_STATIC = 8
 _SUGGESTED = re.compile(r"Dim\('seq'((?:,\s*(?:min|max)=\d+)*)\)")
 _BOUND = re.compile(r"(min|max)=(\d+)")
+_FIXED = re.compile(r"\bseq = \d+")
 
 
 @dataclass(frozen=True)
@@ -94,11 +95,7 @@ def suggested_range(exc: BaseException, current: tuple[int, int]) -> tuple[int, 
     Returns:
         ``(min, max)``, or None when there is no suggestion or it fixes ``seq`` to a constant.
     """
-    text = ""
-    while exc is not None:
-        text += str(exc) + "\n"
-        exc = exc.__cause__
-    match = _SUGGESTED.search(text)
+    match = _SUGGESTED.search(_text(exc))
     if match is None:
         return None
     bounds = dict(_BOUND.findall(match.group(1)))
@@ -126,7 +123,12 @@ def build_frontend(model: torch.nn.Module, locate: Callable[[TracedModel], objec
         return Frontend((traced, locate(traced)), (), weakref.ref(model), locate)
     except CtxcError as exc:
         reasons.append(f"dynamic [1, {top}]: {_short(exc)}")
-        queue = [suggested_range(exc, (1, top)), (1, top - 1), (2, top), (2, top - 1)]
+        fixed = _FIXED.search(_text(exc))
+        if fixed:  # the guards pin seq to the example's length: no range holds
+            reasons.append(f"bounded: not tried, torch.export suggests {fixed.group(0)}")
+            queue = []
+        else:
+            queue = [suggested_range(exc, (1, top)), (1, top - 1), (2, top), (2, top - 1)]
     tried: set[tuple[int, int]] = set()
     while queue and len(tried) < _MAX_TRIES:
         rng = queue.pop(0)
@@ -142,6 +144,15 @@ def build_frontend(model: torch.nn.Module, locate: Callable[[TracedModel], objec
     frontend = Frontend(None, tuple(reasons), weakref.ref(model), locate)
     frontend.traced_for(None)
     return frontend
+
+
+def _text(exc: BaseException | None) -> str:
+    """The messages of ``exc`` and its causes."""
+    text = ""
+    while exc is not None:
+        text += str(exc) + "\n"
+        exc = exc.__cause__
+    return text
 
 
 def _short(exc: BaseException) -> str:
