@@ -10,6 +10,7 @@ blocks around it absorb what it computes (their targets are the full run's value
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from ctxc.passes.block_map import LinearSite, Rejection
@@ -19,6 +20,9 @@ from ctxc.passes.match_linears import ADDS
 
 __all__ = ["not_a_branch", "unmatched_weights"]
 
+aten = torch.ops.aten
+
+_PRODUCTS = frozenset({aten.mul.Tensor, aten.mul_.Tensor})
 # Ops that apply a matrix to rows, by the operand that holds the matrix.
 _MATRIX_OPS = {"aten.linear": 1, "aten.matmul": 1, "aten.mm": 1}
 
@@ -52,6 +56,10 @@ def not_a_branch(view: GraphView, core: MlpCore) -> str | None:
             if view.is_token_mixing(u):
                 mixers.append(op_name(u))
                 continue
+            mixed = _mixed_factor(view, core, u, cur, after)
+            if mixed is not None:
+                mixers.append(f"{op_name(u)} by the output of {mixed}")
+                continue
             if u.op == "call_function" and u.target in ADDS:
                 others = [a for a in u.args if isinstance(a, fx.Node) and a is not cur]
                 if any(a in view.input_dependent and a not in after for a in others):
@@ -63,6 +71,26 @@ def not_a_branch(view: GraphView, core: MlpCore) -> str | None:
             f"mixer ({sorted(set(mixers))[0]})"
         )
     return "not a residual block: its output reaches no residual add (an output head)"
+
+
+def _mixed_factor(
+    view: GraphView, core: MlpCore, u: fx.Node, cur: fx.Node, after: set[fx.Node]
+) -> str | None:
+    """The token mixer behind the other factor of a product ``u = cur * other``, if any.
+
+    A factor computed through a token mixer after ``z`` (KDA's output gate multiplies the
+    attention output) makes the branch depend on other positions: no position-wise ``g``.
+    """
+    if u.op != "call_function" or u.target not in _PRODUCTS:
+        return None
+    z_anc = view.ancestors(core.z)
+    for a in u.args:
+        if not isinstance(a, fx.Node) or a is cur or a in after or a not in view.input_dependent:
+            continue
+        for m in view.ancestors(a):
+            if m not in z_anc and view.is_token_mixing(m):
+                return op_name(m)
+    return None
 
 
 def unmatched_weights(view: GraphView, sites: dict[fx.Node, LinearSite]) -> list[Rejection]:
