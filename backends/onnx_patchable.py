@@ -44,6 +44,7 @@ from ctxc.backends.onnx_export import (
 from ctxc.backends.onnx_files import ONNX_FILE, patch_metadata, save_program
 from ctxc.backends.verify import check_ids, reference_logits
 from ctxc.errors import CtxcError
+from ctxc.passes.delta_math import add_in_float32, lowrank_dense
 from ctxc.patch import Delta, Patch
 
 __all__ = ["Slot", "emit_onnx_patchable", "input_name", "patch_feeds", "slots_of"]
@@ -118,11 +119,9 @@ class _Patchable(torch.nn.Module):
                 dense = next(it)
             else:
                 u, v = next(it), next(it)
-                dense = u @ v.mT  # [out, in] (or [E, out, in]), as Delta.dense
-                if slot.layout == "in_out":
-                    dense = dense.mT
+                dense = lowrank_dense(u, v, slot.layout)  # [out, in] (or [E, out, in])
             # Delta.materialize, op for op (an expert bank's untouched experts add exact zeros).
-            params[slot.param] = (base.float() + dense).to(base.dtype)
+            params[slot.param] = add_in_float32(base, dense)
         return functional_call(self.model, params, (), {"input_ids": input_ids}).logits
 
 

@@ -11,7 +11,8 @@ model runs in its own forked process with a timeout. Writes ``docs/coverage.md``
         [--out docs] [--list] [--strict] [--merge] [--render]
 
 ``--merge`` reruns the selected entries into an existing ``coverage.json`` (after a fix);
-``--render`` rewrites ``coverage.md`` from it. ``tests/test_coverage.py`` runs the ``ci`` subset.
+``--render`` rewrites ``coverage.md`` from it. ``tests/integration/test_coverage.py`` runs the
+``ci`` subset.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def main() -> None:
                 full_ids = torch.tensor([rep.context_ids + rep.query_ids])
                 full = model(full_ids).logits[0, -1:]
             fid = fidelity(got, full)
-            gains = [b.max_gain for b in rep.blocks if b.max_gain == b.max_gain]
+            gains = [b.max_gain for b in rep.blocks if b.max_gain is not None]
             print(
                 f"{name:8} {len(rep.context_ids) + len(rep.query_ids):6d} {update:9} "
                 f"{rep.patched.max_abs_logit_diff:9.3g} {fid.max_abs_logit_diff:9.3g} "

@@ -39,11 +39,11 @@ def main() -> None:
             e = rep.emitted
             patched = [b for b in rep.blocks if b.patched]
             change = max(
-                (b.max_scale_change for b in patched if b.max_scale_change == b.max_scale_change),
+                (b.max_scale_change for b in patched if b.max_scale_change is not None),
                 default=float("nan"),
             )
             gain = max(
-                (b.max_gain for b in patched if b.max_gain == b.max_gain), default=float("nan")
+                (b.max_gain for b in patched if b.max_gain is not None), default=float("nan")
             )
             norm = sum(sum((b.delta_norms or {}).values()) for b in patched)
             print(

@@ -21,7 +21,7 @@ from ctxc.metrics import fidelity
 from ctxc.passes.block_map import BlockMap
 from ctxc.passes.graph_view import GraphView
 from ctxc.passes.run_graph import BlockTargets, FullRun, record_targets
-from ctxc.passes.solve import solve
+from ctxc.passes.solve import Solution, solve
 from ctxc.pipeline import traced_blocks
 from ctxc.trace import TracedModel
 
@@ -152,6 +152,23 @@ def _hooks_agree(model, traced, blocks, hooks: _TargetHooks, probe: torch.Tensor
     )
 
 
+def _record(step: int, solution: Solution, full: FullRun, start: float) -> GenerateStep:
+    """One step's figures: the patched logits against the baseline's; seconds since ``start``."""
+    fid = fidelity(solution.logits, full.logits)
+    changes = [b.max_scale_change for b in solution.stats if b.max_scale_change is not None]
+    return GenerateStep(
+        step=step,
+        baseline_token=fid.top1_full,
+        patched_token=fid.top1,
+        match=fid.top1_match,
+        max_abs_logit_diff=fid.max_abs_logit_diff,
+        mean_abs_logit_diff=fid.mean_abs_logit_diff,
+        total_variation=fid.total_variation,
+        max_scale_change=max(changes) if changes else None,
+        seconds=time.perf_counter() - start,
+    )
+
+
 def generate(
     model: torch.nn.Module,
     context_ids: list[int],
@@ -212,27 +229,11 @@ def generate(
                 full_ids = torch.tensor([history], dtype=torch.long, device=device)
                 full = record_targets(traced, blocks, full_ids, 1)
             solution = solve(traced, blocks, full, current, update, apply=apply)
-            fid = fidelity(solution.logits, full.logits)
-            changes = [
-                b.max_scale_change
-                for b in solution.stats
-                if b.max_scale_change == b.max_scale_change
-            ]
-            record = GenerateStep(
-                step=step,
-                baseline_token=fid.top1_full,
-                patched_token=fid.top1,
-                match=fid.top1_match,
-                max_abs_logit_diff=fid.max_abs_logit_diff,
-                mean_abs_logit_diff=fid.mean_abs_logit_diff,
-                total_variation=fid.total_variation,
-                max_scale_change=max(changes) if changes else None,
-                seconds=time.perf_counter() - start,
-            )
+            record = _record(step, solution, full, start)
             steps.append(record)
             if on_step is not None:
                 on_step(record)
-            history.append(fid.top1_full)  # teacher forcing: follow the baseline
+            history.append(record.baseline_token)  # teacher forcing: follow the baseline
     finally:
         hooks.close()
     timings["steps"] = sum(s.seconds for s in steps)

@@ -31,7 +31,7 @@ from ctxc.passes.classify import (
     Role,
     classify,
 )
-from ctxc.passes.solve import UPDATE_RULES
+from ctxc.passes.plan import UPDATE_RULES, plan
 
 __all__ = ["ModelInspection", "describe", "inspect_model"]
 
@@ -231,22 +231,14 @@ def _tail_entry(step: TailStep) -> TailEntry:
 
 
 def _patches(b: MlpBlock, rule: str) -> tuple[PatchEntry, ...]:
-    """The parameters ``rule`` patches in ``b``, as the solver chooses them."""
-    # The same choice as the solver's (passes/solve.py); read it from passes/plan.py once that
-    # answers "which parameters does each rule move" for both.
+    """The parameters ``rule`` patches in ``b``: the solver's own plan (passes/plan.py)."""
     top_k = b.experts.top_k if b.experts is not None else 1  # experts a token routes to
-    out = [_matrix(b, s, "input", top_k) for s in b.inner] if rule != "output" else []
-    ctl = b.output_control
-    if ctl in ("linear", "experts"):
-        out.append(_matrix(b, b.outer, "output", top_k))
-    elif ctl == "scale":
-        assert b.scale is not None
-        if rule in ("stable", "output") and b.stable_ok:
-            out.append(_matrix(b, b.outer, "output", top_k))
-        out.append(_vector(b, b.scale.param))
-    elif ctl == "bias":
-        assert b.norm is not None and b.norm.bias is not None
-        out.append(_vector(b, b.norm.bias))
+    out = []
+    for m in plan(b, rule).moves:
+        if m.site is not None:
+            out.append(_matrix(b, m.site, m.move, top_k))
+        else:
+            out.append(_vector(b, m.param))
     return tuple(out)
 
 

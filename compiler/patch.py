@@ -22,6 +22,7 @@ from safetensors.torch import save
 
 from ctxc.errors import CtxcError
 from ctxc.fingerprint import fingerprint
+from ctxc.passes.delta_math import add_in_float32, lowrank_dense
 from ctxc.patch_checks import canonical, check_factors, check_fits, check_tensor
 
 __all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta"]
@@ -66,11 +67,8 @@ class Delta:
         if self.vector is not None:
             return self.vector
         assert self.u is not None and self.v is not None
-        if self.experts:
-            dwe = self.u @ self.v.mT  # [n, out, in]: the listed experts' slices only
-            return dwe.mT if self.layout == "in_out" else dwe
-        dw = self.u @ self.v.T  # [out, in]
-        return dw.T if self.layout == "in_out" else dw
+        # [out, in] (or [n, out, in]: the listed experts' slices only)
+        return lowrank_dense(self.u, self.v, self.layout)
 
     def materialize(self, base: torch.Tensor) -> torch.Tensor:
         """``(base.float() + delta).to(base.dtype)``: the patched parameter value."""
@@ -79,7 +77,7 @@ class Delta:
             index = torch.tensor(self.experts, dtype=torch.long, device=base.device)
             w[index] = w[index] + self.dense().to(base.device)
             return w.to(base.dtype)
-        return (base.detach().float() + self.dense()).to(base.dtype)
+        return add_in_float32(base.detach(), self.dense())
 
     def norm(self) -> float:
         """Frobenius norm of the delta (from the factors, without materialising)."""

@@ -130,7 +130,28 @@ def compile(
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
-    stage = on_stage or (lambda _name: None)
+    options = _Options(update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block)
+    return _compile_ids(model, ctx_ids, q_ids, options)
+
+
+@dataclass(frozen=True)
+class _Options:
+    """The keyword arguments of :func:`compile` that the stages read."""
+
+    update: str
+    start_layer: int
+    skip_unpatchable: bool
+    verify: bool
+    apply: str
+    on_stage: Callable[[str], None] | None
+    on_block: Callable[[int, int, str], None] | None
+
+
+def _compile_ids(
+    model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Options
+) -> CompileResult:
+    """:func:`compile` on checked token ids: trace, full run, solve, control, verify, report."""
+    stage = o.on_stage or (lambda _name: None)
     timings: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -145,6 +166,59 @@ def compile(
         model, len(ctx_ids) + len(q_ids), len(q_ids)
     )
     lap("trace")
+    _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
+    device = next(model.parameters()).device
+    full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
+    query = full_ids[:, len(ctx_ids) :]  # [1, k]
+
+    stage("full run")
+    full = record_targets(full_traced, full_blocks, full_ids, len(q_ids))
+    lap("full_run")
+    stage("solving")
+    solution, failed = _solve_skipping(
+        (traced, blocks, full, query, o.update, o.start_layer, o.on_block, o.apply),
+        o.skip_unpatchable,
+    )
+    lap("solve")
+    rejections = tuple(str(r) for r in (*blocks.rejections, *failed))
+    if not solution.deltas:  # e.g. --skip-unpatchable with every block failing: never a no-op
+        raise UnpatchableError(
+            "no block was patched"
+            + (f": {'; '.join(rejections)}" if rejections else f" from start layer {o.start_layer}")
+        )
+    control = run_logits(traced, query)
+    lap("control_run")
+
+    meta = _meta(model, traced, ctx_ids, q_ids, o.update, o.start_layer)
+    patch = Patch(solution.deltas, meta)
+    lap("fingerprint")
+    emitted = solution.logits
+    if o.verify:
+        stage("verifying")
+        emitted = _run_patched(model, patch, query)
+        lap("verify")
+    report = CompileReport(
+        model=meta.model,
+        dtype=meta.dtype,
+        update=o.update,
+        start_layer=o.start_layer,
+        context_ids=ctx_ids,
+        query_ids=q_ids,
+        patched=fidelity(solution.logits, full.logits),
+        emitted=fidelity(emitted, full.logits),
+        control=fidelity(control, full.logits),
+        blocks=solution.stats,
+        rejections=rejections,
+        timings=timings,
+        ctxc_version=__version__,
+        apply=o.apply,
+        frontend=frontend,
+    )
+    return CompileResult(patch=patch, report=report, full_logits=full.logits)
+
+
+def _check_blocks(blocks: BlockMap, skip_unpatchable: bool, start_layer: int) -> None:
+    """Refuse a model with no block, rejected blocks (unless skipped) or a bad start layer."""
     if not blocks.blocks:
         raise UnpatchableError("no residual MLP block found in this model" + _reasons(blocks))
     if blocks.rejections and not skip_unpatchable:
@@ -155,28 +229,11 @@ def compile(
         )
     if not 0 <= start_layer < len(blocks.blocks):
         raise CtxcError(f"start layer {start_layer} is outside 0..{len(blocks.blocks) - 1}")
-    device = next(model.parameters()).device
-    full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
-    query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
-    stage("full run")
-    full = record_targets(full_traced, full_blocks, full_ids, len(q_ids))
-    lap("full_run")
-    stage("solving")
-    solution, failed = _solve_skipping(
-        (traced, blocks, full, query, update, start_layer, on_block, apply), skip_unpatchable
-    )
-    lap("solve")
-    if not solution.deltas:  # e.g. --skip-unpatchable with every block failing: never a no-op
-        left = [str(r) for r in (*blocks.rejections, *failed)]
-        raise UnpatchableError(
-            "no block was patched"
-            + (f": {'; '.join(left)}" if left else f" from start layer {start_layer}")
-        )
-    control = run_logits(traced, query)
-    lap("control_run")
 
-    meta = PatchMeta(
+def _meta(model, traced: TracedModel, ctx_ids, q_ids, update: str, start_layer: int) -> PatchMeta:
+    """The patch's metadata: what it was computed on and from."""
+    return PatchMeta(
         fingerprint=fingerprint(model),
         context_ids=ctx_ids,
         query_ids=q_ids,
@@ -186,31 +243,6 @@ def compile(
         model=str(getattr(model, "ctxc_name", getattr(model, "name_or_path", ""))),
         start_layer=start_layer,
     )
-    patch = Patch(solution.deltas, meta)
-    lap("fingerprint")
-    emitted = solution.logits
-    if verify:
-        stage("verifying")
-        emitted = _run_patched(model, patch, query)
-        lap("verify")
-    report = CompileReport(
-        model=meta.model,
-        dtype=meta.dtype,
-        update=update,
-        start_layer=start_layer,
-        context_ids=ctx_ids,
-        query_ids=q_ids,
-        patched=fidelity(solution.logits, full.logits),
-        emitted=fidelity(emitted, full.logits),
-        control=fidelity(control, full.logits),
-        blocks=solution.stats,
-        rejections=tuple(str(r) for r in (*blocks.rejections, *failed)),
-        timings=timings,
-        ctxc_version=__version__,
-        apply=apply,
-        frontend=frontend,
-    )
-    return CompileResult(patch=patch, report=report, full_logits=full.logits)
 
 
 def _solve_skipping(args: tuple, skip_unpatchable: bool) -> tuple:

@@ -7,7 +7,7 @@ import math
 from dataclasses import asdict, dataclass, field
 
 from ctxc.metrics import Fidelity
-from ctxc.passes.solve import BlockStats
+from ctxc.passes.block_stats import BlockStats
 
 __all__ = ["CompileReport"]
 

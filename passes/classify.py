@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from ctxc.passes.block_map import BlockMap, MlpBlock
+from ctxc.passes.plan import plan
 
 __all__ = ["INPUT_CONTROLLABLE", "NEITHER", "OUTPUT_CONTROLLABLE", "Role", "classify"]
 
@@ -29,8 +30,8 @@ class Role:
             ``residual_add``.
         control: ``input-controllable``, ``output-controllable`` or ``neither``.
         param: the parameter a patch can change at this node, if any.
-        used: True when the solver patches ``param`` here (with its default ``stable`` rule,
-            or the input moves of the ``standard`` rule); False for a controllable alternative.
+        used: True when the solver patches ``param`` here with its default ``stable`` rule
+            (:func:`~ctxc.passes.plan.plan`); False for a controllable alternative.
     """
 
     block: str
@@ -56,39 +57,32 @@ def classify(blocks: BlockMap) -> Mapping[str, Role]:
 
 
 def _block_roles(b: MlpBlock, roles: dict[str, Role]) -> None:
+    used = {m.param: m.part for m in plan(b, "stable").moves}
     roles[b.residual_in] = Role(b.path, "residual_in", NEITHER)
     roles[b.mlp_in] = Role(b.path, "mlp_in", NEITHER)
     for site in b.inner:
-        if site.experts:
-            part = "expert_input_bank"
-        elif site.node in b.routers:
-            part = "router"
-        else:
-            part = "inner_linear"
+        part = used[site.weight]  # the stable rule moves every inner linear
         roles[site.node] = Role(b.path, part, INPUT_CONTROLLABLE, site.weight, used=True)
     for site in b.others:
         roles[site.node] = Role(b.path, "inner_function_linear", NEITHER, site.weight)
     roles[b.activation] = Role(b.path, "activation", NEITHER)
     outer_part = "expert_output_bank" if b.outer.experts else "outer_linear"
-    outer_used = b.output_control in ("linear", "experts") or b.stable_ok
     roles[b.outer.node] = Role(
-        b.path, outer_part, OUTPUT_CONTROLLABLE, b.outer.weight, used=outer_used
+        b.path, outer_part, OUTPUT_CONTROLLABLE, b.outer.weight, used=b.outer.weight in used
     )
     if b.norm is not None:
         if b.scale is not None and b.scale.normalized:
             roles[b.scale.normalized] = Role(b.path, "post_norm", NEITHER)
         if b.scale is not None:
-            used = b.output_control == "scale"
             roles[b.scale.node] = Role(
-                b.path, "post_norm_scale", OUTPUT_CONTROLLABLE, b.scale.param, used=used
+                b.path, "post_norm_scale", OUTPUT_CONTROLLABLE, b.scale.param, b.scale.param in used
             )
         # A fused LayerNorm applies scale and bias in one node: it takes the part the solver
         # uses (inspect lists the other as an alternative).
         bias_node = b.norm.bias_node
         if b.norm.bias and bias_node and (bias_node not in roles or b.output_control == "bias"):
-            used = b.output_control == "bias"
             roles[bias_node] = Role(
-                b.path, "post_norm_bias", OUTPUT_CONTROLLABLE, b.norm.bias, used
+                b.path, "post_norm_bias", OUTPUT_CONTROLLABLE, b.norm.bias, b.norm.bias in used
             )
     if b.experts is not None:
         roles[b.experts.gate] = Role(b.path, "gate", NEITHER)

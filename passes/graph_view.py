@@ -7,6 +7,7 @@ answers them once, from the graph and its ``graph_signature``, never from node n
 
 from __future__ import annotations
 
+import weakref
 from functools import cached_property
 
 import networkx as nx
@@ -14,7 +15,7 @@ import sympy
 import torch
 from torch import fx
 
-from ctxc.trace import TracedModel
+from ctxc.trace import WRAPPED, TracedModel
 
 __all__ = ["ELEMENTWISE", "ROW_VIEWS", "TRANSPOSES", "VIEW_LIKE", "GraphView", "op_name"]
 
@@ -80,6 +81,9 @@ _PRODUCTS = frozenset(
 )
 
 
+_VIEWS: weakref.WeakKeyDictionary[fx.GraphModule, GraphView] = weakref.WeakKeyDictionary()
+
+
 def op_name(node: fx.Node) -> str:
     """A stable name for a node's operation: ``aten.linear`` for ``aten.linear.default``."""
     if node.op != "call_function":
@@ -91,6 +95,15 @@ def op_name(node: fx.Node) -> str:
 class GraphView:
     """Cached structural queries over a :class:`TracedModel`'s graph (pure, no mutation)."""
 
+    @classmethod
+    def of(cls, traced: TracedModel) -> GraphView:
+        """The view of ``traced``'s graph, made once per exported graph (``ctxc generate``
+        solves at every token and asks the same questions each time)."""
+        view = _VIEWS.get(traced.graph_module)
+        if view is None:
+            view = _VIEWS[traced.graph_module] = cls(traced)
+        return view
+
     def __init__(self, traced: TracedModel) -> None:
         self.traced = traced
         self.graph = traced.graph
@@ -98,6 +111,11 @@ class GraphView:
         self.index = {n: i for i, n in enumerate(self.nodes)}
         self.by_name = {n.name: n for n in self.nodes}
         self.param_of = traced.param_of
+
+    @cached_property
+    def param_node(self) -> dict[str, fx.Node]:
+        """Parameter name -> its placeholder node (from ``graph_signature``)."""
+        return {name: self.by_name[node] for node, name in self.param_of.items()}
 
     @cached_property
     def dag(self) -> nx.DiGraph:
@@ -165,7 +183,8 @@ class GraphView:
         if not stack:
             return ""
         path = list(stack.values())[-1][0]
-        return _strip_wrapper(path)
+        prefix = WRAPPED + "."
+        return path[len(prefix) :] if path.startswith(prefix) else path
 
     def module_type(self, node: fx.Node) -> str:
         stack = node.meta.get("nn_module_stack") or {}
@@ -277,10 +296,3 @@ class GraphView:
                 break
             node = arg
         return node
-
-
-def _strip_wrapper(path: str) -> str:
-    from ctxc.trace import WRAPPED
-
-    prefix = WRAPPED + "."
-    return path[len(prefix) :] if path.startswith(prefix) else path

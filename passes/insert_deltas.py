@@ -278,8 +278,8 @@ def _emit(
         new.append(node)
         return node
 
-    # Mirror Delta.materialize / Delta.dense exactly: the same ops on the same tensors give the
-    # same bits, which is what makes this graph interchangeable with patch.apply.
+    # Mirror passes/delta_math.py (what Delta.materialize calls) as graph nodes: the same ops
+    # on the same tensors give the same bits, so this graph is interchangeable with patch.apply.
     parts = _parts(delta)
     w32 = call(aten.to.dtype, (source, torch.float32), "w32")
     if "vector" in parts:

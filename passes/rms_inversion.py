@@ -98,9 +98,17 @@ def nearest_unit_rms(s: torch.Tensor, t: torch.Tensor) -> RmsInversion:
             break
         mu = new
     if abs(f - 1.0) > 1e-12:
-        mu = lo  # F(lo) <= 1: the closest feasible point from the left (F increases)
+        # F is so steep near min s^2 (a near-hard case, s_i t_i ~ 0 on the smallest scale) that
+        # no float64 mu reaches F = 1. Take mu = lo (F(lo) <= 1) and, as in the hard case, put
+        # the missing norm on the smallest scale's coordinate: rescaling every coordinate would
+        # break stationarity (s^2 - mu) w = s t everywhere else.
+        w = (s * t) / (s2 - lo)  # [d]
+        i = int(torch.argmin(s2))
+        rest = d - float(w.pow(2).sum() - w[i] ** 2)
+        w[i] = math.copysign(math.sqrt(max(rest, 0.0)), float(s[i] * t[i]) or 1.0)
+        return RmsInversion(w=w, mu=lo, hard_case=False, iterations=iterations)
     w = (s * t) / (s2 - mu)  # [d]
-    w = w / w.pow(2).mean().sqrt()  # remove the last bisection residue from the constraint
+    w = w / w.pow(2).mean().sqrt()  # remove the last Newton residue from the constraint
     return RmsInversion(w=w, mu=mu, hard_case=False, iterations=iterations)
 
 

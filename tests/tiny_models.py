@@ -47,7 +47,8 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
 }
 
 
-# Every other block shape of ARCHITECTURES.md, two layers each (see tests/test_block_shapes.py).
+# Every other block shape of ARCHITECTURES.md, two layers each
+# (see tests/integration/test_block_shapes.py).
 _TWO = {**_COMMON, "num_hidden_layers": 2}
 # Weights at the default 0.02 leave these models nearly blind to the context (unpatched logits
 # move by ~2e-3); a wider init makes the context matter, so the exactness tests can fail.

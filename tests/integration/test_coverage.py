@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "coverage.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "coverage.py"
 _SPEC = importlib.util.spec_from_file_location("ctxc_coverage", _PATH)
 coverage = importlib.util.module_from_spec(_SPEC)
 sys.modules[_SPEC.name] = coverage  # dataclasses look their module up by name

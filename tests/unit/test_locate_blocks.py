@@ -3,12 +3,15 @@ and what the locator says when it finds no block."""
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
-from tiny_models import FAMILIES, build
+from tiny_models import FAMILIES, build, build_any
 from transformers.pytorch_utils import Conv1D
 
 import ctxc
@@ -47,14 +50,30 @@ def test_every_layer_has_one_gated_block(family: str) -> None:
             assert b.output_control == "linear" and b.scale is None
 
 
-def test_classify_roles() -> None:
-    blocks = locate_blocks(trace(build("gemma3")))
+GOLDEN = Path(__file__).parents[1] / "golden"
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt2", "mixtral", "qwen2_moe", "falcon"])
+def test_classify_roles_match_the_golden(family: str) -> None:
+    """Every role, node by node: block, part, control, parameter, used by the stable rule.
+
+    Keyed by fx node name (stable for a pinned torch); regenerate after an intended change
+    with ``CTXC_UPDATE_GOLDEN=1`` and review the diff.
+    """
+    blocks = locate_blocks(trace(build_any(family)))
     roles = classify(blocks)
+    got = {node: [r.block, r.part, r.control, r.param, r.used] for node, r in sorted(roles.items())}
+    path = GOLDEN / f"classify_{family}.json"
+    if os.environ.get("CTXC_UPDATE_GOLDEN"):
+        path.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(path.read_text())
+    changed = sorted(k for k in set(got) | set(want) if got.get(k) != want.get(k))
+    assert not changed, f"{len(changed)} roles differ from {path.name}: " + "; ".join(
+        f"{k}: {want.get(k)} -> {got.get(k)}" for k in changed[:5]
+    )
     controls = [r.control for r in roles.values()]
-    n = len(blocks.blocks)
-    assert controls.count(INPUT_CONTROLLABLE) == 2 * n
-    assert controls.count(OUTPUT_CONTROLLABLE) == 2 * n  # down_proj and the post-norm scale
-    assert locate_blocks(trace(build("gemma3"))) == blocks  # pure and deterministic
+    assert controls.count(INPUT_CONTROLLABLE) > 0 and controls.count(OUTPUT_CONTROLLABLE) > 0
+    assert locate_blocks(trace(build_any(family))) == blocks  # pure and deterministic
 
 
 # -- one small traced module per kind of linear site --------------------------------------------

@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHORT = ROOT / "examples" / "short.txt"
 
 _CHECK = """

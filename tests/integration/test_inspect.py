@@ -1,7 +1,7 @@
 """``ctxc inspect``: stable JSON (golden files), readable text, and an HTML page with diagrams.
 
 Regenerate the golden files after an intended change with ``CTXC_UPDATE_GOLDEN=1 pytest
-tests/test_inspect.py`` and review the diff.
+tests/integration/test_inspect.py`` and review the diff.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from tiny_models import shared, tiny_tokenizer
 from ctxc.cli import main
 from ctxc.inspect_model import inspect_model
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["gpt2", "olmo2", "qwen2_moe"]
 
 

@@ -22,7 +22,7 @@ from ctxc.inspect_model import inspect_model
 from ctxc.pipeline import traced_blocks
 from ctxc.trace import LogitsOnly
 
-_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "coverage.py"
+_PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "coverage.py"
 _SPEC = importlib.util.spec_from_file_location("ctxc_coverage", _PATH)
 coverage = sys.modules.get(_SPEC.name) or importlib.util.module_from_spec(_SPEC)
 if _SPEC.name not in sys.modules:

@@ -1,0 +1,142 @@
+"""Transform of values, not of the graph: the reduced run, interpreted node by node.
+
+:class:`ReducedRun` runs the exported graph on the query and stops where its driver asks
+(:meth:`ReducedRun.advance_to`); between stops the driver reads values and changes the run:
+a parameter takes another value, or a node's output gets a low-rank action added, and the nodes
+already computed from it are computed again up to the stop. It knows nothing of blocks or patches.
+It mutates only its own environment, never the graph or the model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import fx
+
+from ctxc.passes.graph_view import GraphView
+
+__all__ = ["Action", "ReducedRun"]
+
+Action = Callable[[torch.Tensor], torch.Tensor]  # a node's value -> the value it takes instead
+
+_ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
+
+
+class ReducedRun(fx.Interpreter):
+    """Steps through the graph on given inputs; values are kept (the query is a few tokens).
+
+    Args:
+        view: the graph's :class:`GraphView`.
+        keep: nodes whose values are copied when computed (and recomputed), because a later
+            in-place op may change the stored value (Falcon adds the attention output into the
+            MLP output with ``add_``); :meth:`value` returns the copy.
+        inputs: the graph's inputs (:meth:`TracedModel.placeholder_values`).
+    """
+
+    def __init__(self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple) -> None:
+        super().__init__(view.traced.graph_module, garbage_collect_values=False)
+        self.view = view
+        self.keep = frozenset(keep)
+        self.kept: dict[fx.Node, torch.Tensor] = {}
+        # node -> actions added to its value (apply="lowrank").
+        self.actions: dict[fx.Node, list[Action]] = {}
+        self.args_iter = iter(self.graph.process_inputs(*inputs))
+        self._pending = iter(self.graph.nodes)
+        self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
+        self._last: fx.Node | None = None
+        self.result = None
+
+    # -- stepping ----------------------------------------------------------------------------
+
+    def advance_to(self, stop: fx.Node) -> torch.Tensor:
+        """Compute the nodes up to ``stop`` (included), in graph order; ``stop``'s value.
+
+        Raises:
+            RuntimeError: ``stop`` was passed already (stops must come in graph order; the
+                last node computed may be stopped at again).
+        """
+        if stop is self._last:
+            return self.env[stop]
+        if stop in self.env:
+            raise RuntimeError(f"node {stop.name} was computed before the driver stopped there")
+        for node in self._pending:
+            self._step(node)
+            if node is stop:
+                return self.env[node]
+        raise RuntimeError(f"node {stop.name} is not in the graph")
+
+    def finish(self):
+        """Compute the remaining nodes; the graph's output."""
+        for node in self._pending:
+            self._step(node)
+        return self.result
+
+    def _step(self, node: fx.Node) -> None:
+        self._last = node
+        if node.target is _ASSERT_METADATA:
+            self.env[node] = None  # an export-time guard of a weight's dtype; nothing to compute
+            return
+        # Interpreter.run_node without its error-context manager, inlined (:meth:`_compute`):
+        # this loop runs at every generated token of `ctxc generate`, where per-node cost shows.
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        value = getattr(self, node.op)(node.target, args, kwargs)
+        acts = self.actions.get(node)
+        if acts:
+            for act in acts:
+                value = act(value)
+        if node in self.keep:
+            self.kept[node] = value.detach().clone()
+        self.env[node] = value
+        if node.op == "output":
+            self.result = self.graph.process_outputs(self.env[node])
+
+    def _compute(self, node: fx.Node):
+        args, kwargs = self.fetch_args_kwargs_from_env(node)
+        value = getattr(self, node.op)(node.target, args, kwargs)
+        for act in self.actions.get(node, ()):
+            value = act(value)
+        if node in self.keep:
+            self.kept[node] = value.detach().clone()
+        return value
+
+    # -- reading and changing ----------------------------------------------------------------
+
+    def value(self, node: fx.Node) -> torch.Tensor:
+        """``node``'s value as computed (its kept copy, when it has one)."""
+        kept = self.kept.get(node)
+        return kept if kept is not None else self.env[node]
+
+    def replace_param(self, param: fx.Node, value: torch.Tensor, upto: fx.Node) -> None:
+        """Make ``param`` read ``value``, recomputing the nodes up to ``upto`` that used it."""
+        self.env[param] = value
+        self.recompute_from(param, upto)
+
+    def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
+        """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""
+        self.actions.setdefault(node, []).append(act)
+        if node in self.env:
+            # Compute the node afresh: a later in-place op may have changed the stored value.
+            self.env[node] = self._compute(node)
+            self.recompute_from(node, upto)
+
+    def recompute_from(self, root: fx.Node, upto: fx.Node) -> None:
+        """Compute again, in graph order, every node up to ``upto`` that depends on ``root``."""
+        done = {root}
+        for d in self._dependents_of(root, upto):
+            if d not in self.env:
+                continue
+            schema = getattr(d.target, "_schema", None)
+            if schema is not None and schema.is_mutable and d.args[0] not in done:
+                raise RuntimeError(
+                    f"cannot recompute the in-place op {d.target} on a value the patch does "
+                    "not change"
+                )
+            self.env[d] = self._compute(d)
+            done.add(d)
+
+    def _dependents_of(self, root: fx.Node, upto: fx.Node) -> list[fx.Node]:
+        key = (root, upto)
+        if key not in self._dependents:
+            self._dependents[key] = self.view.descendants_upto(root, self.view.index[upto])
+        return self._dependents[key]
