@@ -461,6 +461,7 @@ def _figures(rep) -> dict:
         "solver_max_abs_logit_diff": rep.patched.max_abs_logit_diff,
         "patched_blocks": sum(b.patched for b in rep.blocks),
         "rejections": list(rep.rejections),
+        "frontend": rep.frontend,
     }
 
 

@@ -74,6 +74,7 @@ def describe(model: torch.nn.Module, blocks: BlockMap) -> ModelInspection:
         blocks=tuple(_block(b, roles) for b in blocks.blocks),
         rejections=tuple(RejectedBlock(r.where, r.reason) for r in blocks.rejections),
         rules=UPDATE_RULES,
+        notes=tuple(RejectedBlock(r.where, r.reason) for r in blocks.notes),
     )
 
 

@@ -186,6 +186,8 @@ class ModelInspection:
         blocks: the patchable blocks, in graph order.
         rejections: the candidates that are not patchable.
         rules: the update rules, in the solver's order.
+        notes: MLP-shaped cores that are no residual block (attention projections, output
+            heads), with why; never a failure.
     """
 
     model: str
@@ -194,6 +196,7 @@ class ModelInspection:
     blocks: tuple[BlockInspection, ...]
     rejections: tuple[RejectedBlock, ...]
     rules: tuple[str, ...]
+    notes: tuple[RejectedBlock, ...] = ()
 
     def summary(self) -> Summary:
         """Counts over the blocks."""

@@ -12,6 +12,7 @@ import torch
 from ctxc._version import __version__
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
+from ctxc.frontend import Frontend, build_frontend
 from ctxc.metrics import fidelity
 from ctxc.models import check_length
 from ctxc.passes.block_map import BlockMap, Rejection
@@ -21,14 +22,13 @@ from ctxc.passes.solve import UPDATE_RULES, solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.report import CompileReport
 from ctxc.tokens import split_tokens
-from ctxc.trace import TracedModel, trace
+from ctxc.trace import TracedModel
 
 __all__ = ["CompileResult", "compile", "traced_blocks"]
 
-# One export per model, reused by every compile of it (the graph reads the model's own tensors).
-_TRACES: weakref.WeakKeyDictionary[torch.nn.Module, tuple[TracedModel, BlockMap]] = (
-    weakref.WeakKeyDictionary()
-)
+# One frontend per model, reused by every compile of it (the graph reads the model's own tensors):
+# its shared export, or its static exports per length (compiler/frontend.py).
+_TRACES: weakref.WeakKeyDictionary[torch.nn.Module, Frontend] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -45,14 +45,40 @@ class CompileResult:
     full_logits: torch.Tensor | None = None
 
 
-def traced_blocks(model: torch.nn.Module) -> tuple[TracedModel, BlockMap]:
-    """The model's export and block map, computed once per model object."""
-    cached = _TRACES.get(model)
-    if cached is None:
-        traced = trace(model)
-        cached = (traced, locate_blocks(traced))
-        _TRACES[model] = cached
-    return cached
+def traced_blocks(
+    model: torch.nn.Module, length: int | None = None
+) -> tuple[TracedModel, BlockMap]:
+    """The model's export and block map for inputs of ``length`` tokens, cached per model.
+
+    Args:
+        model: the causal LM.
+        length: the input length the export must hold for; None: the shared export (dynamic or
+            bounded), or a static one at 8 tokens when only the static rung works.
+    """
+    frontend = _TRACES.get(model)
+    if frontend is None:
+        frontend = _TRACES[model] = build_frontend(model, locate_blocks)
+    return frontend.traced_for(length)
+
+
+def _matching_runs(model: torch.nn.Module, n: int, k: int) -> tuple:
+    """The exports and block maps for the full run (``n`` tokens) and the reduced run (``k``).
+
+    Static exports are separate graphs: their blocks correspond by path (the full run's targets
+    are keyed by it), so both maps must list the same blocks, in order, with the same kinds.
+    """
+    full = traced_blocks(model, n)
+    reduced = traced_blocks(model, k)
+    if full is not reduced:
+        a = [(b.path, b.output_control, len(b.inner)) for b in full[1].blocks]
+        b = [(b.path, b.output_control, len(b.inner)) for b in reduced[1].blocks]
+        if a != b:
+            raise CtxcError(
+                f"the static exports for {n} and {k} tokens find different blocks "
+                f"({len(a)}: {a[:2]}... vs {len(b)}: {b[:2]}...): no correspondence"
+            )
+    frontend = "static" if "static" in (full[0].frontend, reduced[0].frontend) else None
+    return full, reduced, frontend or full[0].frontend
 
 
 def compile(
@@ -136,7 +162,9 @@ def _compile_ids(
         clock = now
 
     stage("tracing")
-    traced, blocks = traced_blocks(model)
+    (full_traced, full_blocks), (traced, blocks), frontend = _matching_runs(
+        model, len(ctx_ids) + len(q_ids), len(q_ids)
+    )
     lap("trace")
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
     device = next(model.parameters()).device
@@ -144,7 +172,7 @@ def _compile_ids(
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
     stage("full run")
-    full = record_targets(traced, blocks, full_ids, len(q_ids))
+    full = record_targets(full_traced, full_blocks, full_ids, len(q_ids))
     lap("full_run")
     stage("solving")
     solution, failed = _solve_skipping(
@@ -184,6 +212,7 @@ def _compile_ids(
         timings=timings,
         ctxc_version=__version__,
         apply=o.apply,
+        frontend=frontend,
     )
     return CompileResult(patch=patch, report=report, full_logits=full.logits)
 

@@ -30,7 +30,8 @@ def inspection_dict(info: ModelInspection) -> dict[str, Any]:
         info: the inspection.
 
     Returns:
-        ``model``, ``model_class``, ``lm_head``, ``summary``, ``blocks``, ``rejections``.
+        ``model``, ``model_class``, ``lm_head``, ``summary``, ``blocks``, ``rejections``,
+        and ``notes`` when there are any.
     """
     s = info.summary()
     summary = {
@@ -50,6 +51,11 @@ def inspection_dict(info: ModelInspection) -> dict[str, Any]:
         "summary": summary,
         "blocks": [_block(b) for b in info.blocks],
         "rejections": [{"path": r.path, "reason": r.reason} for r in info.rejections],
+        **(
+            {"notes": [{"path": r.path, "reason": r.reason} for r in info.notes]}
+            if info.notes
+            else {}
+        ),
     }
 
 

@@ -31,6 +31,7 @@ def render_text(info: ModelInspection) -> str:
     for b in info.blocks:
         lines += _block_lines(b, letters[b.shape])
     lines += [f"{r.path}: REJECTED: {r.reason}" for r in info.rejections]
+    lines += [f"{r.path}: note: {r.reason}" for r in info.notes]
     lines.append(f"({s.rank_note})")
     return "\n".join(lines)
 

@@ -28,6 +28,8 @@ class CompileReport:
         blocks: per-block figures.
         rejections: ``"path: reason"`` for every candidate block left unpatched.
         timings: seconds per stage.
+        frontend: the export ladder's rung: ``dynamic``, ``bounded`` or ``static``
+            (``compiler/frontend.py``).
     """
 
     model: str
@@ -44,6 +46,7 @@ class CompileReport:
     timings: dict[str, float] = field(default_factory=dict)
     ctxc_version: str = ""
     apply: str = "baked"
+    frontend: str = "dynamic"
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -58,6 +61,7 @@ class CompileReport:
             "dtype": self.dtype,
             "update": self.update,
             "apply": self.apply,
+            "frontend": self.frontend,
             "start_layer": self.start_layer,
             "context_ids": self.context_ids,
             "query_ids": self.query_ids,

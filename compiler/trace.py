@@ -1,7 +1,8 @@
 """Frontend: export a Hugging Face decoder to a torch.fx graph with ``torch.export``.
 
-The graph is exported once per model, with a dynamic sequence length, and reused for the full
-(context + query) run and the reduced (query only) run. It is not decomposed, so ``aten.linear``
+The graph is exported with a dynamic sequence length (or a bounded range, or one static length:
+``compiler/frontend.py`` climbs that ladder) and reused for the full (context + query) run and
+the reduced (query only) run when its range holds both. It is not decomposed, so ``aten.linear``
 and the module paths in ``nn_module_stack`` survive for the locator.
 """
 
@@ -18,7 +19,15 @@ from torch.export.graph_signature import InputKind
 
 from ctxc.errors import CtxcError
 
-__all__ = ["MAX_SEQ", "WRAPPED", "LogitsOnly", "TracedModel", "no_cache", "trace"]
+__all__ = [
+    "MAX_SEQ",
+    "WRAPPED",
+    "LogitsOnly",
+    "TracedModel",
+    "max_positions",
+    "no_cache",
+    "trace",
+]
 
 # The wrapper holds the model under this attribute; parameter names in the graph signature
 # carry it as a prefix, which `TracedModel` strips so names match `model.state_dict()`.
@@ -49,6 +58,9 @@ class TracedModel:
         param_of: placeholder node name -> parameter name in ``model.state_dict()``.
         input_name: the placeholder name of ``input_ids``.
         dtype: the floating dtype of the model's parameters.
+        frontend: the rung of the export ladder that produced it (``compiler/frontend.py``):
+            ``dynamic``, ``bounded`` or ``static``.
+        seq_range: the sequence lengths the export holds for, inclusive.
     """
 
     program: ExportedProgram
@@ -56,6 +68,12 @@ class TracedModel:
     input_name: str
     dtype: torch.dtype
     _args: tuple[tuple[str, str, str], ...] = field(repr=False)
+    frontend: str = "dynamic"
+    seq_range: tuple[int, int] = (1, _MAX_SEQ)
+
+    def accepts(self, length: int) -> bool:
+        """Whether this export holds for inputs of ``length`` tokens (its ``seq`` range)."""
+        return self.seq_range[0] <= length <= self.seq_range[1]
 
     @property
     def graph(self) -> fx.Graph:
@@ -112,27 +130,40 @@ def _no_cache(model: torch.nn.Module) -> Iterator[None]:
 no_cache = _no_cache
 
 
-def trace(model: torch.nn.Module, example_len: int = 8) -> TracedModel:
-    """Export ``model`` as ``input_ids [1, seq] -> logits [1, seq, vocab]``, seq dynamic.
+def trace(
+    model: torch.nn.Module,
+    example_len: int = 8,
+    seq_range: tuple[int, int] | None = None,
+    frontend: str = "dynamic",
+) -> TracedModel:
+    """Export ``model`` as ``input_ids [1, seq] -> logits [1, seq, vocab]``.
 
     Args:
         model: a causal LM whose ``forward(input_ids=...)`` returns an object with ``.logits``.
         example_len: length of the example input used for tracing (not 0 or 1, which
-            ``torch.export`` would specialise).
+            ``torch.export`` would specialise, unless the export is static).
+        seq_range: ``(min, max)`` of the dynamic sequence length; default ``1`` to the config's
+            maximum position; ``(n, n)`` exports a static graph for ``n`` tokens.
+        frontend: the ladder rung recorded in the result.
 
     Returns:
         the :class:`TracedModel`. The model is left unmodified (its config's ``use_cache`` is
         restored).
+
+    Raises:
+        CtxcError: ``torch.export`` failed (the first line of its message); the original
+            exception is its ``__cause__``.
     """
     model.eval()
     wrapper = LogitsOnly(model).eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2) or 2
-    ids = torch.arange(example_len, dtype=torch.long).remainder(vocab).unsqueeze(0)
-    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None) or _MAX_SEQ
-    seq = Dim("seq", min=1, max=max(2, min(int(max_pos), _MAX_SEQ)))
+    lo, hi = seq_range or (1, max_positions(model))
+    length = min(max(example_len, lo), hi)
+    ids = torch.arange(length, dtype=torch.long).remainder(vocab).unsqueeze(0)
+    dynamic = None if lo == hi else {"input_ids": {1: Dim("seq", min=lo, max=hi)}}
     try:
         with _no_cache(model), torch.no_grad():
-            program = export(wrapper, (ids,), dynamic_shapes={"input_ids": {1: seq}}, strict=False)
+            program = export(wrapper, (ids,), dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # torch.export raises many types; all mean the same to a user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CtxcError(f"torch.export could not trace this model: {first}") from exc
@@ -153,4 +184,18 @@ def trace(model: torch.nn.Module, example_len: int = 8) -> TracedModel:
         args.append(("state", name, target))
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
-    return TracedModel(program, param_of, input_name, dtype, tuple(args))
+    return TracedModel(program, param_of, input_name, dtype, tuple(args), frontend, (lo, hi))
+
+
+# Config attributes that bound the sequence length, first found wins.
+_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
+
+
+def max_positions(model: torch.nn.Module) -> int:
+    """The longest input the model's config allows (``MAX_SEQ`` at most; at least 2)."""
+    config = getattr(model, "config", None)
+    for key in _LENGTH_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return max(2, min(value, _MAX_SEQ))
+    return _MAX_SEQ

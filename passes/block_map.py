@@ -332,12 +332,15 @@ class BlockMap:
         head: fx node of the LM head linear, when only position-wise ops follow it (the full
             run then computes logits at the query positions only), else None.
         head_module: module path of that linear, or None.
+        notes: MLP-shaped cores that are no residual MLP branch (an attention projection, an
+            output head's transform), with why: shown by inspect, never a failure.
     """
 
     blocks: tuple[MlpBlock, ...]
     rejections: tuple[Rejection, ...] = ()
     head: str | None = None
     head_module: str | None = None
+    notes: tuple[Rejection, ...] = ()
 
     def __len__(self) -> int:
         return len(self.blocks)

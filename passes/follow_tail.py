@@ -279,6 +279,9 @@ def _expert_combine(
             cur = u
             continue
         others = [a for a in u.args if a is not cur]
+        if u.target in ADDS and len(others) == 1 and _expert_bias(view, others[0]):
+            cur = u  # each row's expert bias (GPT-OSS): a constant the move leaves in place
+            continue
         if u.target == aten.mul.Tensor and gate is None and len(others) == 1:
             other = others[0]
             if view.is_tensor(other) and _is_row_gate(view, other, cur):
@@ -287,6 +290,13 @@ def _expert_combine(
         return Rejection(
             where, f"expert outputs go through {op_name(u)} before their per-token sum"
         )
+
+
+def _expert_bias(view: GraphView, other: object) -> bool:
+    """``other`` is a per-row constant: weights only, or a bias gathered by expert ids."""
+    if not isinstance(other, fx.Node) or not view.is_tensor(other):
+        return False
+    return view.param_only(other) or view.param_gather(view.see_through(other)) is not None
 
 
 def _per_token_sum(view: GraphView, u: fx.Node) -> tuple[fx.Node, int] | None:

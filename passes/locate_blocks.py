@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import fx
 
 from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock, Rejection
+from ctxc.passes.branch_scope import not_a_branch, unmatched_weights
 from ctxc.passes.choose_control import choose_control
 from ctxc.passes.describe_block import (
     is_fused_gate_up,
@@ -73,20 +74,32 @@ def locate_blocks(traced: TracedModel, view: GraphView | None = None) -> BlockMa
         (blocks if isinstance(found_block, MlpBlock) else rejections).append(found_block)
     # A core whose own tail fails but whose input feeds a located block is part of that block's
     # inner function (a shared expert): not a rejection of its own.
+    # A core whose output reaches the residual stream only through a token mixer, or not at
+    # all (an output head), is no block: a note (branch_scope.py).
     covered = {b.mlp_in for b in blocks}
+    notes: list[Rejection] = []
     for core, rejection in failed:
-        if core.z.name not in covered and rejection not in rejections:
+        if core.z.name in covered or rejection in rejections:
+            continue
+        note = not_a_branch(view, core)
+        if note is None:
             rejections.append(rejection)
+        elif Rejection(core.path, note) not in notes:
+            notes.append(Rejection(core.path, note))
     head = _locate_head(view, sites)
     # Misses explain a model with no block at all. Beside located blocks they are no failure: a
     # layer without an MLP needs no patch (the next block's target absorbs its difference).
     if not blocks:
         if head is not None:  # the LM head is no candidate block
             misses.pop(view.by_name[head], None)
-        rejections += _unexplained(list(misses.values()), rejections)
+        rejections += _unexplained(unmatched_weights(view, sites), rejections)
+        rejections += _unexplained([*notes, *misses.values()], rejections)
     rejections.sort(key=lambda r: _path_key(r.where))
+    notes.sort(key=lambda r: _path_key(r.where))
     head_module = view.module_path(view.by_name[head]) if head else None
-    return BlockMap(tuple(blocks), tuple(rejections), head=head, head_module=head_module)
+    return BlockMap(
+        tuple(blocks), tuple(rejections), head=head, head_module=head_module, notes=tuple(notes)
+    )
 
 
 def _assemble(

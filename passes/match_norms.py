@@ -74,7 +74,11 @@ def written_norm(view: GraphView, start: fx.Node) -> tuple[NormSite, fx.Node] | 
     else:
         return None
     ops = {m.target for m in region}
-    if not ops <= _NORM_OPS or aten.mean.dim not in ops or not ops & _ROOTS:
+    # pow(., -0.5) is rsqrt written as a power (Gemma 3n / Gemma 4 post norms).
+    roots = ops & _ROOTS or any(
+        m.target == aten.pow.Tensor_Scalar and m.args[1] in (-0.5, 0.5) for m in region
+    )
+    if not ops <= _NORM_OPS or aten.mean.dim not in ops or not roots:
         return None
     for m in region:  # a weight inside the region (w * x * rsqrt): not a plain normalisation
         if any(a not in view.input_dependent for a in view.value_args(m)):
