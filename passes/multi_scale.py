@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxc.passes.block_map import MlpBlock
-from ctxc.passes.update_rules import SCALE_FLOOR, ConditionError
+from ctxc.passes.update_rules import SCALE_FLOOR, ConditionError, ScaleMove
 
 __all__ = [
     "SharedScale",
@@ -288,26 +288,15 @@ def _refuse(
 
 
 @dataclass(frozen=True)
-class SharedScaleFit:
-    """Result of :func:`fit_shared_scale`.
+class SharedScaleFit(ScaleMove):
+    """Result of :func:`fit_shared_scale`: a :class:`ScaleMove` shared by k positions.
 
-    Attributes:
-        ds: change of the effective scale [d], float32.
-        min_divisor: smallest ``sqrt(sum_j f_ji^2)`` divided by (on coordinates that move).
-        max_change: largest ``|ds_i|``.
-        max_gain: largest ``|s_i + ds_i|``.
+    Attributes (besides :class:`ScaleMove`'s; ``min_divisor`` is here the smallest
+    ``sqrt(sum_j f_ji^2)`` divided by, on coordinates that move):
         max_miss: largest ``|t_ji - (s_i + ds_i) f_ji|`` left in float32 arithmetic.
-        unreached: coordinates with ``f_ji = 0`` at every position but a needed change.
-        max_unreached: the largest change such a coordinate missed.
     """
 
-    ds: torch.Tensor
-    min_divisor: float
-    max_change: float
-    max_gain: float
-    max_miss: float
-    unreached: int = 0
-    max_unreached: float = 0.0
+    max_miss: float = 0.0
 
 
 def fit_shared_scale(

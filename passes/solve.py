@@ -28,7 +28,7 @@ from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.block_stats import BlockStats
 from ctxc.passes.delta_math import add_in_float32, at_alignment_of, lowrank_action
 from ctxc.passes.graph_view import GraphView
-from ctxc.passes.multi_scale import SharedScaleFit, multi_refusal
+from ctxc.passes.multi_scale import multi_refusal
 from ctxc.passes.plan import UPDATE_RULES, BlockPlan, check_in_time, plan
 from ctxc.passes.reduced_run import Action, ReducedRun
 from ctxc.passes.run_graph import FullRun
@@ -162,7 +162,7 @@ class _Solver:
 
     def _output_move(
         self, block: MlpBlock, todo: BlockPlan, y: fx.Node
-    ) -> tuple[ScaleMove | SharedScaleFit | None, float | None]:
+    ) -> tuple[ScaleMove | None, float | None]:
         """The output move at ``y``; the scale move's figures and the smallest gate sum."""
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
         tail = [(s, _rows(self.value(s.side)) if s.side else None) for s in block.tail]
@@ -184,9 +184,7 @@ class _Solver:
             raise SolveError(block.path, f"unknown output control {ctl!r}")
         return None, None
 
-    def _scale_move(
-        self, block: MlpBlock, todo: BlockPlan, t: torch.Tensor, y
-    ) -> ScaleMove | SharedScaleFit:
+    def _scale_move(self, block: MlpBlock, todo: BlockPlan, t: torch.Tensor, y) -> ScaleMove:
         sc = block.scale
         assert sc is not None
         h = u_now = None
