@@ -20,6 +20,7 @@ from ctxc.interrupts import pause_point
 __all__ = [
     "ALIASES",
     "DEFAULT_MODEL",
+    "bundled_model_dir",
     "cache_dir",
     "check_length",
     "load_model",
@@ -101,6 +102,18 @@ def check_length(model: torch.nn.Module, n: int, what: str = "context + query") 
     if found is not None and n > found[0]:
         limit, key = found
         raise CtxcError(f"{what} is {n} tokens; the model takes at most {limit} positions ({key})")
+
+
+def bundled_model_dir(on_stage: Callable[[str], None] | None = None) -> Path:
+    """The plain Transformers folder the bundled Gemma 3 270M loads from (converted once).
+
+    Args:
+        on_stage: called with a line per step of a first-run conversion.
+
+    Returns:
+        the folder in ctxc's cache, loadable by ``AutoModelForCausalLM.from_pretrained``.
+    """
+    return _converted(_bundled_gguf(on_stage), on_stage)
 
 
 def load_model(

@@ -15,6 +15,7 @@ from ctxc.patch import Patch
 
 __all__ = [
     "CliRun",
+    "compile_then_check",
     "diff_msg",
     "full_logits",
     "logits",
@@ -83,3 +84,27 @@ def run_cli(*args: str, cwd: Path | None = None) -> CliRun:
     finally:
         os.chdir(before)
     return CliRun(rc, stdout.getvalue(), stderr.getvalue())
+
+
+def compile_then_check(args: list[str], out: Path, check: str, base: Path) -> dict:
+    """``ctxc compile ARGS --out OUT`` in a subprocess, then ``check`` in a plain one.
+
+    ``check`` is a script run as ``python -c check OUT BASE`` in a process without ctxc
+    imported (plain Transformers, as a user would load ``OUT/model``); its last stdout line is
+    JSON, returned.
+    """
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "ctxc.cli", "compile", *args, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    checked = subprocess.run(
+        [sys.executable, "-c", check, str(out), str(base)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert checked.returncode == 0, checked.stderr[-2000:]
+    return json.loads(checked.stdout.strip().splitlines()[-1])

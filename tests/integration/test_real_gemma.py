@@ -6,11 +6,10 @@ the first run on a machine takes about two minutes).
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import compile_then_check
 
 pytestmark = pytest.mark.slow
 
@@ -37,41 +36,11 @@ print(json.dumps({"max": float((got - full).abs().max()), "mean": float((got - f
 
 @pytest.mark.parametrize("update", ["standard", "stable"])
 def test_emitted_model_matches_full_context(tmp_path, update):
-    import json
+    from ctxc.models import DEFAULT_MODEL, bundled_model_dir
 
-    from ctxc.models import DEFAULT_MODEL, _bundled_gguf, _converted
-
-    base = _converted(_bundled_gguf())  # the converted cache folder ctxc loads DEFAULT_MODEL from
-    out = tmp_path / "out"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "ctxc.cli",
-            "compile",
-            "--model",
-            DEFAULT_MODEL,
-            "--context",
-            str(SHORT),
-            "--out",
-            str(out),
-            "--update",
-            update,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    # Plain Transformers, in a process without ctxc imported.
-    check = subprocess.run(
-        [sys.executable, "-c", _CHECK, str(out), str(base)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert check.returncode == 0, check.stderr[-2000:]
-    got = json.loads(check.stdout.strip().splitlines()[-1])
+    base = bundled_model_dir()  # the converted cache folder ctxc loads DEFAULT_MODEL from
+    args = ["--model", DEFAULT_MODEL, "--context", str(SHORT), "--update", update]
+    got = compile_then_check(args, tmp_path / "out", _CHECK, base)
     msg = (
         f"{update}: max {got['max']:.3g} mean {got['mean']:.3g} "
         f"(unpatched control {got['control']:.3g})"

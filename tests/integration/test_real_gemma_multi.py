@@ -7,12 +7,10 @@ without ctxc, must match the model fed context + query at every query position.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import compile_then_check
 
 pytestmark = pytest.mark.slow
 
@@ -41,22 +39,11 @@ print(json.dumps({"per_position": (got - full).abs().amax(-1).tolist(),
 
 
 def test_nine_token_query_is_exact_at_every_position(tmp_path):
-    from ctxc.models import DEFAULT_MODEL, _bundled_gguf, _converted
+    from ctxc.models import DEFAULT_MODEL, bundled_model_dir
 
-    base = _converted(_bundled_gguf())
-    out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "ctxc.cli", "compile", "--model", DEFAULT_MODEL]
-    cmd += ["--context", str(SHORT), "--query", QUERY, "--out", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    check = subprocess.run(
-        [sys.executable, "-c", _CHECK, str(out), str(base)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert check.returncode == 0, check.stderr[-2000:]
-    got = json.loads(check.stdout.strip().splitlines()[-1])
+    base = bundled_model_dir()
+    args = ["--model", DEFAULT_MODEL, "--context", str(SHORT), "--query", QUERY]
+    got = compile_then_check(args, tmp_path / "out", _CHECK, base)
     per = got["per_position"]
     msg = (
         f"max |logit diff| per position {[f'{x:.2g}' for x in per]} "
