@@ -9,7 +9,6 @@ printed as ``ctxc: interrupted``. No error leaves a partly written output folder
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import sys
@@ -80,7 +79,10 @@ def _root(
 
 @app.command("compile")
 def compile_cmd(
-    context: Path = typer.Option(..., "--context", help="UTF-8 text file with the context."),
+    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
+    contexts: Path = typer.Option(
+        None, "--contexts", help="JSON Lines: one {context, query?, name?} per line."
+    ),
     model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
     query: str = typer.Option(None, "--query", help="Query text (default: last context token)."),
     out_dir: Path = typer.Option(Path("ctxc-out"), "--out", help="Output folder."),
@@ -96,14 +98,21 @@ def compile_cmd(
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
+    from ctxc.cli_batch import Options, compile_batch, compile_into
+
+    if context is None and contexts is None:
+        raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
+    if context is not None and contexts is not None:
+        raise CtxcError("--context and --contexts are mutually exclusive: give one")
+    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit))
+    if contexts is not None:
+        if query is not None:
+            raise CtxcError("--query applies to --context; give each query in the JSON lines")
+        raise typer.Exit(compile_batch(contexts, out_dir, model, dtype.value, force, opts))
     text = read_context(context)
-    kinds = parse_emit(emit)
     if query is not None and not query.strip():
         raise CtxcError("the query is empty")
     with output_folder(out_dir, force, "compile") as tmp:
-        import ctxc
-        from ctxc.backends.torch_model import emit_torch
-
         net, tokenizer = load(model, dtype.value)
         with progress() as bar:
             task = bar.add_task("compiling", total=None)
@@ -115,39 +124,13 @@ def compile_cmd(
             def on_block(done: int, total: int, path: str) -> None:
                 bar.update(task, completed=done, total=total, description=f"solving {path}")
 
-            result = ctxc.compile(
-                net,
-                tokenizer,
-                context=text,
-                query=query,
-                update=update.value,
-                start_layer=start_layer,
-                skip_unpatchable=skip_unpatchable,
-                on_stage=on_stage,
-                on_block=on_block,
+            report, figures = compile_into(
+                net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
             )
-        result.patch.save(tmp / "patch.safetensors")
-        pause_point("writing")
-        report = result.report
-        measured = "the patched model in memory (no model/ written)"
-        if "torch" in kinds:
-            with err.status("writing model/ and reloading it"):
-                emit_torch(net, tokenizer, result.patch, tmp / "model")
-                reloaded = reload_fidelity(
-                    tmp / "model", result.patch, report.dtype, result.full_logits
-                )
-            report = dataclasses.replace(report, emitted=reloaded)
-            measured = "model/ reloaded with AutoModelForCausalLM.from_pretrained"
-        figures = emit_checked(net, result.patch, tmp, kinds, full=result.full_logits)
-        data = report.to_dict()
-        data["emitted_measured_on"] = measured
-        data["in_memory"] = result.report.emitted.to_dict()
-        data.update({kind: f.to_dict() for kind, f in figures.items()})
-        (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
     out.print(report.summary())
     for f in figures.values():
         out.print(f.summary(), highlight=False)
-    out.print(f"wrote {out_dir}/ ({', '.join(written(kinds))})")
+    out.print(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
 
 
 @app.command("export")

@@ -16,7 +16,10 @@ from ctxc import __version__
 from ctxc.cli import main
 
 CASES = {
-    "compile without options": (["compile"], "ctxc: error: missing option '--context'"),
+    "compile without options": (
+        ["compile"],
+        "ctxc: error: missing option '--context' (or '--contexts' for a JSON Lines file)",
+    ),
     "unknown subcommand": (
         ["fancy"],
         "ctxc: error: no such command 'fancy'; commands: compile, export, generate, inspect",
