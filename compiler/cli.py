@@ -262,6 +262,17 @@ def generate_cmd(
     out.print(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
 
 
+def _register_bake() -> None:
+    # Thought patches (issue 13) live in cli_bake.py; registered here so `ctxc bake` exists.
+    from ctxc.cli_bake import bake_cmd, eval_bake_cmd
+
+    app.command("bake")(bake_cmd)
+    app.command("eval-bake")(eval_bake_cmd)
+
+
+_register_bake()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: runs the app; every error becomes one line and an exit code.
 
