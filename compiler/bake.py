@@ -108,12 +108,14 @@ def bake_data(
     given = text_queries(tokenizer, queries) if queries else []
     longest = max([len(q) for q in given] + [sample_tokens if samples else 0])
     check_length(model, len(context_ids) + longest, "context + longest query")
-    sampled = sample_continuations(model, context_ids, samples, sample_tokens, seed)
+    sampled = (
+        sample_continuations(model, context_ids, samples, sample_tokens, seed) if samples else []
+    )
     return FitData(
         list(context_ids),
         list(prefix),
-        given + sampled if samples else given,
-        ["file"] * len(given) + ["sample"] * (samples if samples else 0),
+        given + sampled,
+        ["file"] * len(given) + ["sample"] * samples,
     )
 
 

@@ -1,0 +1,78 @@
+"""``ctxc bake`` and ``ctxc eval-bake`` on a tiny model: the artefacts, the report, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers import run_cli
+
+
+@pytest.fixture
+def texts(tmp_path):
+    context = tmp_path / "context.txt"
+    context.write_text("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12")
+    queries = tmp_path / "queries.txt"
+    queries.write_text("w5 w6 w7\n\nw20 w21\nw30 w31 w32 w33\n")
+    held = tmp_path / "held.txt"
+    held.write_text("w8 w9\nw40 w41 w42\n")
+    return context, queries, held
+
+
+def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
+    context, queries, held = texts
+    out = tmp_path / "out"
+    proc = run_cli(
+        "bake", "--model", str(tiny_model_dir), "--context", str(context),
+        "--queries", str(queries), "--samples", "2", "--sample-tokens", "4", "--rank", "4",
+        "--eval-queries", str(held), "--eval-samples", "1", "--out", str(out), cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".ctxc", "model", "patch.safetensors", "report.json"
+    ]  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    assert report["fit_queries"] == 5 and report["fit_kinds"] == {"file": 3, "sample": 2}
+    figures = report["figures"]
+    assert set(figures) == {"fit", "held_out_samples", "held_out_queries"}
+    for pair in figures.values():
+        p, c = pair["patched"], pair["control"]
+        assert p["positions"] == c["positions"] > 0
+        assert 0.0 <= p["top1"] <= 1.0 and p["kl"] >= 0.0
+    fit = figures["fit"]
+    assert fit["patched"]["kl"] < fit["control"]["kl"], fit
+    assert "KL" in proc.stdout
+    again = run_cli(
+        "eval-bake", str(out), "--model", str(tiny_model_dir), "--queries", str(held),
+        "--gen-tokens", "3", cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    assert "held_out" in again.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--samples", "0"], "nothing to fit"),
+        (["--rank", "0"], "--rank must be at least 1"),
+        (["--rank", "99999"], "past the matrix size"),
+        (["--queries", "EMPTY"], "query file is empty"),
+        (["--sample-tokens", "5000"], "the model takes at most"),
+    ],
+)
+def test_bake_bad_input_is_one_line_and_no_folder(tiny_model_dir, texts, tmp_path, args, message):
+    context, _, _ = texts
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    args = [str(empty) if a == "EMPTY" else a for a in args]
+    out = tmp_path / "bad"
+    proc = run_cli(
+        "bake", "--model", str(tiny_model_dir), "--context", str(context), "--out", str(out),
+        *args, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ctxc: error:"), proc.stderr
+    assert message in lines[0], lines[0]
+    assert not out.exists()
+    assert not list(tmp_path.glob(".bad.partial-*"))
