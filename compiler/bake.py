@@ -53,6 +53,8 @@ class BakeOptions:
         distill_steps: optimiser steps of ``distill``.
         distill_lr: its learning rate.
         distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
+        fit_prefix: the prefix positions (BOS, matched to the context's last token) are
+            constraints too; False: they are run but not fitted.
     """
 
     samples: int = 32
@@ -65,6 +67,7 @@ class BakeOptions:
     distill_steps: int = 200
     distill_lr: float = 1e-3
     distill_from_fit: bool = False
+    fit_prefix: bool = True
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,8 @@ def bake(
         clock = time.perf_counter()
         queries_t = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
         opts = FitOptions(o.ridge, o.rank, o.scale_ridge)
-        fit = fit_solve(traced, blocks, targets, queries_t, opts, on_block)
+        rows = None if o.fit_prefix else _query_rows(data)
+        fit = fit_solve(traced, blocks, targets, queries_t, opts, on_block, rows)
         timings["fit"] = round(time.perf_counter() - clock, 3)
     meta = _meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
@@ -211,6 +215,12 @@ def bake(
         timings["distill"] = round(time.perf_counter() - clock, 3)
     assert patch is not None
     return BakeResult(patch, data, fit, _report(o, data, fit, timings))
+
+
+def _query_rows(data: FitData) -> torch.Tensor:
+    """[N] bool: True at the query tokens' positions, False at each prefix position."""
+    n = len(data.prefix)
+    return torch.cat([torch.arange(n + len(q)) >= n for q in data.queries])
 
 
 def _context_ids(tokenizer, context: str | None, context_ids: list[int] | None) -> list[int]:

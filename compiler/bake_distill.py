@@ -37,7 +37,7 @@ def teacher_top(model: torch.nn.Module, data: FitData) -> list[tuple[torch.Tenso
             x = torch.tensor([data.full(i)])
             logits = model(input_ids=x, logits_to_keep=k).logits[0].float()
             logp = logits.log_softmax(-1)  # [k, vocab]
-            top = logp.topk(TOP, dim=-1)
+            top = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
             out.append((top.values, top.indices))
     return out
 

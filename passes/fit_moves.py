@@ -11,11 +11,14 @@ truncated SVD of ``dW``). With one position, ``lam = 0`` and ``R >= 1`` it is th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from ctxc.passes.update_rules import ConditionError, stable_post_norm_target
+from ctxc.passes.update_rules import SCALE_FLOOR, ConditionError, stable_post_norm_target
+
+_NEWTON_STEPS = 60  # safeguarded Newton on F^(-1/2), nearly linear: converges in ~10
 
 __all__ = [
     "FitOptions",
@@ -129,7 +132,11 @@ def _top_right(f: torch.Tensor, r: int) -> torch.Tensor:
 
 def stable_targets(s: torch.Tensor, t: torch.Tensor, u_now: torch.Tensor) -> torch.Tensor:
     """Each position's outer-linear output ``u*_j`` nearest its target through the scale
-    (MATH.md 4, the stable rule per position).
+    (MATH.md 4, the stable rule per position), all rows at once.
+
+    The secular equation of :func:`~ctxc.passes.rms_inversion.nearest_unit_rms` is solved for
+    every row together by safeguarded Newton; a row that does not converge (a near-hard case)
+    and a single row (so one position gives the exact rule's bits) take the scalar solver.
 
     Args:
         s: the effective scale [d].
@@ -139,7 +146,39 @@ def stable_targets(s: torch.Tensor, t: torch.Tensor, u_now: torch.Tensor) -> tor
     Returns:
         ``u*`` [N, d], float32.
     """
-    return torch.stack([stable_post_norm_target(s, t[j], u_now[j]) for j in range(t.shape[0])])
+    if t.shape[0] == 1:
+        return stable_post_norm_target(s, t[0], u_now[0])[None]
+    sd = s.double()
+    sign = torch.where(sd < 0, -torch.ones_like(sd), torch.ones_like(sd))
+    s_fit = sign * sd.abs().clamp_min(SCALE_FLOOR)  # [d]
+    s2 = s_fit * s_fit  # [d]
+    st = s_fit * t.double()  # [N, d]
+    st2 = st * st  # [N, d]
+    m = float(s2.min())
+    lo = m - st2.sum(1).sqrt() / math.sqrt(s2.numel())  # [N]
+    hi = torch.full_like(lo, m)  # [N]
+    mu = lo.clone()  # [N]
+    for _ in range(_NEWTON_STEPS):
+        q = s2 - mu[:, None]  # [N, d], > 0 inside the bracket
+        f = (st2 / q**2).mean(1)  # [N]
+        if bool(((f - 1.0).abs() <= 1e-14).all()):
+            break
+        above = f > 1.0
+        hi = torch.where(above, mu, hi)
+        lo = torch.where(above, lo, mu)
+        df = (2.0 * st2 / q**3).mean(1)  # [N]
+        step = (f.rsqrt() - 1.0) / (-0.5 * f.pow(-1.5) * df)
+        new = mu - step
+        bad = ~((new > lo) & (new < hi)) | ~torch.isfinite(new)
+        mu = torch.where(bad, 0.5 * (lo + hi), new)
+    f = (st2 / (s2 - mu[:, None]) ** 2).mean(1)  # [N]
+    w = st / (s2 - mu[:, None])  # [N, d]
+    w = w / w.pow(2).mean(1, keepdim=True).sqrt()  # unit RMS
+    rms = u_now.double().pow(2).mean(1, keepdim=True).sqrt()  # [N, 1]
+    out = (rms * w).float()  # [N, d]
+    for j in torch.nonzero(~((f - 1.0).abs() <= 1e-9) | ~torch.isfinite(w).all(1)).flatten():
+        out[j] = stable_post_norm_target(s, t[j], u_now[j])
+    return out
 
 
 @dataclass(frozen=True)

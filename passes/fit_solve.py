@@ -123,8 +123,15 @@ class _Lockstep:
 class _Fitter:
     """Fits and bakes each block's moves over all runs' positions."""
 
-    def __init__(self, runs: _Lockstep, targets: dict[str, BlockTargets], opts: FitOptions):
+    def __init__(
+        self,
+        runs: _Lockstep,
+        targets: dict[str, BlockTargets],
+        opts: FitOptions,
+        rows: torch.Tensor | None,
+    ):
         self.runs, self.targets, self.opts = runs, targets, opts
+        self.rows = rows  # [N] bool: the positions that are constraints (None: all)
         self.deltas: dict[str, Delta] = {}
         self.resid: dict[str, float] = {}
 
@@ -138,10 +145,11 @@ class _Fitter:
         rank = 0.0
         for i, site in enumerate(sites):
             w = self._weight(site).float()  # [out, in]
-            want = (z_c - z) @ w.T  # [N, out]: W (z_C - z) at each position
+            want = self._fit_rows((z_c - z) @ w.T)  # [N', out]: W (z_C - z) at each position
+            zf = self._fit_rows(z)  # [N', d_in]
             if i == 0:
-                rank = effective_rank(want, z / z.pow(2).sum(1, keepdim=True).clamp_min(1e-30))
-            fit = fit_linear(z, want, self.opts, "MLP input z")
+                rank = effective_rank(want, zf / zf.pow(2).sum(1, keepdim=True).clamp_min(1e-30))
+            fit = fit_linear(zf, want, self.opts, "MLP input z")
             self._put(
                 Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout),
                 block.mlp_in,
@@ -171,7 +179,7 @@ class _Fitter:
         elif ctl == "bias":
             assert block.norm is not None and block.norm.bias is not None
             now = self.runs.values(block.control).float()  # [N, d]
-            delta = Delta(block.norm.bias, block.path, vector=fit_bias(t - now))
+            delta = Delta(block.norm.bias, block.path, vector=fit_bias(self._fit_rows(t - now)))
             self._put(delta, block.residual_add, 0.0)
         elif ctl == "scale":
             sc = block.scale
@@ -182,14 +190,18 @@ class _Fitter:
             h = self.runs.values(block.activation).float()  # [N, d_ff]
             u_now = self._outer_now(site, h)  # [N, d]
             self._put_outer(block, stable_targets(s, t, u_now) - u_now, h)
-            f = self._normalized(block)  # [N, d], recomputed (MATH.md 8)
-            found = fit_scale(s, f, t, self.opts.scale_ridge)
+            f = self._fit_rows(self._normalized(block))  # [N', d], recomputed (MATH.md 8)
+            found = fit_scale(s, f, self._fit_rows(t), self.opts.scale_ridge)
             delta = Delta(sc.param, block.path, vector=found.ds / sc.alpha)
             self._put(delta, block.residual_add, found.rel_residual)
         else:  # pragma: no cover - the locator makes only the kinds above
             raise SolveError(block.path, f"unknown output control {ctl!r}")
 
+    def _fit_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.rows is None else x[self.rows]
+
     def _put_outer(self, block: MlpBlock, residual: torch.Tensor, h: torch.Tensor) -> None:
+        h, residual = self._fit_rows(h), self._fit_rows(residual)
         fit = fit_linear(h, residual, self.opts, "MLP activation h")
         site = block.outer
         delta = Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout)
@@ -232,6 +244,7 @@ def fit_solve(
     queries: Sequence[torch.Tensor],
     opts: FitOptions,
     on_block: Callable[[int, int, str], None] | None = None,
+    rows: torch.Tensor | None = None,
 ) -> FitSolution:
     """Fit one patch over every position of every query, block by block (pure).
 
@@ -243,6 +256,8 @@ def fit_solve(
         queries: the reduced inputs, int64 [1, k_i] each; N = sum of k_i.
         opts: ridge and rank (:class:`FitOptions`).
         on_block: progress callback ``(done, total, block path)``.
+        rows: [N] bool, the positions that are constraints (None: every one); the others are
+            run (later positions attend to them) but not fitted.
 
     Returns:
         the :class:`FitSolution`.
@@ -252,7 +267,7 @@ def fit_solve(
     """
     keep = set().union(*(moves.output_reads(b) for b in blocks.blocks))
     runs = _Lockstep(traced, queries, keep)
-    fitter = _Fitter(runs, targets, opts)
+    fitter = _Fitter(runs, targets, opts, rows)
     stats = []
     with torch.no_grad():
         for i, block in enumerate(blocks.blocks):

@@ -98,3 +98,22 @@ def test_baked_patch_goes_through_the_backends(tmp_path) -> None:
     assert again.meta.update == "bake-fit"
     _, figures = emit_peft(model, again, tmp_path)
     assert (tmp_path / "adapter").is_dir() and figures is not None
+
+
+def test_distill_trains_a_lora_of_the_rank_into_a_patch() -> None:
+    """Context distillation: a seeded LoRA becomes a patch; it lowers the fit data's KL and
+    leaves the model as it was."""
+    pytest.importorskip("peft")
+    model, tok = shared("llama"), tiny_tokenizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = FitData([1, *random_ids(5, 16)], special_prefix(tok),
+                   [random_ids(40 + i, 5) for i in range(3)], ["file"] * 3)  # fmt: skip
+    opts = BakeOptions(method="distill", rank=4, distill_steps=30, distill_lr=1e-2)
+    baked = bake(model, data=data, options=opts)
+    ranks = {d.rank for d in baked.patch.deltas.values()}
+    assert ranks == {4}, ranks
+    patched = evaluate(model, baked.patch, data, gen_tokens=0)
+    control = evaluate(model, None, data, gen_tokens=0)
+    assert patched.kl < 0.5 * control.kl, f"KL {patched.kl:.3g} vs control {control.kl:.3g}"
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed and not any("lora" in k for k in model.state_dict()), changed[:3]
