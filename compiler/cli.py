@@ -48,6 +48,7 @@ class Update(str, Enum):
     standard = "standard"
     stable = "stable"
     output = "output"
+    lora = "lora"
 
 
 class DType(str, Enum):
