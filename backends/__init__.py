@@ -1,4 +1,4 @@
-"""Emitters: patched Transformers model, ONNX, PEFT adapter; and the registry the CLI reads.
+"""Emitters: Transformers model, ONNX, PEFT and serving LoRA, GGUF; the registry the CLI reads.
 
 The registry names each backend, what it writes and the extra that brings its dependencies,
 without importing them: ``ctxc --help`` and a usage error must not load torch or onnx.
@@ -29,6 +29,8 @@ class Backend:
         patchable: the same for ``--patchable``, when the backend has such a variant.
         extra: the pip extra that brings ``requires`` (``None``: the plain install has them).
         requires: import names the emitter needs.
+        takes: keyword arguments the emitter takes besides ``full`` (``tokenizer``,
+            ``gguf_type``), passed by ``emit_checked`` when given.
     """
 
     name: str
@@ -38,6 +40,7 @@ class Backend:
     patchable: str | None = None
     extra: str | None = None
     requires: tuple[str, ...] = ()
+    takes: tuple[str, ...] = ()
 
     def require(self, flag: str = "--emit") -> None:
         """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
@@ -79,6 +82,28 @@ BACKENDS: dict[str, Backend] = {
             emitter="ctxc.backends.peft_adapter:emit_peft",
             extra="peft",
             requires=("peft",),
+        ),
+        Backend(
+            "lora",
+            writes="lora/",
+            status="writing the serving LoRA adapter and checking it",
+            emitter="ctxc.backends.lora_adapter:emit_lora",
+            extra="peft",
+            requires=("peft",),
+        ),
+        Backend(
+            "gguf-lora",
+            writes="lora.gguf",
+            status="writing the llama.cpp LoRA GGUF and checking it",
+            emitter="ctxc.backends.gguf_lora:emit_gguf_lora",
+            takes=("gguf_type",),
+        ),
+        Backend(
+            "gguf",
+            writes="model.gguf",
+            status="writing model.gguf and reloading it with Transformers",
+            emitter="ctxc.backends.gguf_model:emit_gguf",
+            takes=("tokenizer", "gguf_type"),
         ),
     )
 }
