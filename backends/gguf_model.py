@@ -27,7 +27,15 @@ from ctxc.metrics import Fidelity, fidelity
 from ctxc.models import source_gguf
 from ctxc.patch import Patch
 
-__all__ = ["GGUF_ATOL", "GGUF_FILE", "GGUF_TYPES", "GgufFigures", "emit_gguf", "tensor_array"]
+__all__ = [
+    "GGUF_ATOL",
+    "GGUF_FILE",
+    "GGUF_TYPES",
+    "GgufFigures",
+    "emit_gguf",
+    "tensor_array",
+    "write_gguf",
+]
 
 GGUF_FILE = "model.gguf"
 GGUF_TYPES = ("F32", "F16", "BF16")
@@ -92,7 +100,18 @@ def tensor_array(w: np.ndarray, gguf_type: str):
     return gguf.quants.quantize(w.astype(np.float32), bf16), bf16
 
 
-def _write(model, tokenizer, path: Path, gguf_type: str) -> tuple[int, str]:
+def write_gguf(model, tokenizer, path: Path, gguf_type: str = "F32") -> tuple[int, str]:
+    """Write ``model`` as it is now (no patch applied here) to the GGUF file ``path``.
+
+    Args:
+        model: a model of a known architecture (:func:`gguf_arch`).
+        tokenizer: its tokenizer (unused when the model came from a GGUF file).
+        path: the file to write.
+        gguf_type: ``F32``, ``F16`` or ``BF16`` for the matrices.
+
+    Returns:
+        ``(tensors written, where the metadata came from)``.
+    """
     import gguf
 
     arch = gguf_arch(model)
@@ -166,7 +185,7 @@ def emit_gguf(
     if full is None:
         full = reference_logits(model, patch)
     with patch.applied(model, check=False):
-        count, metadata = _write(model, tokenizer, path, gguf_type)
+        count, metadata = write_gguf(model, tokenizer, path, gguf_type)
         (patched,) = torch_logits(model, query)
         want = {k: _rounded(v, gguf_type) for k, v in model.state_dict().items()}
     loaded = AutoModelForCausalLM.from_pretrained(

@@ -11,6 +11,7 @@ forward direction, with the same ``TensorNameMap``.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -76,12 +77,18 @@ def gguf_name(arch: GgufArch, layers: int, param: str) -> str | None:
         layers: the model's ``num_hidden_layers``.
         param: the parameter's ``state_dict`` name.
     """
+    stem, _, suffix = param.rpartition(".")
+    found = _name_map(arch.arch, layers).get_name(stem)
+    return None if found is None else f"{found}.{suffix}"
+
+
+@functools.cache
+def _name_map(arch: str, layers: int):
+    """gguf-py's ``TensorNameMap`` (slow to build: once per architecture and depth)."""
     import gguf
 
-    key = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch.arch)
-    stem, _, suffix = param.rpartition(".")
-    found = gguf.get_tensor_name_map(key, layers).get_name(stem)
-    return None if found is None else f"{found}.{suffix}"
+    key = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    return gguf.get_tensor_name_map(key, layers)
 
 
 def _permute(w: np.ndarray, heads: int) -> np.ndarray:
