@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ctxc.errors import CtxcError
 
-__all__ = ["BACKENDS", "Backend", "backend", "parse_backends"]
+__all__ = ["BACKENDS", "Backend", "backend", "parse_backends", "precheck"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,8 @@ class Backend:
         requires: import names the emitter needs.
         takes: keyword arguments the emitter takes besides ``full`` (``tokenizer``,
             ``gguf_type``), passed by ``emit_checked`` when given.
+        precheck: ``"module:function"`` taking the model, run before any compile: raises a
+            CtxcError for a model the backend cannot write (an unknown GGUF architecture).
     """
 
     name: str
@@ -41,6 +43,7 @@ class Backend:
     extra: str | None = None
     requires: tuple[str, ...] = ()
     takes: tuple[str, ...] = ()
+    precheck: str | None = None
 
     def require(self, flag: str = "--emit") -> None:
         """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
@@ -97,6 +100,7 @@ BACKENDS: dict[str, Backend] = {
             status="writing the llama.cpp LoRA GGUF and checking it",
             emitter="ctxc.backends.gguf_lora:emit_gguf_lora",
             takes=("gguf_type",),
+            precheck="ctxc.backends.gguf_names:gguf_arch",
         ),
         Backend(
             "gguf",
@@ -104,6 +108,7 @@ BACKENDS: dict[str, Backend] = {
             status="writing model.gguf and reloading it with Transformers",
             emitter="ctxc.backends.gguf_model:emit_gguf",
             takes=("tokenizer", "gguf_type"),
+            precheck="ctxc.backends.gguf_names:gguf_arch",
         ),
     )
 }
@@ -130,3 +135,16 @@ def parse_backends(spec: str, flag: str = "--emit") -> list[str]:
     for name in names:
         BACKENDS[name].require(flag)
     return names
+
+
+def precheck(model, names: list[str]) -> None:
+    """Run the prechecks of the named backends on ``model`` (before the model is compiled).
+
+    Raises:
+        CtxcError: a backend cannot write this model.
+    """
+    for name in names:
+        target = BACKENDS[name].precheck
+        if target:
+            module, function = target.split(":")
+            getattr(importlib.import_module(module), function)(model)

@@ -174,6 +174,9 @@ def export_cmd(
 
         net, tokenizer = load(model, patch.meta.dtype)
         patch.check(net)  # fingerprint and shapes, without applying
+        from ctxc.backends import precheck
+
+        precheck(net, kinds)
         pause_point("writing")
         report: dict = {"patch": str(patch_file), "model": patch.meta.model}
         full = None

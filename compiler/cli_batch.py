@@ -41,8 +41,10 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         (the report as written, the emitted artefacts' figures).
     """
     import ctxc
+    from ctxc.backends import precheck
     from ctxc.backends.torch_model import emit_torch
 
+    precheck(net, opts.kinds)
     result = ctxc.compile(
         net,
         tokenizer,

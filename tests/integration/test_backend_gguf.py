@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 from helpers import diff_msg, max_diff, random_ids, run_cli
-from tiny_models import VOCAB, build, build_any
+from safetensors.torch import load_file, save_file
+from tiny_models import VOCAB, shared
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -15,6 +16,7 @@ import ctxc
 from ctxc.backends.gguf_lora import emit_gguf_lora
 from ctxc.backends.gguf_model import emit_gguf
 from ctxc.backends.lora_adapter import emit_lora
+from ctxc.backends.lora_rules import check_vllm_adapter
 from ctxc.errors import CtxcError
 
 
@@ -33,7 +35,7 @@ def bpe_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def test_lora_rule_is_exact_on_llama_and_moves_linear_weights_only() -> None:
-    model = build("llama")
+    model = shared("llama")
     rep = ctxc.compile(model, context_ids=random_ids(1, 24), update="lora").report
     got, control = rep.emitted.max_abs_logit_diff, rep.control.max_abs_logit_diff
     msg = f"emitted max {got:.3g} mean {rep.emitted.mean_abs_logit_diff:.3g}, control {control:.3g}"
@@ -43,7 +45,7 @@ def test_lora_rule_is_exact_on_llama_and_moves_linear_weights_only() -> None:
 
 
 def test_lora_rule_on_gemma3_leaves_norms_and_reports_what_it_missed() -> None:
-    model = build("gemma3")
+    model = shared("gemma3")
     ids = random_ids(2, 20)
     lora = ctxc.compile(model, context_ids=ids, update="lora")
     stable = ctxc.compile(model, context_ids=ids, update="stable")
@@ -57,7 +59,7 @@ def test_lora_rule_on_gemma3_leaves_norms_and_reports_what_it_missed() -> None:
 
 
 def test_serving_lora_follows_vllm_rules_and_refuses_norm_deltas(tmp_path) -> None:
-    model = build("llama")
+    model = shared("llama")
     patch = ctxc.compile(model, context_ids=random_ids(3, 20), update="lora").patch
     path, figures = emit_lora(model, patch, tmp_path)
     config = json.loads((path / "adapter_config.json").read_text())
@@ -66,17 +68,38 @@ def test_serving_lora_follows_vllm_rules_and_refuses_norm_deltas(tmp_path) -> No
     assert figures.vllm.module_names == ("down_proj", "gate_proj", "up_proj")
     assert figures.peft.lora.max_abs_logit_diff <= 1e-5, figures.peft.lora
 
-    gemma = build("gemma3")
+    gemma = shared("gemma3")
     stable = ctxc.compile(gemma, context_ids=random_ids(3, 20), update="stable").patch
     with pytest.raises(CtxcError, match="compile with --update lora"):
         emit_lora(gemma, stable, tmp_path / "refused")
+
+    # Each of vLLM's rules, broken in turn, is caught by the structural check.
+    good = json.loads((path / "adapter_config.json").read_text())
+    for key, bad in [
+        ("modules_to_save", ["lm_head"]),
+        ("bias", "all"),
+        ("r", 1024),
+        ("rank_pattern", {"x": 2}),
+        ("use_dora", True),
+    ]:
+        (path / "adapter_config.json").write_text(json.dumps({**good, key: bad}))
+        with pytest.raises(CtxcError, match="vLLM's adapter rules"):
+            check_vllm_adapter(path, model)
+    (path / "adapter_config.json").write_text(json.dumps(good))
+    tensors = load_file(str(path / "adapter_model.safetensors"))
+    save_file(
+        {**tensors, "base_model.model.model.norm.weight": torch.ones(64)},
+        str(path / "adapter_model.safetensors"),
+    )
+    with pytest.raises(CtxcError, match="not a lora_A/lora_B weight"):
+        check_vllm_adapter(path, model)
 
 
 @pytest.mark.parametrize("gguf_type", ["F32", "BF16"])
 def test_gguf_lora_holds_the_patch(tmp_path, gguf_type: str) -> None:
     import gguf
 
-    model = build("gemma3")
+    model = shared("gemma3")
     patch = ctxc.compile(model, context_ids=random_ids(4, 20), update="lora").patch
     path, figures = emit_gguf_lora(model, patch, tmp_path, gguf_type=gguf_type)
     reader = gguf.GGUFReader(str(path))
@@ -93,7 +116,7 @@ def test_gguf_lora_holds_the_patch(tmp_path, gguf_type: str) -> None:
 
 @pytest.mark.parametrize("gguf_type", ["F32", "F16"])
 def test_gguf_model_reloads_in_transformers(tmp_path, gguf_type: str) -> None:
-    model = build("llama")
+    model = shared("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     patch = ctxc.compile(model, context_ids=random_ids(5, 24)).patch
     path, figures = emit_gguf(
@@ -113,7 +136,7 @@ def test_gguf_model_reloads_in_transformers(tmp_path, gguf_type: str) -> None:
 
 def _model_dir(tmp_path, family: str):
     folder = tmp_path / family
-    build_any(family).save_pretrained(str(folder))
+    shared(family).save_pretrained(str(folder))
     bpe_tokenizer().save_pretrained(str(folder))
     ctx = tmp_path / "ctx.txt"
     ctx.write_text(" ".join(f"w{i}" for i in random_ids(6, 20)))
