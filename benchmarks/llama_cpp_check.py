@@ -8,6 +8,7 @@ the torch patched model's figure and the unpatched control's.
 
     pip install llama-cpp-python   # builds llama.cpp from source with cmake (10+ minutes)
     python benchmarks/llama_cpp_check.py [--model M] [--text short] [--update stable|lora]
+        [--transformers]
 
 Not part of CI: llama-cpp-python is not a ctxc dependency.
 """
@@ -55,6 +56,9 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--text", default="short")
     parser.add_argument("--update", default="stable")
+    parser.add_argument(
+        "--transformers", action="store_true", help="also reload it with Transformers (minutes)"
+    )
     args = parser.parse_args()
     model, tokenizer = ctxc.load_model(args.model)
     text = (ROOT / "examples" / f"{args.text}.txt").read_text()
@@ -65,8 +69,12 @@ def main() -> None:
     print(_row("patched model (torch)", result.report.emitted))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        _, figures = emit_gguf(model, result.patch, out, full=full, tokenizer=tokenizer)
-        print(_row("model.gguf reloaded by Transformers", figures.reloaded))
+        if args.transformers:
+            _, figures = emit_gguf(model, result.patch, out, full=full, tokenizer=tokenizer)
+            print(_row("model.gguf reloaded by Transformers", figures.reloaded))
+        else:
+            with result.patch.applied(model):
+                write_gguf(model, tokenizer, out / "model.gguf")
         got = _llama_cpp_logits(out / "model.gguf", ids)
         print(_row("model.gguf in llama.cpp", fidelity(got, full)))
         write_gguf(model, tokenizer, out / "base.gguf")
