@@ -48,12 +48,19 @@ class Update(str, Enum):
     standard = "standard"
     stable = "stable"
     output = "output"
+    lora = "lora"
 
 
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+class GgufType(str, Enum):
+    F32 = "F32"
+    F16 = "F16"
+    BF16 = "BF16"
 
 
 class Format(str, Enum):
@@ -89,8 +96,12 @@ def compile_cmd(
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     emit: str = typer.Option(
-        "torch", "--emit", help="Comma list of artefacts: torch (model/), onnx, peft (adapter/)."
+        "torch",
+        "--emit",
+        help="Comma list of artefacts: torch (model/), onnx, peft (adapter/), lora (lora/), "
+        "gguf (model.gguf), gguf-lora (lora.gguf).",
     ),
+    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
@@ -104,7 +115,7 @@ def compile_cmd(
         raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
     if context is not None and contexts is not None:
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
-    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit))
+    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit), gguf_type.value)
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
@@ -140,8 +151,11 @@ def export_cmd(
     ),
     model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
     to: str = typer.Option(
-        "torch", "--to", help="Artefact: torch (the model folder), onnx (model.onnx), peft."
+        "torch",
+        "--to",
+        help="Artefact: torch (the model folder), onnx (model.onnx), peft, lora, gguf, gguf-lora.",
     ),
+    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),
@@ -160,6 +174,9 @@ def export_cmd(
 
         net, tokenizer = load(model, patch.meta.dtype)
         patch.check(net)  # fingerprint and shapes, without applying
+        from ctxc.backends import precheck
+
+        precheck(net, kinds)
         pause_point("writing")
         report: dict = {"patch": str(patch_file), "model": patch.meta.model}
         full = None
@@ -175,7 +192,16 @@ def export_cmd(
                 "emitted_measured_on": "the folder reloaded with "
                 "AutoModelForCausalLM.from_pretrained",
             }
-        figures = emit_checked(net, patch, tmp, kinds, patchable, full=full)
+        figures = emit_checked(
+            net,
+            patch,
+            tmp,
+            kinds,
+            patchable,
+            full=full,
+            tokenizer=tokenizer,
+            gguf_type=gguf_type.value,
+        )
         report.update({kind: f.to_dict() for kind, f in figures.items()})
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if "torch" in kinds:
