@@ -141,7 +141,7 @@ def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
         with err.status("writing model/"):
             emit_torch(net, tokenizer, patch, tmp / "model")
         figures["torch"] = {"written": "model/"}
-    found = emit_checked(net, patch, tmp, kinds)
+    found = emit_checked(net, patch, tmp, kinds, tokenizer=tokenizer)
     figures.update({k: f.to_dict() for k, f in found.items()})
     return figures
 
