@@ -23,7 +23,7 @@ import torch
 import ctxc
 from ctxc.bake import BakeOptions, bake, bake_data
 from ctxc.bake_data import FitData, read_queries
-from ctxc.bake_eval import evaluate
+from ctxc.bake_eval import evaluate_many
 from ctxc.patch import Delta, Patch
 
 DATA = Path(__file__).resolve().parent / "data"
@@ -67,15 +67,17 @@ def run(args) -> list[dict]:
     rows = []
     for name in args.contexts.split(","):
         ctx_ids = list(tok((DATA / f"{name}.txt").read_text()).input_ids)
-        sets, prefix = None, None
+        # label -> (patch or None, K, R, seconds); every one is judged on the same held-out runs
+        made: dict[str, tuple] = {"unpatched": (None, 0, "-", 0.0)}
+        fit_data = None
         for k in [int(x) for x in args.samples.split(",")]:
             fit_data = None
             for r in args.ranks.split(","):
                 for method in args.methods.split(","):
-                    rank = None if r == "full" else int(r)
                     opts = BakeOptions(
-                        samples=k, rank=rank, method=method, ridge=args.ridge,
-                        scale_ridge=args.scale_ridge, distill_steps=args.steps,
+                        samples=k, rank=None if r == "full" else int(r), method=method,
+                        ridge=args.ridge, scale_ridge=args.scale_ridge, distill_steps=args.steps,
+                        fit_prefix=not args.no_fit_prefix,
                     )  # fmt: skip
                     clock = time.perf_counter()
                     if fit_data is None:
@@ -84,31 +86,26 @@ def run(args) -> list[dict]:
                     else:
                         result = bake(model, data=fit_data, options=opts)
                     seconds = time.perf_counter() - clock
-                    if sets is None:
-                        prefix = fit_data.prefix
-                        sets = held_out(model, tok, ctx_ids, prefix, name, args.held, args.qs)
-                        rows += _baselines(model, name, sets, fit_data, args)
-                    for kind, d in sets.items():
-                        e = evaluate(model, result.patch, d, args.gen)
-                        rows.append(_row(name, kind, method, k, r, e, seconds))
-                        print(_line(rows[-1]), flush=True)
-    return rows
-
-
-def _baselines(model, name: str, sets: dict, fit_data: FitData, args) -> list[dict]:
-    rows = []
-    for kind, d in sets.items():
-        rows.append(_row(name, kind, "unpatched", 0, "-", evaluate(model, None, d, args.gen), 0))
-        print(_line(rows[-1]), flush=True)
-    if args.mean_exact:
-        clock = time.perf_counter()
-        patch = mean_exact_patch(model, fit_data, args.mean_exact)
-        seconds = time.perf_counter() - clock
-        k = len(fit_data.queries)
+                    made[f"{method} K={k} R={r}"] = (result.patch, k, r, seconds)
+                    print(f"baked {method} K={k} R={r} in {seconds:.0f} s", flush=True)
+            if args.mean_exact:
+                clock = time.perf_counter()
+                patch = mean_exact_patch(model, fit_data, args.mean_exact)
+                made[f"mean-exact({args.mean_exact}) K={k}"] = (
+                    patch,
+                    k,
+                    "-",
+                    time.perf_counter() - clock,
+                )
+        prefix = fit_data.prefix if fit_data else []
+        sets = held_out(model, tok, ctx_ids, prefix, name, args.held, args.qs)
+        labels = list(made)
         for kind, d in sets.items():
-            e = evaluate(model, patch, d, args.gen)
-            rows.append(_row(name, kind, f"mean-exact({args.mean_exact})", k, "-", e, seconds))
-            print(_line(rows[-1]), flush=True)
+            found = evaluate_many(model, [made[lb][0] for lb in labels], d, args.gen)
+            for lb, e in zip(labels, found, strict=True):
+                _, k, r, seconds = made[lb]
+                rows.append(_row(name, kind, lb.split(" ")[0], k, r, e, seconds))
+                print(_line(rows[-1]), flush=True)
     return rows
 
 
@@ -141,6 +138,7 @@ def main() -> None:
     p.add_argument("--qs", type=int, default=20, help="hand-written questions per context")
     p.add_argument("--gen", type=int, default=32, help="greedy tokens per held-out query")
     p.add_argument("--mean-exact", type=int, default=16, help="positions averaged; 0: skip")
+    p.add_argument("--no-fit-prefix", action="store_true", help="BOS position not fitted")
     p.add_argument("--out", default="thought_patches.json")
     args = p.parse_args()
     print("| context | held out | method | K | R | KL | top-1 | matched | s |")

@@ -16,7 +16,7 @@ import torch
 from ctxc.bake_data import FitData
 from ctxc.patch import Patch
 
-__all__ = ["BakeEval", "evaluate", "greedy", "position_figures"]
+__all__ = ["BakeEval", "evaluate", "evaluate_many", "greedy", "position_figures"]
 
 
 @dataclass(frozen=True)
@@ -106,34 +106,54 @@ def evaluate(
     Returns:
         the :class:`BakeEval`.
     """
+    return evaluate_many(model, [patch], data, gen_tokens, on_query)[0]
+
+
+def evaluate_many(
+    model: torch.nn.Module,
+    patches: list[Patch | None],
+    data: FitData,
+    gen_tokens: int = 32,
+    on_query=None,
+) -> list[BakeEval]:
+    """:func:`evaluate` for several patches (None: the control), sharing the full-context runs.
+
+    Returns:
+        one :class:`BakeEval` per patch, in order.
+    """
     device = next(model.parameters()).device
-    kls, agrees, matched = [], [], []
+    figs: list[tuple[list, list, list[int]]] = [([], [], []) for _ in patches]
     n = len(data.queries)
     with torch.no_grad():
         for i in range(n):
-            # The original with the context first, then the patch applied for the query alone:
+            # The original with the context first, then each patch applied for the query alone:
             # one query's full-vocabulary logits in memory at a time.
             full_ids, ids = data.full(i), data.reduced(i)
             x = torch.tensor([full_ids], device=device)
-            full = model(input_ids=x, logits_to_keep=len(ids)).logits[0]
+            full = model(input_ids=x, logits_to_keep=len(ids)).logits[0].float().cpu()
             want = greedy(model, full_ids, gen_tokens) if gen_tokens else []
-            applied = patch.applied(model, check=False) if patch else contextlib.nullcontext()
-            with applied:
-                logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]
-                got = greedy(model, ids, gen_tokens) if gen_tokens else []
-            kl, agree = position_figures(logits.float().cpu(), full.float().cpu())
-            kls.append(kl)
-            agrees.append(agree)
-            matched.append(_matched(got, want))
+            for patch, (kls, agrees, matched) in zip(patches, figs, strict=True):
+                applied = patch.applied(model, check=False) if patch else contextlib.nullcontext()
+                with applied:
+                    logits = model(input_ids=torch.tensor([ids], device=device)).logits[0]
+                    got = greedy(model, ids, gen_tokens) if gen_tokens else []
+                kl, agree = position_figures(logits.float().cpu(), full)
+                kls.append(kl)
+                agrees.append(agree)
+                matched.append(_matched(got, want))
             if on_query is not None:
                 on_query(i + 1, n)
+    return [_summarise(kls, agrees, matched, gen_tokens) for kls, agrees, matched in figs]
+
+
+def _summarise(kls: list, agrees: list, matched: list[int], gen_tokens: int) -> BakeEval:
     kl_all, agree_all = torch.cat(kls), torch.cat(agrees)
     return BakeEval(
-        queries=n,
+        queries=len(matched),
         positions=int(kl_all.numel()),
         kl=float(kl_all.mean()),
         top1=float(agree_all.double().mean()),
-        matched=float(sum(matched) / max(n, 1)),
+        matched=float(sum(matched) / max(len(matched), 1)),
         gen_tokens=gen_tokens,
         matched_all=matched,
     )

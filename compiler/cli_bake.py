@@ -110,7 +110,7 @@ def bake_cmd(
 def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -> dict:
     """Fit-data and held-out figures of the patch beside the unpatched control's."""
     from ctxc.bake import bake_data
-    from ctxc.bake_eval import evaluate
+    from ctxc.bake_eval import evaluate_many
 
     data = result.data
     sets = {"fit": data}
@@ -125,10 +125,8 @@ def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -
     for name, d in sets.items():
         gen = 0 if name == "fit" else 32
         with err.status(f"evaluating on {name} ({len(d.queries)} queries)"):
-            figures[name] = {
-                "patched": evaluate(net, result.patch, d, gen).to_dict(),
-                "control": evaluate(net, None, d, gen).to_dict(),
-            }
+            patched, control = evaluate_many(net, [result.patch, None], d, gen)
+            figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
     return figures
 
 
@@ -181,18 +179,14 @@ def eval_bake_cmd(
     if not patch.meta.update.startswith("bake"):
         raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
     from ctxc.bake import bake_data
-    from ctxc.bake_eval import evaluate
+    from ctxc.bake_eval import evaluate_many
 
     net, tokenizer = load(model, patch.meta.dtype)
     patch.check(net)
     data = bake_data(net, tokenizer, patch.meta.context_ids, texts, max(samples, 0), 32, seed)
     with err.status(f"evaluating on {len(data.queries)} queries"):
-        figures = {
-            "held_out": {
-                "patched": evaluate(net, patch, data, gen_tokens).to_dict(),
-                "control": evaluate(net, None, data, gen_tokens).to_dict(),
-            }
-        }
+        patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
+        figures = {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
     for line in _summary(figures):
         out.print(line, highlight=False)
     out.print(json.dumps(figures), highlight=False, soft_wrap=True)
