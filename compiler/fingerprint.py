@@ -7,6 +7,8 @@ import json
 
 import torch
 
+from ctxc.offload import read_param
+
 __all__ = ["fingerprint"]
 
 # Config keys that say how a model was loaded or saved, not what it computes.
@@ -52,9 +54,9 @@ def fingerprint(model: torch.nn.Module) -> dict[str, str]:
     weights = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         arch.update(f"{name}:{tuple(param.shape)};".encode())
-        flat = param.detach().reshape(-1)
+        flat = read_param(model, name).reshape(-1)  # offloaded: read from its store
         step = max(1, flat.numel() // _SAMPLES)
-        sample = torch.cat([flat[::step], flat[-1:]]).contiguous()
+        sample = torch.cat([flat[::step], flat[-1:]]).cpu().contiguous()
         weights.update(f"{name}:{param.dtype};".encode())
         weights.update(sample.view(torch.uint8).numpy().tobytes())
     return {"arch": arch.hexdigest(), "weights": weights.hexdigest()}

@@ -15,6 +15,7 @@ from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
 from ctxc.metrics import fidelity
 from ctxc.models import check_length
+from ctxc.offload import input_device
 from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
@@ -167,7 +168,7 @@ def _compile_ids(
     )
     lap("trace")
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
-    device = next(model.parameters()).device
+    device = input_device(model)  # the embedding's device (a dispersed model's too)
     full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 

@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from ctxc.passes.graph_view import GraphView
+from ctxc.passes.placement import PlacingInterpreter, materialize
 
 __all__ = ["Action", "ReducedRun"]
 
@@ -23,7 +24,7 @@ Action = Callable[[torch.Tensor], torch.Tensor]  # a node's value -> the value i
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
-class ReducedRun(fx.Interpreter):
+class ReducedRun(PlacingInterpreter):
     """Steps through the graph on given inputs; values are kept (the query is a few tokens).
 
     Args:
@@ -35,7 +36,8 @@ class ReducedRun(fx.Interpreter):
     """
 
     def __init__(self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple) -> None:
-        super().__init__(view.traced.graph_module, garbage_collect_values=False)
+        placer = view.traced.placer(inputs[view.traced.input_index])
+        super().__init__(view.traced.graph_module, placer, garbage_collect_values=False)
         self.view = view
         self.keep = frozenset(keep)
         self.kept: dict[fx.Node, torch.Tensor] = {}
@@ -106,6 +108,10 @@ class ReducedRun(fx.Interpreter):
         """``node``'s value as computed (its kept copy, when it has one)."""
         kept = self.kept.get(node)
         return kept if kept is not None else self.env[node]
+
+    def param(self, node: fx.Node) -> torch.Tensor:
+        """A parameter placeholder's value, read from its store when it is offloaded."""
+        return materialize(self.env[node])
 
     def replace_param(self, param: fx.Node, value: torch.Tensor, upto: fx.Node) -> None:
         """Make ``param`` read ``value``, recomputing the nodes up to ``upto`` that used it."""

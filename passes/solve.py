@@ -151,7 +151,7 @@ class _Solver:
             ids_node = self.advance_to(ids_name)
             ids = self.run.env[ids_node].reshape(-1).long()  # [rows]: expert of each bank row
             for site in banks[ids_name]:
-                bank = self.run.env[self.param_node[site.weight]]  # [E, ., .]
+                bank = self.run.param(self.param_node[site.weight])  # [E, ., .]
                 found = moves.bank_input_move(bank, site.layout, ids, site.repeat, z, z_target)
                 self._put(moves.bank_delta(site, block.path, found), ids_node, site)
 
@@ -225,13 +225,13 @@ class _Solver:
     # -- values --------------------------------------------------------------------------------
 
     def _weight(self, site: LinearSite) -> torch.Tensor:
-        w = self.run.env[self.param_node[site.weight]]
+        w = self.run.param(self.param_node[site.weight])
         return w.T if site.layout == "in_out" else w  # [out, in]
 
     def _scale(self, block: MlpBlock) -> torch.Tensor:
         sc = block.scale
         assert sc is not None
-        w = self.run.env[self.param_node[sc.param]].float()  # [d]
+        w = self.run.param(self.param_node[sc.param]).float()  # [d]
         return sc.alpha * w + sc.offset
 
     def _outer_now(self, block: MlpBlock, h: torch.Tensor) -> torch.Tensor:
@@ -239,7 +239,7 @@ class _Solver:
         site = block.outer
         u_now = h.float() @ self._weight(site).float().T  # [k, d]
         if site.bias is not None:
-            u_now = u_now + self.run.env[self.param_node[site.bias]].float()
+            u_now = u_now + self.run.param(self.param_node[site.bias]).float()
         return u_now
 
     def _normalized(self, block: MlpBlock) -> torch.Tensor:
@@ -272,7 +272,7 @@ class _Solver:
             self.run.add_action(self.view.by_name[target], act, upto)
             return
         node = self.param_node[delta.param]
-        base = self.run.env[node]
+        base = self.run.param(node)
         self.run.replace_param(node, at_alignment_of(delta.materialize(base), base), upto)
 
     def _action(self, delta: Delta, at: LinearSite | MlpBlock) -> tuple[str, Action]:
