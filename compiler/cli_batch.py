@@ -31,6 +31,7 @@ class Options:
     start_layer: int
     skip_unpatchable: bool
     kinds: list[str]
+    placement: object = None  # a ctxc.devices.Placement: where the model is loaded
 
 
 def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
@@ -60,7 +61,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         with err.status("writing model/ and reloading it"):
             emit_torch(net, tokenizer, result.patch, tmp / "model")
             full = result.full_logits
-            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full)
+            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full, net)
         report = dataclasses.replace(report, emitted=reloaded)
         measured = "model/ reloaded with AutoModelForCausalLM.from_pretrained"
     figures = emit_checked(net, result.patch, tmp, opts.kinds, full=result.full_logits)
@@ -130,7 +131,7 @@ def compile_batch(contexts: Path, out_dir: Path, model, dtype: str, force: bool,
     with output_folder(out_dir, force, "compile") as tmp:
         from ctxc.cli_support import load
 
-        net, tokenizer = load(model, dtype)
+        net, tokenizer = load(model, dtype, opts.placement)
         with _progress() as bar:
             task = bar.add_task("contexts", total=len(lines))
             for n, entry, problem in lines:

@@ -32,6 +32,7 @@ __all__ = [
     "meta_skeleton",
     "put_param",
     "read_param",
+    "read_rows",
     "restore_param",
     "weight_source",
 ]
@@ -154,6 +155,14 @@ def read_param(model: torch.nn.Module, name: str) -> torch.Tensor:
         return param.detach()
     loader, key = _store(model, name)
     return loader[key]
+
+
+def read_rows(model: torch.nn.Module, name: str, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of parameter ``name``, read alone from its store when offloaded."""
+    param = model.get_parameter(name)
+    if param.device.type != "meta":
+        return param.detach()[start:stop]
+    return _fetch(model, name, torch.device("cpu"))((start, stop))
 
 
 def put_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> object:

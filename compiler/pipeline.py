@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxc._version import __version__
+from ctxc.devices import check_on_device, describe
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
@@ -97,6 +98,7 @@ def compile(
     apply: str = "baked",
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
+    device: str | None = None,
 ) -> CompileResult:
     """Compile a context into a :class:`Patch` for ``model``; the model is left unmodified.
 
@@ -116,6 +118,9 @@ def compile(
             only: ``report.emitted`` then still measures the baked weights).
         on_stage: progress callback, called with a stage name.
         on_block: progress callback ``(done, total, block path)`` from the solver.
+        device: the device to run on (``cpu``, ``cuda``, ``cuda:N``, ``mps``): the model must be
+            there (``ctxc.load_model(..., device=...)``); default: where the model is. A model
+            dispersed by accelerate (``device_map``) runs where each block lives.
 
     Returns:
         the :class:`CompileResult`.
@@ -129,6 +134,8 @@ def compile(
         )
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
+    if device is not None:
+        check_on_device(model, device)
     ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
     options = _Options(update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block)
@@ -196,7 +203,7 @@ def _compile_ids(
     emitted = solution.logits
     if o.verify:
         stage("verifying")
-        emitted = _run_patched(model, patch, query)
+        emitted = _run_patched(model, patch, query, traced)
         lap("verify")
     report = CompileReport(
         model=meta.model,
@@ -214,6 +221,8 @@ def _compile_ids(
         ctxc_version=__version__,
         apply=o.apply,
         frontend=frontend,
+        device=str(device),
+        placement=describe(model)[1],
     )
     return CompileResult(patch=patch, report=report, full_logits=full.logits)
 
@@ -263,9 +272,18 @@ def _solve_skipping(args: tuple, skip_unpatchable: bool) -> tuple:
 _SKIP_HINT = " (--skip-unpatchable patches the other blocks)"
 
 
-def _run_patched(model: torch.nn.Module, patch: Patch, query: torch.Tensor) -> torch.Tensor:
-    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored."""
+def _run_patched(
+    model: torch.nn.Module, patch: Patch, query: torch.Tensor, traced: TracedModel
+) -> torch.Tensor:
+    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored.
+
+    A dispersed model runs through its graph, which reads each patched weight from where
+    ``Patch.apply`` wrote it, one block at a time: accelerate's own forward would read a whole
+    offloaded module at once (Gemma 3's 670 MB embedding, for the head).
+    """
     with patch.applied(model, check=False), torch.no_grad():
+        if traced.source is not None:
+            return run_logits(traced, query)
         return model(input_ids=query).logits[0].float()
 
 

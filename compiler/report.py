@@ -30,6 +30,8 @@ class CompileReport:
         timings: seconds per stage.
         frontend: the export ladder's rung: ``dynamic``, ``bounded`` or ``static``
             (``compiler/frontend.py``).
+        device: the device the runs started on (the input embedding's).
+        placement: parameters per device (``disk``: offloaded), ``compiler/devices.py``.
     """
 
     model: str
@@ -47,6 +49,8 @@ class CompileReport:
     ctxc_version: str = ""
     apply: str = "baked"
     frontend: str = "dynamic"
+    device: str = "cpu"
+    placement: dict[str, int] = field(default_factory=dict)
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -62,6 +66,8 @@ class CompileReport:
             "update": self.update,
             "apply": self.apply,
             "frontend": self.frontend,
+            "device": self.device,
+            "placement": self.placement,
             "start_layer": self.start_layer,
             "context_ids": self.context_ids,
             "query_ids": self.query_ids,
