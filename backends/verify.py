@@ -7,8 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ctxc.devices import placement_of
-from ctxc.models import load_model
+from ctxc.devices import block_device_map, placement_of
 from ctxc.offload import input_device
 from ctxc.passes.run_graph import run_logits
 from ctxc.patch import Patch
@@ -86,17 +85,15 @@ def reloaded_logits(
     from transformers import AutoModelForCausalLM
 
     placement = placement_of(like)
+    kwargs = placement.load_kwargs()
     if placement.device_map is not None:  # reloaded dispersed, as it was compiled
-        model, _ = load_model(
-            str(folder),
-            dtype,
-            device_map=placement.device_map,
-            max_memory=placement.max_memory,
-        )
+        torch_dtype = getattr(torch, dtype)
+        memory = kwargs.get("max_memory")
+        kwargs["device_map"] = block_device_map(folder, torch_dtype, placement.device_map, memory)
+        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
         ids = torch.tensor([query_ids], device=input_device(model))
         k = len(query_ids)
-        return run_logits(trace(model, k, (k, k), "static"), ids).cpu()
-    kwargs = placement.load_kwargs()
+        return run_logits(trace(model.eval(), k, (k, k), "static"), ids).cpu()
     model = AutoModelForCausalLM.from_pretrained(
         str(folder), dtype=getattr(torch, dtype), **kwargs
     ).eval()

@@ -80,7 +80,7 @@ def _sample(model: torch.nn.Module, name: str, param: torch.Tensor) -> torch.Ten
         stop = min(start + slab, param.shape[0])
         first = -(-start * row // step) * step  # the first sampled flat index in the slab
         flat = read_rows(model, name, start, stop).reshape(-1)
-        parts.append(flat[first - start * row :: step].cpu())
+        parts.append(flat[first - start * row :: step].cpu().clone())  # not a view: frees the slab
         if stop == param.shape[0]:
-            parts.append(flat[-1:].cpu())
+            parts.append(flat[-1:].cpu().clone())
     return torch.cat(parts).contiguous()
