@@ -34,6 +34,7 @@ __all__ = [
     "read_param",
     "read_rows",
     "restore_param",
+    "store_file",
     "weight_source",
 ]
 
@@ -163,6 +164,17 @@ def read_rows(model: torch.nn.Module, name: str, start: int, stop: int) -> torch
     if param.device.type != "meta":
         return param.detach()[start:stop]
     return _fetch(model, name, torch.device("cpu"))((start, stop))
+
+
+def store_file(model: torch.nn.Module, name: str) -> tuple[str, str] | None:
+    """(safetensors file, tensor name) an offloaded parameter is read from, or None."""
+    if model.get_parameter(name).device.type != "meta":
+        return None
+    loader, key = _store(model, name)
+    info = {} if key in loader.state_dict else loader.index.get(key, {})
+    if "safetensors_file" not in info:
+        return None
+    return info["safetensors_file"], info.get("weight_name", key)
 
 
 def put_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> object:

@@ -4,6 +4,7 @@ it offloaded to disk, gives the in-memory compile's patch bit for bit, and an ex
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
@@ -100,3 +101,21 @@ def test_device_errors_are_one_line(tiny_model_dir):
     assert result.report.device == "cpu" and result.report.placement == {
         "cpu": sum(p.numel() for p in model.parameters())
     }
+
+
+def test_realigned_shards_put_each_patched_weight_at_its_address(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from ctxc.backends.torch_shards import realign_shards
+
+    tensors = {"a": torch.randn(16, 4), "b": torch.randn(3), "c": torch.randn(8, 8)}
+    save_file(tensors, str(tmp_path / "x.safetensors"))
+    for want in (8, 40, 60):
+        assert realign_shards(tmp_path, {"c": want}) == 1
+        with open(tmp_path / "x.safetensors", "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        assert (8 + n + header["c"]["data_offsets"][0]) % 64 == want, (want, n, header["c"])
+        loaded = load_file(str(tmp_path / "x.safetensors"))
+        assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+    assert realign_shards(tmp_path, {"c": want}) == 0  # already there: left alone
