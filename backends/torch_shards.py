@@ -7,32 +7,21 @@ model loaded from safetensors is memory-mapped: a tensor's address modulo 64 is
 emitted model reproduces those addresses; saved shard by shard it does not (Gemma 3 270M:
 1.8e-4 instead of 3.1e-6). Padding a shard's header with spaces (which the safetensors format
 allows) shifts every tensor of the shard: each shard gets the shift most of its patched
-weights need. The file is copied a megabyte at a time, never read whole.
+weights need (``ctxc.offload.pad_header``; the file is copied, never read whole).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import struct
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from ctxc.offload import store_file
+from ctxc.offload import pad_header, safetensors_header, store_file
 
 __all__ = ["realign_shards", "source_alignments"]
 
 _ALIGN = 64
-
-
-def _header(path: str | Path) -> tuple[int, dict]:
-    """(header length, header) of a safetensors file."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return n, json.loads(f.read(n))
 
 
 def source_alignments(model: torch.nn.Module, names) -> dict[str, int]:
@@ -45,7 +34,7 @@ def source_alignments(model: torch.nn.Module, names) -> dict[str, int]:
             continue
         found = store_file(model, name)
         if found is not None:
-            n, header = _header(found[0])
+            n, header = safetensors_header(found[0])
             out[name] = (8 + n + header[found[1]]["data_offsets"][0]) % _ALIGN
     return out
 
@@ -62,7 +51,7 @@ def realign_shards(folder: Path, wanted: dict[str, int]) -> int:
     """
     rewritten = 0
     for path in sorted(folder.glob("*.safetensors")):
-        n, header = _header(path)
+        n, header = safetensors_header(str(path))
         shifts = Counter(
             (wanted[k] - 8 - n - v["data_offsets"][0]) % _ALIGN
             for k, v in header.items()
@@ -73,13 +62,6 @@ def realign_shards(folder: Path, wanted: dict[str, int]) -> int:
         pad = shifts.most_common(1)[0][0]
         if pad == 0:
             continue
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        pad = (8 + n + pad - 8 - len(raw)) % _ALIGN  # from the compact header, not the old one
-        tmp = path.with_suffix(".realign")
-        with open(path, "rb") as src, open(tmp, "wb") as dst:
-            src.seek(8 + n)
-            dst.write(struct.pack("<Q", len(raw) + pad) + raw + b" " * pad)
-            shutil.copyfileobj(src, dst, 1 << 20)
-        os.replace(tmp, path)
+        pad_header(str(path), pad)
         rewritten += 1
     return rewritten

@@ -17,7 +17,10 @@ safetensors files, or files accelerate wrote). This module is ctxc's one door to
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import shutil
+import struct
 import tempfile
 from collections.abc import Callable
 
@@ -25,15 +28,19 @@ import torch
 
 from ctxc.passes.placement import LazyWeight
 
+_ALIGN = 64  # bytes: the widest SIMD load the CPU BLAS kernels peel for (delta_math.py)
+
 __all__ = [
     "execution_device",
     "input_device",
     "is_dispersed",
     "meta_skeleton",
+    "pad_header",
     "put_param",
     "read_param",
     "read_rows",
     "restore_param",
+    "safetensors_header",
     "store_file",
     "weight_source",
 ]
@@ -177,6 +184,38 @@ def store_file(model: torch.nn.Module, name: str) -> tuple[str, str] | None:
     return info["safetensors_file"], info.get("weight_name", key)
 
 
+def safetensors_header(path: str) -> tuple[int, dict]:
+    """(header length, header) of a safetensors file, read without its data."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return n, json.loads(f.read(n))
+
+
+def pad_header(path: str, shift: int) -> None:
+    """Move every tensor of a safetensors file ``shift`` bytes on (mod 64), in place.
+
+    The header is rewritten compactly and padded with spaces, which the format allows; a tensor
+    memory-mapped from the file then sits at another address modulo 64, where CPU kernels round
+    as they did for the weights the solver computed with (``at_alignment_of``). The data is
+    copied a megabyte at a time, never read whole.
+    """
+    n, header = safetensors_header(path)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    pad = (n + shift - len(raw)) % _ALIGN
+    tmp = path + ".realign"
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        src.seek(8 + n)
+        dst.write(struct.pack("<Q", len(raw) + pad) + raw + b" " * pad)
+        shutil.copyfileobj(src, dst, 1 << 20)
+    os.replace(tmp, path)
+
+
+def _address(path: str, name: str) -> int:
+    """A tensor's address modulo 64 when its safetensors file is memory-mapped."""
+    n, header = safetensors_header(path)
+    return (8 + n + header[name]["data_offsets"][0]) % _ALIGN
+
+
 def put_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> object:
     """Write ``value`` as parameter ``name`` where it lives; a token for :func:`restore_param`.
 
@@ -201,6 +240,9 @@ def put_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> object:
     os.close(handle)
     save_file({key: value.detach().cpu().contiguous()}, path)
     old = loader.index[key]
+    if "safetensors_file" in old:  # at the address the solver computed with
+        want = _address(old["safetensors_file"], old.get("weight_name", key))
+        pad_header(path, (want - _address(path, key)) % _ALIGN)
     loader.index[key] = {
         "safetensors_file": path,
         "weight_name": key,

@@ -9,13 +9,14 @@ It mutates only its own environment, never the graph or the model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import fx
 
 from ctxc.passes.graph_view import GraphView
-from ctxc.passes.placement import PlacingInterpreter, materialize
+from ctxc.passes.placement import LazyWeight, PlacingInterpreter, materialize
 
 __all__ = ["Action", "ReducedRun"]
 
@@ -43,6 +44,8 @@ class ReducedRun(PlacingInterpreter):
         self.kept: dict[fx.Node, torch.Tensor] = {}
         # node -> actions added to its value (apply="lowrank").
         self.actions: dict[fx.Node, list[Action]] = {}
+        # offloaded parameter -> (its lazy original, how to patch it again): for release().
+        self.rebakes: dict[fx.Node, tuple[LazyWeight, Callable]] = {}
         self.args_iter = iter(self.graph.process_inputs(*inputs))
         self._pending = iter(self.graph.nodes)
         self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
@@ -113,10 +116,36 @@ class ReducedRun(PlacingInterpreter):
         """A parameter placeholder's value, read from its store when it is offloaded."""
         return materialize(self.env[node])
 
-    def replace_param(self, param: fx.Node, value: torch.Tensor, upto: fx.Node) -> None:
-        """Make ``param`` read ``value``, recomputing the nodes up to ``upto`` that used it."""
+    def replace_param(
+        self,
+        param: fx.Node,
+        value: torch.Tensor,
+        upto: fx.Node,
+        rebake: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Make ``param`` read ``value``, recomputing the nodes up to ``upto`` that used it.
+
+        ``rebake(original) -> value``: for an offloaded parameter, how to compute ``value``
+        again after :meth:`release` drops it.
+        """
+        old = self.env.get(param)
+        if isinstance(old, LazyWeight) and rebake is not None:
+            self.rebakes[param] = (old, rebake)
         self.env[param] = value
         self.recompute_from(param, upto)
+
+    def release(self) -> None:
+        """Drop the patched values of offloaded parameters (a block's worth of weights): a
+        later use reads the original from its store and patches it again. Keeps the run's
+        memory at about one block, whatever the model's size."""
+        for node, (lazy, rebake) in self.rebakes.items():
+            if not isinstance(self.env.get(node), LazyWeight):
+
+                def fetch(rows, lazy=lazy, rebake=rebake):
+                    value = rebake(lazy.get())
+                    return value if rows is None else value[rows[0] : rows[1]]
+
+                self.env[node] = dataclasses.replace(lazy, fetch=fetch)
 
     def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
         """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""

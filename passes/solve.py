@@ -273,7 +273,8 @@ class _Solver:
             return
         node = self.param_node[delta.param]
         base = self.run.param(node)
-        self.run.replace_param(node, at_alignment_of(delta.materialize(base), base), upto)
+        bake = lambda b: at_alignment_of(delta.materialize(b), b)  # noqa: E731
+        self.run.replace_param(node, bake(base), upto, rebake=bake)
 
     def _action(self, delta: Delta, at: LinearSite | MlpBlock) -> tuple[str, Action]:
         """The node a delta acts on and the action, computed in float32 beside the weights."""
@@ -378,6 +379,7 @@ def solve(
                     stats.append(solver.patch_block(block, todo))
                 except ConditionError as exc:
                     raise SolveError(block.path, str(exc)) from exc
+            solver.run.release()  # an offloaded block's patched weights: back to its store
             if on_block is not None:
                 on_block(i + 1, len(blocks.blocks), block.path)
         logits = solver.logits()  # [k, vocab]
