@@ -290,7 +290,7 @@ class _Solver:
                 def bank_act(out: torch.Tensor) -> torch.Tensor:
                     x = _rows(env[x_node]).float()  # [rows, in]
                     ids = env[ids_node].reshape(-1).tolist()
-                    add = torch.zeros(out.shape, dtype=torch.float32)  # [rows, out]
+                    add = out.new_zeros(out.shape, dtype=torch.float32)  # [rows, out]
                     for r, e in enumerate(ids):
                         if e in slot:
                             add[r] = lowrank_action(x[r], u[slot[e]], v[slot[e]])  # [out]
