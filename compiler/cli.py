@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 
 from ctxc._version import __version__
+from ctxc.cli_images import generate_inputs, image_options, processor_of
 from ctxc.cli_output import output_folder
 from ctxc.cli_support import (
     emit_checked,
@@ -96,11 +97,16 @@ def compile_cmd(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
     ),
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    image: list[Path] = typer.Option(
+        None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
+    ),
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
     from ctxc.cli_batch import Options, compile_batch, compile_into
 
-    if context is None and contexts is None:
+    if image and contexts is not None:
+        raise CtxcError("--image applies to --context (or to no context: the images alone)")
+    if context is None and contexts is None and not image:
         raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
     if context is not None and contexts is not None:
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
@@ -109,11 +115,15 @@ def compile_cmd(
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
         raise typer.Exit(compile_batch(contexts, out_dir, model, dtype.value, force, opts))
-    text = read_context(context)
+    text = read_context(context) if context is not None else ""
     if query is not None and not query.strip():
         raise CtxcError("the query is empty")
+    if image:
+        opts = image_options(opts, image)  # every image read now, before the model loads
     with output_folder(out_dir, force, "compile") as tmp:
         net, tokenizer = load(model, dtype.value)
+        if image:
+            tokenizer = processor_of(net, model)
         with progress() as bar:
             task = bar.add_task("compiling", total=None)
 
@@ -212,16 +222,25 @@ def inspect_cmd(
 
 @app.command("generate")
 def generate_cmd(
-    context: Path = typer.Option(..., "--context", help="UTF-8 text file with the context."),
+    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
     model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
     max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    image: list[Path] = typer.Option(
+        None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
+    ),
 ) -> None:
     """The paper's protocol: recompile the patch at every token against greedy generation."""
-    text = read_context(context)
+    if context is None and not image:
+        raise CtxcError("missing option '--context'")
+    text = read_context(context) if context is not None else ""
+    if image:
+        from ctxc.images import read_images
+
+        read_images(image)  # every image read now, before the model loads
     if max_new_tokens < 1:
         raise CtxcError("--max-new-tokens must be at least 1")
     with output_folder(out_dir, force, "generate") as tmp:
@@ -230,7 +249,10 @@ def generate_cmd(
         from ctxc.models import check_length
 
         net, tokenizer = load(model, dtype.value)
-        ids = list(tokenizer(text).input_ids)
+        if image:
+            ids, prefill = generate_inputs(net, model, text, image)
+        else:
+            ids, prefill = list(tokenizer(text).input_ids), None
         check_length(net, len(ids) + max_new_tokens, f"context + {max_new_tokens} new tokens")
         with progress() as bar:
             task = bar.add_task("generating", total=max_new_tokens)
@@ -240,6 +262,7 @@ def generate_cmd(
                 max_new_tokens,
                 update=update.value,
                 on_step=lambda s: bar.update(task, completed=s.step + 1),
+                prefill=prefill,
             )
         tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
         write_json(result, tmp / "generate.json", tokens)

@@ -31,6 +31,7 @@ class Options:
     start_layer: int
     skip_unpatchable: bool
     kinds: list[str]
+    images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
 
 
 def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
@@ -41,6 +42,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
     """
     import ctxc
     from ctxc.backends.torch_model import emit_torch
+    from ctxc.vlm import auto_model_class
 
     result = ctxc.compile(
         net,
@@ -50,6 +52,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         update=opts.update,
         start_layer=opts.start_layer,
         skip_unpatchable=opts.skip_unpatchable,
+        images=list(opts.images) or None,
         **hooks,
     )
     result.patch.save(tmp / "patch.safetensors")
@@ -62,7 +65,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
             full = result.full_logits
             reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full)
         report = dataclasses.replace(report, emitted=reloaded)
-        measured = "model/ reloaded with AutoModelForCausalLM.from_pretrained"
+        measured = f"model/ reloaded with {auto_model_class(net.config).__name__}.from_pretrained"
     figures = emit_checked(net, result.patch, tmp, opts.kinds, full=result.full_logits)
     data = report.to_dict()
     data["emitted_measured_on"] = measured

@@ -104,7 +104,7 @@ class _Substituted(torch.nn.Module):
             handle.remove()
 
 
-def _capture(model: torch.nn.Module, decoder: str, inputs: dict) -> tuple[tuple, dict, torch.Tensor]:
+def _capture(model: torch.nn.Module, decoder: str, inputs: dict) -> tuple[tuple, dict, object]:
     """Run the multimodal forward once; the decoder's (args, kwargs) and the logits [1, n, V]."""
     seen: dict[str, tuple] = {}
 
@@ -180,5 +180,6 @@ def image_figures(image, run: MultimodalRun, full_logits: torch.Tensor) -> dict:
         "images": list(image.images),
         "image_tokens": image.image_tokens,
         "language_model": run.decoder,
+        "full_run_export": run.traced.frontend,
         "full_run_vs_model": float(diff),
     }

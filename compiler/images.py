@@ -19,7 +19,7 @@ import torch
 
 from ctxc.errors import CtxcError
 
-__all__ = ["ImageContext", "encode_image_context", "read_images"]
+__all__ = ["ImageContext", "encode_image_context", "prefill_inputs", "read_images"]
 
 
 @dataclass(frozen=True)
@@ -174,3 +174,13 @@ def _extend(enc: dict, q_ids: list[int]) -> dict:
             fill = 1 if key == "attention_mask" else 0
             out[key] = torch.cat([value, torch.full_like(q, fill, dtype=value.dtype)], dim=1)
     return out
+
+
+def prefill_inputs(image: ImageContext) -> dict[str, torch.Tensor]:
+    """The multimodal forward's inputs over all of context + query but the last token.
+
+    ``ctxc generate`` prefills the full-context baseline's cache with these; its decode steps
+    are text. Per-token tensors ([1, n]) lose their last position; the image tensors stay.
+    """
+    ids = image.inputs["input_ids"]
+    return {k: v[:, :-1] if v.shape[:2] == ids.shape else v for k, v in image.inputs.items()}

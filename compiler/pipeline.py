@@ -189,7 +189,7 @@ def _compile_ids(
         traced, blocks = traced_blocks(model, len(q_ids))
         _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
         image_run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
-        full_traced, full_blocks, frontend = image_run.traced, image_run.blocks, "static"
+        full_traced, full_blocks, frontend = image_run.traced, image_run.blocks, traced.frontend
     lap("trace")
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
     device = next(model.parameters()).device

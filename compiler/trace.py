@@ -115,15 +115,21 @@ class TracedModel:
 def _no_cache(model: torch.nn.Module) -> Iterator[None]:
     # Passing use_cache as a kwarg breaks export for models that take it through **kwargs
     # (ARCHITECTURES.md, export facts): set it on the config instead, and restore it after.
+    # A multimodal model's language model reads its own text config: that one too (else it
+    # builds a sliding-window cache whose guards pin the export's length).
     config = getattr(model, "config", None)
-    old = getattr(config, "use_cache", None)
-    if config is not None:
-        config.use_cache = False
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else None
+    configs = [c for c in (config, text) if c is not None]
+    configs = [c for i, c in enumerate(configs) if all(c is not d for d in configs[:i])]
+    old = [getattr(c, "use_cache", None) for c in configs]
+    for c in configs:
+        c.use_cache = False
     try:
         yield
     finally:
-        if config is not None:
-            config.use_cache = old
+        for c, value in zip(configs, old, strict=True):
+            c.use_cache = value
 
 
 # Public name, for the backends that export or run the model the same way.

@@ -69,8 +69,10 @@ def load_processor(model: torch.nn.Module, spec: str | None = None):
     try:
         processor = AutoProcessor.from_pretrained(str(folder))
     except (OSError, ValueError, TypeError, KeyError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CtxcError(f"model {name!r} has no usable processor in {folder}: {first}") from None
+        raise CtxcError(
+            f"model {name!r} has no processor in {folder} (no image processor config): save the "
+            "model's processor there (processor.save_pretrained)"
+        ) from exc
     if getattr(processor, "image_processor", None) is None:
         raise CtxcError(
             f"model {name!r} has no image processor in {folder} "
@@ -84,13 +86,20 @@ def untouched_modules(model: torch.nn.Module, read: set[str]) -> list[tuple[str,
 
     Args:
         model: the model.
-        read: the names of the parameters its text-path graph reads (``TracedModel.param_of``).
+        read: the names of the parameters its text-path graph reads (the ``param_of`` names
+            of placeholders that have users: ``torch.export`` lifts unread ones too).
 
     Returns:
         ``(module path, parameter count)`` per module, in the model's order; empty for a text
         model. A module is named at the first level where it holds no read parameter.
     """
-    unread = [(n, p.numel()) for n, p in model.named_parameters() if n not in read]
+    # A tied weight (Gemma's embedding and head) has several names: read under any is read.
+    names: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
+        sizes[id(p)] = p.numel()
+    unread = [(ns[0], sizes[i]) for i, ns in names.items() if not any(n in read for n in ns)]
     groups: dict[str, int] = {}
     for name, count in unread:
         parts = name.split(".")
