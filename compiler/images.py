@@ -55,7 +55,10 @@ def read_images(sources) -> list:
     Raises:
         CtxcError: no image given, a missing file, or a file that is no image.
     """
-    from PIL import Image, UnidentifiedImageError
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError:
+        raise CtxcError("images need Pillow: pip install 'ctxc[vision]'") from None
 
     images = []
     for source in sources:
