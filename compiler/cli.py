@@ -19,7 +19,7 @@ from pathlib import Path
 import typer
 
 from ctxc._version import __version__
-from ctxc.cli_images import generate_inputs, image_options, processor_of
+from ctxc.cli_images import generate_inputs, image_options, processor_of, refuse_image_patch
 from ctxc.cli_output import output_folder
 from ctxc.cli_support import (
     emit_checked,
@@ -170,6 +170,7 @@ def export_cmd(
 
         net, tokenizer = load(model, patch.meta.dtype)
         patch.check(net)  # fingerprint and shapes, without applying
+        refuse_image_patch(net, patch)
         pause_point("writing")
         report: dict = {"patch": str(patch_file), "model": patch.meta.model}
         full = None

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-__all__ = ["generate_inputs", "image_options", "processor_of"]
+__all__ = ["generate_inputs", "image_options", "processor_of", "refuse_image_patch"]
 
 
 def image_options(opts, paths: list[Path]):
@@ -48,3 +48,24 @@ def generate_inputs(net, spec: str | None, text: str, paths: list[Path]) -> tupl
 
     image = encode_image_context(net, processor_of(net, spec), text, paths, None)
     return image.context_ids + image.query_ids, prefill_inputs(image)
+
+
+def refuse_image_patch(net, patch) -> None:
+    """Refuse ``ctxc export`` of a patch compiled from an image context.
+
+    The patch keeps the context's token ids, not its pixels: export would check the artefact
+    against the model fed those ids as text, which is not the context the patch reproduces.
+
+    Raises:
+        CtxcError: the patch's context holds the model's image tokens.
+    """
+    from ctxc.errors import CtxcError
+
+    image_id = getattr(net.config, "image_token_id", None)
+    count = sum(1 for i in patch.meta.context_ids if i == image_id) if image_id is not None else 0
+    if count:
+        raise CtxcError(
+            f"this patch was compiled from an image context ({count} image tokens); export has "
+            "no images to check it against: emit the artefacts with `ctxc compile --image ... "
+            "--emit torch,onnx,peft`"
+        )

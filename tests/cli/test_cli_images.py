@@ -79,6 +79,13 @@ def test_compile_with_an_image_writes_the_whole_model(files, tmp_path) -> None:
     want = _reference(files["gemma3"], files["image"], report["query_ids"])
     assert max_diff(got, want) <= 1e-5, diff_msg("model/ fed the query alone", got, want)
     assert report["control"]["max_abs_logit_diff"] > 1e-2, report["control"]
+    # export has no pixels to check an image patch against: refused, nothing written.
+    refused = run_cli(
+        "export", "--patch", "out", "--model", str(files["gemma3"]), "--out", "exp", cwd=tmp_path
+    )
+    assert refused.returncode == 2, refused.stderr
+    assert refused.stderr.startswith("ctxc: error: this patch was compiled from an image context")
+    assert not (tmp_path / "exp").exists()
     # The vision tower is the original's, bit for bit.
     original = AutoModelForImageTextToText.from_pretrained(str(files["gemma3"]))
     tower = {n: p for n, p in original.named_parameters() if "vision" in n or "projector" in n}
