@@ -82,19 +82,20 @@ def reloaded_logits(
     Returns:
         float32 [k, vocab] on the CPU.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
+    from ctxc.vlm import auto_model_class  # AutoModelForImageTextToText for a VLM
+
+    auto = auto_model_class(AutoConfig.from_pretrained(str(folder)))
     placement = placement_of(like)
     kwargs = placement.load_kwargs()
     if placement.device_map is not None:  # reloaded dispersed, as it was compiled
         torch_dtype = getattr(torch, dtype)
         memory = kwargs.get("max_memory")
         kwargs["device_map"] = block_device_map(folder, torch_dtype, placement.device_map, memory)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
+        model = auto.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
         ids = torch.tensor([query_ids], device=input_device(model))
         k = len(query_ids)
         return run_logits(trace(model.eval(), k, (k, k), "static"), ids).cpu()
-    model = AutoModelForCausalLM.from_pretrained(
-        str(folder), dtype=getattr(torch, dtype), **kwargs
-    ).eval()
+    model = auto.from_pretrained(str(folder), dtype=getattr(torch, dtype), **kwargs).eval()
     return torch_logits(model, [torch.tensor([query_ids])])[0]

@@ -30,6 +30,8 @@ class CompileReport:
         timings: seconds per stage.
         frontend: the export ladder's rung: ``dynamic``, ``bounded`` or ``static``
             (``compiler/frontend.py``).
+        images: for an image context, what ``compiler/image_run.py`` reports (the images,
+            the image token count, the full run against the model's own forward); else None.
         device: the device the runs started on (the input embedding's).
         placement: parameters per device (``disk``: offloaded), ``compiler/devices.py``.
     """
@@ -49,6 +51,7 @@ class CompileReport:
     ctxc_version: str = ""
     apply: str = "baked"
     frontend: str = "dynamic"
+    images: dict | None = None
     device: str = "cpu"
     placement: dict[str, int] = field(default_factory=dict)
 
@@ -82,6 +85,8 @@ class CompileReport:
             "rejections": list(self.rejections),
             "timings": self.timings,
         }
+        if self.images is not None:
+            out["images"] = self.images
         return out
 
     def to_json(self) -> str:
