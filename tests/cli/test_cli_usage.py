@@ -27,7 +27,7 @@ CASES = {
     "unknown update rule": (
         ["compile", "--context", "c.txt", "--update", "fancy"],
         "ctxc: error: invalid value for '--update': 'fancy' is not one of "
-        "'standard', 'stable', 'output'",
+        "'standard', 'stable', 'output', 'lora'",
     ),
     "unknown dtype": (
         ["compile", "--context", "c.txt", "--dtype", "float64"],
