@@ -32,6 +32,7 @@ class Options:
     skip_unpatchable: bool
     kinds: list[str]
     gguf_type: str = "F32"
+    images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
 
 
 def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
@@ -43,6 +44,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
     import ctxc
     from ctxc.backends import precheck
     from ctxc.backends.torch_model import emit_torch
+    from ctxc.vlm import auto_model_class
 
     precheck(net, opts.kinds)
     result = ctxc.compile(
@@ -53,6 +55,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         update=opts.update,
         start_layer=opts.start_layer,
         skip_unpatchable=opts.skip_unpatchable,
+        images=list(opts.images) or None,
         **hooks,
     )
     result.patch.save(tmp / "patch.safetensors")
@@ -65,7 +68,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
             full = result.full_logits
             reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full)
         report = dataclasses.replace(report, emitted=reloaded)
-        measured = "model/ reloaded with AutoModelForCausalLM.from_pretrained"
+        measured = f"model/ reloaded with {auto_model_class(net.config).__name__}.from_pretrained"
     figures = emit_checked(
         net,
         result.patch,

@@ -179,13 +179,14 @@ def load_model(
 
 
 def _load_directory(directory: Path, dtype: torch.dtype, spec: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ctxc.vlm import auto_model_class  # a vision-language model loads whole
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        model = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=dtype, **_moe_kwargs(directory)
-        )
+        auto = auto_model_class(AutoConfig.from_pretrained(str(directory)))
+        model = auto.from_pretrained(str(directory), dtype=dtype, **_moe_kwargs(directory))
     except OSError as exc:
         raise CtxcError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
     except ValueError as exc:
