@@ -32,6 +32,8 @@ class Options:
     skip_unpatchable: bool
     kinds: list[str]
     gguf_type: str = "F32"
+    images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
+    placement: object = None  # a ctxc.devices.Placement: where the model is loaded
 
 
 def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
@@ -43,6 +45,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
     import ctxc
     from ctxc.backends import precheck
     from ctxc.backends.torch_model import emit_torch
+    from ctxc.vlm import auto_model_class
 
     precheck(net, opts.kinds)
     result = ctxc.compile(
@@ -53,6 +56,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         update=opts.update,
         start_layer=opts.start_layer,
         skip_unpatchable=opts.skip_unpatchable,
+        images=list(opts.images) or None,
         **hooks,
     )
     result.patch.save(tmp / "patch.safetensors")
@@ -63,9 +67,9 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         with err.status("writing model/ and reloading it"):
             emit_torch(net, tokenizer, result.patch, tmp / "model")
             full = result.full_logits
-            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full)
+            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full, net)
         report = dataclasses.replace(report, emitted=reloaded)
-        measured = "model/ reloaded with AutoModelForCausalLM.from_pretrained"
+        measured = f"model/ reloaded with {auto_model_class(net.config).__name__}.from_pretrained"
     figures = emit_checked(
         net,
         result.patch,
@@ -141,7 +145,7 @@ def compile_batch(contexts: Path, out_dir: Path, model, dtype: str, force: bool,
     with output_folder(out_dir, force, "compile") as tmp:
         from ctxc.cli_support import load
 
-        net, tokenizer = load(model, dtype)
+        net, tokenizer = load(model, dtype, opts.placement)
         with _progress() as bar:
             task = bar.add_task("contexts", total=len(lines))
             for n, entry, problem in lines:

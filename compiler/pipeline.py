@@ -10,11 +10,15 @@ from dataclasses import dataclass
 import torch
 
 from ctxc._version import __version__
+from ctxc.devices import check_on_device, describe
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
+from ctxc.image_run import image_figures, multimodal_full_graph
+from ctxc.images import ImageContext
 from ctxc.metrics import fidelity
 from ctxc.models import check_length
+from ctxc.offload import input_device
 from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
@@ -89,6 +93,7 @@ def compile(
     *,
     context_ids: list[int] | None = None,
     query_ids: list[int] | None = None,
+    images=None,
     update: str = "stable",
     start_layer: int = 0,
     skip_unpatchable: bool = False,
@@ -96,6 +101,7 @@ def compile(
     apply: str = "baked",
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
+    device: str | None = None,
 ) -> CompileResult:
     """Compile a context into a :class:`Patch` for ``model``; the model is left unmodified.
 
@@ -105,6 +111,10 @@ def compile(
         context: the context text; or pass ``context_ids``.
         query: the query text; default: the context's last token.
         context_ids, query_ids: token ids instead of text.
+        images: image paths or PIL images, for a vision-language model: the context is the
+            processor's layout of the images and ``context`` (``compiler/images.py``); then
+            ``tokenizer`` may be the model's processor (else it is loaded from the model's
+            folder). The patch changes the language model's blocks only.
         update: ``stable`` (default; MATH.md 4) or ``standard`` (the paper's Theorem 1).
         start_layer: blocks with index below it stay unpatched.
         skip_unpatchable: patch the patchable blocks when others are rejected (else an error).
@@ -115,6 +125,9 @@ def compile(
             only: ``report.emitted`` then still measures the baked weights).
         on_stage: progress callback, called with a stage name.
         on_block: progress callback ``(done, total, block path)`` from the solver.
+        device: the device to run on (``cpu``, ``cuda``, ``cuda:N``, ``mps``): the model must be
+            there (``ctxc.load_model(..., device=...)``); default: where the model is. A model
+            dispersed by accelerate (``device_map``) runs where each block lives.
 
     Returns:
         the :class:`CompileResult`.
@@ -126,9 +139,22 @@ def compile(
         raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(RULES)}")
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
-    ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
+    if device is not None:
+        check_on_device(model, device)
+    image = None
+    if images is not None:
+        from ctxc.images import encode_image_context
+        from ctxc.vlm import load_processor
+
+        processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
+        image = encode_image_context(model, processor, context, images, query)
+        ctx_ids, q_ids = image.context_ids, image.query_ids
+    else:
+        ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
-    options = _Options(update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block)
+    options = _Options(
+        update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block, image
+    )
     return _compile_ids(model, ctx_ids, q_ids, options)
 
 
@@ -143,6 +169,7 @@ class _Options:
     apply: str
     on_stage: Callable[[str], None] | None
     on_block: Callable[[int, int, str], None] | None
+    image: ImageContext | None = None
 
 
 def _compile_ids(
@@ -160,17 +187,24 @@ def _compile_ids(
         clock = now
 
     stage("tracing")
-    (full_traced, full_blocks), (traced, blocks), frontend = _matching_runs(
-        model, len(ctx_ids) + len(q_ids), len(q_ids)
-    )
+    if o.image is None:
+        (full_traced, full_blocks), (traced, blocks), frontend = _matching_runs(
+            model, len(ctx_ids) + len(q_ids), len(q_ids)
+        )
+    else:  # the images enter through the model's own forward (compiler/image_run.py)
+        traced, blocks = traced_blocks(model, len(q_ids))
+        _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
+        image_run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
+        full_traced, full_blocks, frontend = image_run.traced, image_run.blocks, traced.frontend
     lap("trace")
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
-    device = next(model.parameters()).device
+    device = input_device(model)  # the embedding's device (a dispersed model's too)
     full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
     stage("full run")
-    full = record_targets(full_traced, full_blocks, full_ids, len(q_ids))
+    full_input = full_ids if o.image is None else image_run.inputs_embeds
+    full = record_targets(full_traced, full_blocks, full_input, len(q_ids))
     lap("full_run")
     stage("solving")
     solution, failed = _solve_skipping(
@@ -193,7 +227,7 @@ def _compile_ids(
     emitted = solution.logits
     if o.verify:
         stage("verifying")
-        emitted = _run_patched(model, patch, query)
+        emitted = _run_patched(model, patch, query, traced)
         lap("verify")
     report = CompileReport(
         model=meta.model,
@@ -211,6 +245,9 @@ def _compile_ids(
         ctxc_version=__version__,
         apply=o.apply,
         frontend=frontend,
+        images=None if o.image is None else image_figures(o.image, image_run, full.logits),
+        device=str(device),
+        placement=describe(model)[1],
     )
     return CompileResult(patch=patch, report=report, full_logits=full.logits)
 
@@ -260,9 +297,18 @@ def _solve_skipping(args: tuple, skip_unpatchable: bool) -> tuple:
 _SKIP_HINT = " (--skip-unpatchable patches the other blocks)"
 
 
-def _run_patched(model: torch.nn.Module, patch: Patch, query: torch.Tensor) -> torch.Tensor:
-    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored."""
+def _run_patched(
+    model: torch.nn.Module, patch: Patch, query: torch.Tensor, traced: TracedModel
+) -> torch.Tensor:
+    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored.
+
+    A dispersed model runs through its graph, which reads each patched weight from where
+    ``Patch.apply`` wrote it, one block at a time: accelerate's own forward would read a whole
+    offloaded module at once (Gemma 3's 670 MB embedding, for the head).
+    """
     with patch.applied(model, check=False), torch.no_grad():
+        if traced.source is not None:
+            return run_logits(traced, query)
         return model(input_ids=query).logits[0].float()
 
 

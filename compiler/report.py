@@ -30,6 +30,10 @@ class CompileReport:
         timings: seconds per stage.
         frontend: the export ladder's rung: ``dynamic``, ``bounded`` or ``static``
             (``compiler/frontend.py``).
+        images: for an image context, what ``compiler/image_run.py`` reports (the images,
+            the image token count, the full run against the model's own forward); else None.
+        device: the device the runs started on (the input embedding's).
+        placement: parameters per device (``disk``: offloaded), ``compiler/devices.py``.
     """
 
     model: str
@@ -47,6 +51,9 @@ class CompileReport:
     ctxc_version: str = ""
     apply: str = "baked"
     frontend: str = "dynamic"
+    images: dict | None = None
+    device: str = "cpu"
+    placement: dict[str, int] = field(default_factory=dict)
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -62,6 +69,8 @@ class CompileReport:
             "update": self.update,
             "apply": self.apply,
             "frontend": self.frontend,
+            "device": self.device,
+            "placement": self.placement,
             "start_layer": self.start_layer,
             "context_ids": self.context_ids,
             "query_ids": self.query_ids,
@@ -76,6 +85,8 @@ class CompileReport:
             "rejections": list(self.rejections),
             "timings": self.timings,
         }
+        if self.images is not None:
+            out["images"] = self.images
         return out
 
     def to_json(self) -> str:
