@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 
 from ctxc._version import __version__
+from ctxc.cli_bake import bake_cmd, eval_bake_cmd
 from ctxc.cli_devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
 from ctxc.cli_images import generate_inputs, image_options, processor_of, refuse_image_patch
 from ctxc.cli_output import output_folder
@@ -45,6 +46,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Compile a context into exact low-rank patches of a transformer's MLP weights.",
 )
+app.command("bake")(bake_cmd)  # thought patches (issue 13): compiler/cli_bake.py
+app.command("eval-bake")(eval_bake_cmd)
 
 
 class Update(str, Enum):
@@ -330,17 +333,6 @@ def generate_cmd(
             soft_wrap=True,
         )
     out.print(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
-
-
-def _register_bake() -> None:
-    # Thought patches (issue 13) live in cli_bake.py; registered here so `ctxc bake` exists.
-    from ctxc.cli_bake import bake_cmd, eval_bake_cmd
-
-    app.command("bake")(bake_cmd)
-    app.command("eval-bake")(eval_bake_cmd)
-
-
-_register_bake()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,8 @@ CASES = {
     ),
     "unknown subcommand": (
         ["fancy"],
-        "ctxc: error: no such command 'fancy'; commands: compile, export, generate, inspect",
+        "ctxc: error: no such command 'fancy'; commands: bake, compile, eval-bake, export, "
+        "generate, inspect",
     ),
     "unknown update rule": (
         ["compile", "--context", "c.txt", "--update", "fancy"],
