@@ -32,6 +32,7 @@ from ctxc.cli_support import (
     reload_fidelity,
     written,
 )
+from ctxc.cli_usage import is_click, usage_message
 from ctxc.errors import CtxcError
 from ctxc.interrupts import install_handlers, pause_point, received
 
@@ -49,12 +50,19 @@ class Update(str, Enum):
     standard = "standard"
     stable = "stable"
     output = "output"
+    lora = "lora"
 
 
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+class GgufType(str, Enum):
+    F32 = "F32"
+    F16 = "F16"
+    BF16 = "BF16"
 
 
 class Format(str, Enum):
@@ -90,8 +98,12 @@ def compile_cmd(
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     emit: str = typer.Option(
-        "torch", "--emit", help="Comma list of artefacts: torch (model/), onnx, peft (adapter/)."
+        "torch",
+        "--emit",
+        help="Comma list of artefacts: torch (model/), onnx, peft (adapter/), lora (lora/), "
+        "gguf (model.gguf), gguf-lora (lora.gguf).",
     ),
+    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
@@ -110,7 +122,7 @@ def compile_cmd(
         raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
     if context is not None and contexts is not None:
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
-    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit))
+    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit), gguf_type.value)
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
@@ -150,8 +162,11 @@ def export_cmd(
     ),
     model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
     to: str = typer.Option(
-        "torch", "--to", help="Artefact: torch (the model folder), onnx (model.onnx), peft."
+        "torch",
+        "--to",
+        help="Artefact: torch (the model folder), onnx (model.onnx), peft, lora, gguf, gguf-lora.",
     ),
+    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),
@@ -170,7 +185,10 @@ def export_cmd(
 
         net, tokenizer = load(model, patch.meta.dtype)
         patch.check(net)  # fingerprint and shapes, without applying
+        from ctxc.backends import precheck
+
         refuse_image_patch(net, patch)
+        precheck(net, kinds)
         pause_point("writing")
         report: dict = {"patch": str(patch_file), "model": patch.meta.model}
         full = None
@@ -186,7 +204,16 @@ def export_cmd(
                 "emitted_measured_on": "the folder reloaded with "
                 "AutoModelForCausalLM.from_pretrained",
             }
-        figures = emit_checked(net, patch, tmp, kinds, patchable, full=full)
+        figures = emit_checked(
+            net,
+            patch,
+            tmp,
+            kinds,
+            patchable,
+            full=full,
+            tokenizer=tokenizer,
+            gguf_type=gguf_type.value,
+        )
         report.update({kind: f.to_dict() for kind, f in figures.items()})
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if "torch" in kinds:
@@ -313,11 +340,13 @@ def _run(argv: list[str] | None) -> int:
     except CtxcError as exc:
         return _error(str(exc))
     except Exception as exc:
-        if _is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
+        if is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
             out.print(exc.format_message(), highlight=False, markup=False, soft_wrap=True)
             return 0
-        if _is_click(exc, "ClickException"):
-            return _error(_usage_message(exc, sys.argv[1:] if argv is None else argv))
+        if is_click(exc, "ClickException"):
+            return _error(
+                usage_message(exc, sys.argv[1:] if argv is None else argv, command_names())
+            )
         if os.environ.get("CTXC_DEBUG"):
             raise
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -335,50 +364,14 @@ def _run(argv: list[str] | None) -> int:
     return int(rc or 0) if isinstance(rc, int) else 0
 
 
+def command_names() -> list[str]:
+    """The names of the app's commands, sorted."""
+    return sorted(cmd.name or "" for cmd in app.registered_commands)
+
+
 def _error(message: str) -> int:
     err.print(f"ctxc: error: {message}", highlight=False, soft_wrap=True, markup=False)
     return 2
-
-
-def _is_click(exc: BaseException, name: str) -> bool:
-    # Typer vendors its own click (typer._click), so `except click.ClickException` misses its
-    # exceptions; match the class by name through the hierarchy instead, for either click.
-    return any(cls.__name__ == name for cls in type(exc).__mro__)
-
-
-def _usage_message(exc, argv: list[str]) -> str:
-    """Click's message as one line that names the option, its value and what it takes."""
-    message = " ".join(str(exc.format_message()).split()).rstrip(".")
-    head, sep, detail = message.partition("': ")
-    if message.startswith("Invalid value for") and sep:
-        # Typer validates through pydantic: drop its prefix, and say what the value was.
-        detail = detail.removeprefix("Value error, ")
-        opts = getattr(getattr(exc, "param", None), "opts", None) or []
-        raw = _raw_value(argv, opts)
-        if detail.startswith("Input should be a valid integer") and raw is not None:
-            detail = f"{raw!r} is not an integer"
-        elif detail.startswith("Input should be") and raw is not None:
-            detail = f"{raw!r}: {detail[:1].lower()}{detail[1:]}"
-        message = f"{head}{sep}{detail}"
-    elif message.startswith("Got unexpected extra argument"):
-        extra = message[message.rfind("(") + 1 :].rstrip(")")
-        message = f"unexpected argument {extra!r} (flags such as --force take no value)"
-    elif message.startswith("No such command"):
-        names = ", ".join(sorted(cmd.name or "" for cmd in app.registered_commands))
-        message = f"{message}; commands: {names}"
-    return message[:1].lower() + message[1:]
-
-
-def _raw_value(argv: list[str], opts: list[str]) -> str | None:
-    """The value given to one of ``opts`` on the command line (``--x v`` or ``--x=v``)."""
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if name in opts:
-            if eq:
-                return value
-            if i + 1 < len(argv):
-                return argv[i + 1]
-    return None
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ __all__ = [
     "load_model",
     "max_positions",
     "resolve_dtype",
+    "source_gguf",
 ]
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -114,6 +115,21 @@ def bundled_model_dir(on_stage: Callable[[str], None] | None = None) -> Path:
         the folder in ctxc's cache, loadable by ``AutoModelForCausalLM.from_pretrained``.
     """
     return _converted(_bundled_gguf(on_stage), on_stage)
+
+
+def source_gguf(model: torch.nn.Module) -> Path | None:
+    """The GGUF file ``model`` was converted from, when it is the bundled model (else None).
+
+    Its metadata and tokenizer are what llama.cpp's converter wrote (the GGUF backends copy
+    them). Side effects: none beyond a first-run conversion of the bundled model.
+    """
+    name = getattr(model, "name_or_path", "") or ""
+    try:
+        if name and Path(name).resolve() == bundled_model_dir().resolve():
+            return _bundled_gguf()
+    except CtxcError:
+        return None
+    return None
 
 
 def load_model(

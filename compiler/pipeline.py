@@ -20,7 +20,7 @@ from ctxc.models import check_length
 from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
-from ctxc.passes.solve import UPDATE_RULES, solve
+from ctxc.passes.solve import RULES, solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.report import CompileReport
 from ctxc.tokens import split_tokens
@@ -129,10 +129,8 @@ def compile(
     Raises:
         CtxcError: bad input, rejected blocks, or a failed condition (see its message).
     """
-    if update not in UPDATE_RULES:
-        raise CtxcError(
-            f"unknown update rule {update!r}; expected one of {', '.join(UPDATE_RULES)}"
-        )
+    if update not in RULES:
+        raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(RULES)}")
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     image = None
