@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxc._version import __version__
-from ctxc.errors import CtxcError, SolveError, UnpatchableError
+from ctxc.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
 from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
 from ctxc.metrics import fidelity
@@ -133,7 +133,15 @@ def compile(
     ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
     options = _Options(update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block)
-    return _compile_ids(model, ctx_ids, q_ids, options)
+    try:
+        return _compile_ids(model, ctx_ids, q_ids, options)
+    except RuntimeError as exc:  # a runtime assertion of a specialised export (frontend.py)
+        if "Runtime assertion failed" not in str(exc):
+            raise
+        raise UntraceableError(
+            "the forward pass branches on tensor values: the specialised export decided a "
+            f"branch by its example's values and these ids take another ({str(exc)[:160]})"
+        ) from exc
 
 
 @dataclass(frozen=True)
