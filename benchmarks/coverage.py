@@ -201,12 +201,10 @@ OVERRIDES: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     # Its QSA indexer's fields default to None but indexed layers read them (budget // ratio).
     "qwen4_exp_text": _QSA,
-    "qwen4_exp": {"text_config": _QSA},
-    # The attention reads attn_config.rope_theta (no config field) and clamps by clip_qkv.
-    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    "qwen4_exp": _QSA,  # its class is the text model's: the text config is built directly
     # The sliding layers' MLA sizes come from their own per-layer config, not the shrunk top.
     "dots3_note_text": _DOTS3_SWA,
-    "dots3_note": {"text_config": _DOTS3_SWA},
+    "dots3_note": _DOTS3_SWA,
     # The local encoder/decoder read the global transformer's width; a 500k-row hash table.
     "blt": {
         "encoder_config": {"hidden_size_global": 64},
