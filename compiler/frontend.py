@@ -27,8 +27,10 @@ rung's reason.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +47,7 @@ _MAX_STATIC = 8
 _SUGGESTED = re.compile(r"Dim\('seq'((?:,\s*(?:min|max)=\d+)*)\)")
 _BOUND = re.compile(r"(min|max)=(\d+)")
 _FIXED = re.compile(r"\bseq = \d+")
+_SHAPES_LOG = "torch.fx.experimental.symbolic_shapes"
 _DATA_DEPENDENT = re.compile(r"Could not guard on data-dependent expression (.+?) \(unhinted")
 _CALL = re.compile(
     r'The following call raised this error:\s*File "([^"]+)", line (\d+), in \w+\s*\n(.*)'
@@ -119,15 +122,30 @@ def _static(
         # leaves a runtime assertion on it in the graph (torch/fx/experimental/symbolic_shapes.py,
         # "propagate_real_tensors"): a run whose values take another branch stops, never silently
         # follows the example's. Values fixed by the length alone (a mask) always pass.
-        with torch._functorch.config.patch(
-            fake_tensor_propagate_real_tensors=True,
-            generate_fake_kernels_from_real_mismatches=True,
+        with (
+            torch._functorch.config.patch(
+                fake_tensor_propagate_real_tensors=True,
+                generate_fake_kernels_from_real_mismatches=True,
+            ),
+            _quiet(_SHAPES_LOG),  # it warns once per decided branch: the rung's reason says it
         ):
             return trace(model, length, (length, length), "specialised")
     except CtxcError as exc:
         raise UntraceableError(
             _every_rung((branch, *reasons), *tried, f"specialised ({length} tokens): {_short(exc)}")
         ) from exc
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Raise logger ``name`` to ERROR for the block, then restore its level."""
+    log = logging.getLogger(name)
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _every_rung(reasons: tuple[str, ...], *more: str) -> str:
