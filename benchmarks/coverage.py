@@ -57,8 +57,19 @@ N_IDS = 24
 
 # One family per block pattern of ARCHITECTURES.md: pre-norm (Llama), sandwich (Gemma 3), Conv1D
 # (GPT-2), parallel with FalconLinear (Falcon), post-sublayer norm (OLMo 2), MoE (Mixtral),
-# parallel with one norm (Phi), MoE with a gated shared expert (Qwen2-MoE).
-CI_SUBSET = ("llama", "gemma3_text", "gpt2", "falcon", "olmo2", "mixtral", "phi", "qwen2_moe")
+# parallel with one norm (Phi), MoE with a gated shared expert (Qwen2-MoE); and one issue 9
+# fixed: a residual carried back scaled by a trainable vector, MoE layers after a dense one (Doge).
+CI_SUBSET = (
+    "llama",
+    "gemma3_text",
+    "gpt2",
+    "falcon",
+    "olmo2",
+    "mixtral",
+    "phi",
+    "qwen2_moe",
+    "doge",
+)
 
 # Not decoder transformers over token ids: the block model ctxc patches does not apply.
 _RECURRENT = {
