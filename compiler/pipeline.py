@@ -146,8 +146,9 @@ def compile(
     else:
         ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
-<<<<<<< HEAD
-    options = _Options(update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block)
+    options = _Options(
+        update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block, image
+    )
     try:
         return _compile_ids(model, ctx_ids, q_ids, options)
     except RuntimeError as exc:  # a runtime assertion of a specialised export (frontend.py)
@@ -157,12 +158,6 @@ def compile(
             "the forward pass branches on tensor values: the specialised export decided a "
             f"branch by its example's values and these ids take another ({str(exc)[:160]})"
         ) from exc
-=======
-    options = _Options(
-        update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block, image
-    )
-    return _compile_ids(model, ctx_ids, q_ids, options)
->>>>>>> main
 
 
 @dataclass(frozen=True)
