@@ -216,6 +216,8 @@ OVERRIDES: dict[str, dict] = {
     # The sliding layers' MLA sizes come from their own per-layer config, not the shrunk top.
     "dots3_note_text": _DOTS3_SWA,
     "dots3_note": _DOTS3_SWA,
+    # The attention reads attn_config.rope_theta (no config field) and clamps by clip_qkv.
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
     # The local encoder/decoder read the global transformer's width; a 500k-row hash table.
     "blt": {
         "encoder_config": {"hidden_size_global": 64},
