@@ -11,7 +11,7 @@ import torch
 
 from ctxc._version import __version__
 from ctxc.devices import check_on_device, describe
-from ctxc.errors import CtxcError, SolveError, UnpatchableError
+from ctxc.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
 from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
 from ctxc.image_run import image_figures, multimodal_full_graph
@@ -81,8 +81,10 @@ def _matching_runs(model: torch.nn.Module, n: int, k: int) -> tuple:
                 f"the static exports for {n} and {k} tokens find different blocks "
                 f"({len(a)}: {a[:2]}... vs {len(b)}: {b[:2]}...): no correspondence"
             )
-    frontend = "static" if "static" in (full[0].frontend, reduced[0].frontend) else None
-    return full, reduced, frontend or full[0].frontend
+    # The report names the ladder's latest rung that either run needed (compiler/frontend.py).
+    rungs = ("dynamic", "bounded", "static", "specialised")
+    frontend = max(full[0].frontend, reduced[0].frontend, key=rungs.index)
+    return full, reduced, frontend
 
 
 def compile(
@@ -155,7 +157,15 @@ def compile(
     options = _Options(
         update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block, image
     )
-    return _compile_ids(model, ctx_ids, q_ids, options)
+    try:
+        return _compile_ids(model, ctx_ids, q_ids, options)
+    except RuntimeError as exc:  # a runtime assertion of a specialised export (frontend.py)
+        if "Runtime assertion failed" not in str(exc):
+            raise
+        raise UntraceableError(
+            "the forward pass branches on tensor values: the specialised export decided a "
+            f"branch by its example's values and these ids take another ({str(exc)[:160]})"
+        ) from exc
 
 
 @dataclass(frozen=True)
