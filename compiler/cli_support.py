@@ -70,6 +70,8 @@ def progress() -> Progress:
 def load(model: str | None, dtype: str):
     """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
 
+    The model is enabled for the export cache (``compiler/export_cache.py``).
+
     Returns:
         ``(model, tokenizer)``.
     """
@@ -85,7 +87,11 @@ def load(model: str | None, dtype: str):
             err.print(f"ctxc: {line}", highlight=False, soft_wrap=True, markup=False)
             status.update(line)
 
-        return load_model(model, dtype, on_stage=on_stage)
+        net, tokenizer = load_model(model, dtype, on_stage=on_stage)
+    from ctxc.export_cache import enable
+
+    enable(net)  # every command is a new process: reuse the export on disk (issue 11)
+    return net, tokenizer
 
 
 def emit_checked(net, patch, tmp: Path, kinds: list[str], patchable: bool = False, full=None):

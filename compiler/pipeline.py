@@ -11,8 +11,9 @@ import torch
 
 from ctxc._version import __version__
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
+from ctxc.export_cache import frontend_for
 from ctxc.fingerprint import fingerprint
-from ctxc.frontend import Frontend, build_frontend
+from ctxc.frontend import Frontend
 from ctxc.metrics import fidelity
 from ctxc.models import check_length
 from ctxc.passes.block_map import BlockMap, Rejection
@@ -48,7 +49,8 @@ class CompileResult:
 def traced_blocks(
     model: torch.nn.Module, length: int | None = None
 ) -> tuple[TracedModel, BlockMap]:
-    """The model's export and block map for inputs of ``length`` tokens, cached per model.
+    """The model's export and block map for inputs of ``length`` tokens, cached per model
+    (and on disk for a model enabled for the export cache: ``compiler/export_cache.py``).
 
     Args:
         model: the causal LM.
@@ -57,7 +59,7 @@ def traced_blocks(
     """
     frontend = _TRACES.get(model)
     if frontend is None:
-        frontend = _TRACES[model] = build_frontend(model, locate_blocks)
+        frontend = _TRACES[model] = frontend_for(model, locate_blocks)
     return frontend.traced_for(length)
 
 
