@@ -72,13 +72,15 @@ class _Solver:
         query_ids: torch.Tensor,
         apply: str,
         keep: set[str],
+        stops: set[str],
     ) -> None:
         self.full, self.apply = full, apply
         self.view = view = GraphView.of(traced)
         self.param_node = view.param_node
         self.deltas: dict[str, Delta] = {}
         inputs = traced.placeholder_values(query_ids)
-        self.run = ReducedRun(view, (view.by_name[n] for n in keep), inputs)
+        nodes = [view.by_name[n] for n in stops if n in view.by_name]
+        self.run = ReducedRun(view, (view.by_name[n] for n in keep), inputs, nodes)
 
     def value(self, name: str) -> torch.Tensor:
         """A node's value as computed (its kept copy, when it has one)."""
@@ -367,7 +369,8 @@ def solve(
     ]
     patched = [b for b, p in zip(blocks.blocks, plans, strict=True) if p is not None]
     keep = set().union(*(moves.output_reads(b) for b in patched))
-    solver = _Solver(traced, full, query_ids, apply, keep)
+    stops = set().union(*(moves.solver_nodes(b) for b in blocks.blocks))
+    solver = _Solver(traced, full, query_ids, apply, keep, stops)
     stats = []
     with torch.no_grad():
         for i, (block, todo) in enumerate(zip(blocks.blocks, plans, strict=True)):
