@@ -249,11 +249,11 @@ def bank_delta(site: LinearSite, block: str, factors: ExpertFactors) -> Delta:
     return Delta(site.weight, block, u=u, v=v, layout=site.layout, experts=experts)
 
 
-def solver_nodes(block: MlpBlock) -> set[str]:
-    """Every fx node name the block's record holds: the nodes the solver may stop at, read or
+def solver_nodes(*blocks: MlpBlock) -> set[str]:
+    """Every fx node name the blocks' records hold: the nodes the solver may stop at, read or
     act on (module paths and parameter names come along; they name no node)."""
     found: set[str] = set()
-    stack: list = [block]
+    stack: list = list(blocks)
     while stack:
         v = stack.pop()
         if type(v) is str:  # not the str enums (a step kind "add" names no node of its own)
