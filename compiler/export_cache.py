@@ -34,6 +34,7 @@ from ctxc.cache import cache_dir, partial_entry
 from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
 from ctxc.graph_codec import Unstorable, decode_blocks, decode_graph, encode_blocks, encode_graph
+from ctxc.offload import is_dispersed
 from ctxc.trace import WRAPPED, TracedModel
 
 __all__ = ["FORMAT", "StoredProgram", "enable", "entry_key", "entry_path", "frontend_for"]
@@ -67,7 +68,8 @@ def frontend_for(model: torch.nn.Module, locate) -> Frontend:
     """The model's :class:`Frontend`: from the export cache when enabled and valid, else built.
 
     A fresh shared export of an enabled model is stored (when the codec can store it exactly);
-    a static-only model is not cached. ``CTXC_EXPORT_CACHE=0`` turns the cache off.
+    a static-only model, or one dispersed over devices and disk, is not cached.
+    ``CTXC_EXPORT_CACHE=0`` turns the cache off.
 
     Args:
         model: the causal LM.
@@ -77,8 +79,9 @@ def frontend_for(model: torch.nn.Module, locate) -> Frontend:
         the frontend; its shared export is a :class:`TracedModel` whose ``program`` is a
         :class:`StoredProgram` when it came from the cache.
     """
-    if not getattr(model, _ATTR, False) or os.environ.get("CTXC_EXPORT_CACHE") == "0":
-        return build_frontend(model, locate)
+    off = os.environ.get("CTXC_EXPORT_CACHE") == "0"
+    if off or not getattr(model, _ATTR, False) or is_dispersed(model):
+        return build_frontend(model, locate)  # a dispersed model's graph reads its own placer
     key = entry_key(model)
     path = entry_path(key)
     loaded = _load(path, key, model)
