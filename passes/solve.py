@@ -76,8 +76,7 @@ class _Solver:
     ) -> None:
         self.full, self.apply = full, apply
         self.view = view = GraphView.of(traced)
-        self.param_node = view.param_node
-        self.deltas: dict[str, Delta] = {}
+        self.param_node, self.deltas = view.param_node, dict[str, Delta]()
         inputs, kept = traced.placeholder_values(query_ids), (view.by_name[n] for n in keep)
         self.run = ReducedRun(view, kept, inputs, stops)
 
