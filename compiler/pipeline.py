@@ -12,8 +12,9 @@ import torch
 from ctxc._version import __version__
 from ctxc.devices import check_on_device, describe
 from ctxc.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
+from ctxc.export_cache import frontend_for
 from ctxc.fingerprint import fingerprint
-from ctxc.frontend import Frontend, build_frontend
+from ctxc.frontend import Frontend
 from ctxc.image_run import image_figures, multimodal_full_graph
 from ctxc.images import ImageContext
 from ctxc.metrics import fidelity
@@ -52,7 +53,8 @@ class CompileResult:
 def traced_blocks(
     model: torch.nn.Module, length: int | None = None
 ) -> tuple[TracedModel, BlockMap]:
-    """The model's export and block map for inputs of ``length`` tokens, cached per model.
+    """The model's export and block map for inputs of ``length`` tokens, cached per model
+    (and on disk for a model enabled for the export cache: ``compiler/export_cache.py``).
 
     Args:
         model: the causal LM.
@@ -61,7 +63,7 @@ def traced_blocks(
     """
     frontend = _TRACES.get(model)
     if frontend is None:
-        frontend = _TRACES[model] = build_frontend(model, locate_blocks)
+        frontend = _TRACES[model] = frontend_for(model, locate_blocks)
     return frontend.traced_for(length)
 
 

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx
 
+from ctxc.passes.compile_segments import compile_segments
 from ctxc.passes.graph_view import GraphView
 from ctxc.passes.placement import LazyWeight, PlacingInterpreter, materialize
 
@@ -34,9 +35,14 @@ class ReducedRun(PlacingInterpreter):
             in-place op may change the stored value (Falcon adds the attention output into the
             MLP output with ``add_``); :meth:`value` returns the copy.
         inputs: the graph's inputs (:meth:`TracedModel.placeholder_values`).
+        stops: names of the nodes the driver may stop at, read or add actions to (names of no
+            node are ignored): the stretches between them run compiled (:mod:`compile_segments`)
+            when these stops come a second time.
     """
 
-    def __init__(self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple) -> None:
+    def __init__(
+        self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple, stops: Iterable = ()
+    ) -> None:
         placer = view.traced.placer(inputs[view.traced.input_index])
         super().__init__(view.traced.graph_module, placer, garbage_collect_values=False)
         self.view = view
@@ -47,6 +53,10 @@ class ReducedRun(PlacingInterpreter):
         # offloaded parameter -> (its lazy original, how to patch it again): for release().
         self.rebakes: dict[fx.Node, tuple[LazyWeight, Callable]] = {}
         self.args_iter = iter(self.graph.process_inputs(*inputs))
+        stops = frozenset((*(view.by_name[n] for n in stops if n in view.by_name), *self.keep))
+        # A dispersed model's ops run through its placer, node by node: no compiled stretches.
+        plain = stops and placer is None
+        self.segments = (compile_segments(self.module, stops) if plain else None) or {}
         self._pending = iter(self.graph.nodes)
         self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
         self._last: fx.Node | None = None
@@ -66,16 +76,33 @@ class ReducedRun(PlacingInterpreter):
         if stop in self.env:
             raise RuntimeError(f"node {stop.name} was computed before the driver stopped there")
         for node in self._pending:
-            self._step(node)
-            if node is stop:
-                return self.env[node]
+            self._step_from(node, stop)
+            if node is stop or self._last is stop:
+                return self.env[stop]
         raise RuntimeError(f"node {stop.name} is not in the graph")
 
     def finish(self):
         """Compute the remaining nodes; the graph's output."""
         for node in self._pending:
-            self._step(node)
+            self._step_from(node, None)
         return self.result
+
+    def _step_from(self, node: fx.Node, stop: fx.Node | None) -> None:
+        """Compute ``node``, or the compiled segment it starts when nothing in it is the stop
+        or has an action (the segment's other nodes are then consumed from the pending ones)."""
+        seg = self.segments.get(node)
+        if seg is None or stop in seg.members or not seg.members.isdisjoint(self.actions):
+            self._step(node)
+            return
+        env = self.env
+        values = seg.run(*[env[n] for n in seg.inputs])
+        for n in seg.guards:
+            env[n] = None
+        for n, v in zip(seg.computed, values, strict=True):
+            env[n] = v
+        for _ in range(len(seg.nodes) - 1):
+            next(self._pending)
+        self._last = seg.nodes[-1]
 
     def _step(self, node: fx.Node) -> None:
         self._last = node
