@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ctxc.passes.banded_attention import Band, banded_sdpa, mask_bands, sdpa_call, usable
 from ctxc.passes.block_map import BlockMap
 from ctxc.trace import TracedModel
 
@@ -53,6 +54,7 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm, garbage_collect_values=True)
         self.keep, self.head, self.k = keep, head, k
         self.kept: dict[str, torch.Tensor] = {}
+        self.bands: dict[fx.Node, tuple[Band, ...]] = {}  # attention mask node -> its bands
 
     def run_node(self, n: fx.Node):
         if n.name == self.head and n.target == aten.linear.default:
@@ -60,11 +62,32 @@ class _Recorder(fx.Interpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             x = args[0][..., -self.k :, :]  # [1, k, d]
             return self.call_function(n.target, (x, *args[1:]), kwargs)
+        if n.target is aten.scaled_dot_product_attention.default:
+            out = self._banded(n)
+            if out is not None:
+                return out
         out = super().run_node(n)
         if n.name in self.keep:
             # Rows are positions whatever the layout ([1, n, d], or [n, d] for OPT and Conv1D).
             self.kept[n.name] = out.reshape(-1, out.shape[-1])[-self.k :].detach().clone()  # [k, d]
         return out
+
+    def _banded(self, n: fx.Node) -> torch.Tensor | None:
+        """Attention on the keys each query can see (bit for bit the whole call, see
+        ``banded_attention``), or None when the call does not qualify."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        call = sdpa_call(n.target, args, kwargs)
+        assert call is not None
+        q, mask = call["query"], call["attn_mask"]
+        if not usable(q, mask, call["dropout_p"], call["is_causal"]):
+            return None
+        node = n.args[3] if len(n.args) > 3 else n.kwargs["attn_mask"]
+        if node not in self.bands:  # masks are shared by many layers: scan each once
+            self.bands[node] = mask_bands(mask)
+        extra = {"enable_gqa": call["enable_gqa"]} if "enable_gqa" in call else {}
+        return banded_sdpa(
+            q, call["key"], call["value"], mask, self.bands[node], call["scale"], **extra
+        )
 
 
 def _last_positions(logits: torch.Tensor, k: int) -> torch.Tensor:
