@@ -20,6 +20,7 @@ from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
 from ctxc.passes.solve import UPDATE_RULES, solve
 from ctxc.patch import Patch, PatchMeta
+from ctxc.patched_forward import patched_logits
 from ctxc.report import CompileReport
 from ctxc.tokens import split_tokens
 from ctxc.trace import TracedModel
@@ -263,9 +264,8 @@ _SKIP_HINT = " (--skip-unpatchable patches the other blocks)"
 
 
 def _run_patched(model: torch.nn.Module, patch: Patch, query: torch.Tensor) -> torch.Tensor:
-    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored."""
-    with patch.applied(model, check=False), torch.no_grad():
-        return model(input_ids=query).logits[0].float()
+    """Logits [k, vocab] of ``model`` with ``patch``'s weights, on ``query``; model unchanged."""
+    return patched_logits(model, patch, query)
 
 
 def _ids(tokenizer, context, query, context_ids, query_ids) -> tuple[list[int], list[int]]:

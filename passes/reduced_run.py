@@ -45,6 +45,7 @@ class ReducedRun(fx.Interpreter):
         self._pending = iter(self.graph.nodes)
         self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
         self._last: fx.Node | None = None
+        self._replaced: dict[fx.Node, torch.Tensor] = {}  # param -> its value before replacing
         self.result = None
 
     # -- stepping ----------------------------------------------------------------------------
@@ -109,8 +110,19 @@ class ReducedRun(fx.Interpreter):
 
     def replace_param(self, param: fx.Node, value: torch.Tensor, upto: fx.Node) -> None:
         """Make ``param`` read ``value``, recomputing the nodes up to ``upto`` that used it."""
+        self._replaced.setdefault(param, self.env[param])
         self.env[param] = value
         self.recompute_from(param, upto)
+
+    def restore_params(self) -> None:
+        """Give the replaced parameters their first values back, without recomputing.
+
+        For a driver whose later steps no longer read them (the solver, once a block's nodes
+        are all computed): a replaced value held to the end of the run would keep a copy of
+        every patched weight of the model alive at once.
+        """
+        self.env.update(self._replaced)
+        self._replaced.clear()
 
     def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
         """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""

@@ -378,6 +378,7 @@ def solve(
                     stats.append(solver.patch_block(block, todo))
                 except ConditionError as exc:
                     raise SolveError(block.path, str(exc)) from exc
+                solver.run.restore_params()  # the block's baked weights are read no more
             if on_block is not None:
                 on_block(i + 1, len(blocks.blocks), block.path)
         logits = solver.logits()  # [k, vocab]
