@@ -10,12 +10,14 @@ another's):
   the last one), with the verification (``verify=True``), on a model whose export is already
   made (``torch.export`` is a one-time cost per loaded model, timed apart as ``trace``).
 
-Both load the model first and warm up on 16 tokens; the peak resident memory (``VmHWM``) is
-then reset (``/proc/self/clear_refs``), so a peak is that of the run alone, the loaded model
-included. The parent polls each child's resident memory and kills it past ``--limit-gib``.
-It prints time and peak ratios (compile / forward), the fidelity of the emitted model fed the
-query alone (max |logit diff| against the full context, top-1) beside the unpatched control,
-and how far the compile's full-run logits are from the plain forward's.
+Both load the model first, copy its weights into anonymous memory (as loaded they are pages of
+the mapped safetensors file, which the kernel drops and reads again under memory pressure: a
+peak would then depend on the other processes) and warm up on 16 tokens; the peak resident
+memory (``VmHWM``) is then reset (``/proc/self/clear_refs``), so a peak is that of the run
+alone, the loaded model included. The parent polls each child's resident memory and kills it
+past ``--limit-gib``. It prints time and peak ratios (compile / forward), the fidelity of the
+emitted model fed the query alone (max |logit diff| against the full context, top-1) beside the
+unpatched control, and how far the compile's full-run logits are from the plain forward's.
 
 The texts are the examples (``examples/*.txt``), their paragraphs in a seeded order, repeated
 until the length is reached: nothing is downloaded.
@@ -99,6 +101,9 @@ def _child(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tokenizer = ctxc.load_model(args.model)
+    with torch.no_grad():  # weights in anonymous memory (see the module's docstring)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            tensor.data = tensor.data.clone()
     ids = long_ids(tokenizer, args.length)
     row: dict = {"n": args.length, "threads": torch.get_num_threads()}
     warm = ids[:16]

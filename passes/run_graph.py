@@ -2,7 +2,10 @@
 
 Both runs walk the exported graph with ``torch.fx.Interpreter``, so they compute exactly the ops
 the solver's reduced run computes. The recording run keeps, per block and at the query positions
-only, the targets of MATH.md 3: the MLP input ``z_C`` and the block output ``y_C``.
+only, the targets of MATH.md 3: the MLP input ``z_C`` and the block output ``y_C``. It frees
+each value after its last use, applies the head to the query rows only, and computes attention
+under a boolean mask on the key blocks each query chunk can see (``banded_attention``: the same
+bits, a fraction of the scores at long contexts).
 """
 
 from __future__ import annotations
