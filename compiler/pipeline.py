@@ -25,6 +25,7 @@ from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
 from ctxc.passes.solve import RULES, solve
 from ctxc.patch import Patch, PatchMeta
+from ctxc.patched_forward import patched_logits
 from ctxc.report import CompileReport
 from ctxc.tokens import split_tokens
 from ctxc.trace import TracedModel
@@ -318,10 +319,10 @@ def _run_patched(
     ``Patch.apply`` wrote it, one block at a time: accelerate's own forward would read a whole
     offloaded module at once (Gemma 3's 670 MB embedding, for the head).
     """
+    if traced.source is None:  # in memory: one module's patched weights at a time
+        return patched_logits(model, patch, query)
     with patch.applied(model, check=False), torch.no_grad():
-        if traced.source is not None:
-            return run_logits(traced, query)
-        return model(input_ids=query).logits[0].float()
+        return run_logits(traced, query)
 
 
 def _ids(tokenizer, context, query, context_ids, query_ids) -> tuple[list[int], list[int]]:

@@ -60,6 +60,7 @@ class ReducedRun(PlacingInterpreter):
         self._pending = iter(self.graph.nodes)
         self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
         self._last: fx.Node | None = None
+        self._replaced: dict[fx.Node, torch.Tensor] = {}  # param -> its value before replacing
         self.result = None
 
     # -- stepping ----------------------------------------------------------------------------
@@ -158,6 +159,8 @@ class ReducedRun(PlacingInterpreter):
         old = self.env.get(param)
         if isinstance(old, LazyWeight) and rebake is not None:
             self.rebakes[param] = (old, rebake)
+        elif not isinstance(old, LazyWeight):
+            self._replaced.setdefault(param, old)
         self.env[param] = value
         self.recompute_from(param, upto)
 
@@ -165,6 +168,7 @@ class ReducedRun(PlacingInterpreter):
         """Drop the patched values of offloaded parameters (a block's worth of weights): a
         later use reads the original from its store and patches it again. Keeps the run's
         memory at about one block, whatever the model's size."""
+        self.restore_params()  # in-memory weights: the run reads them no more either
         for node, (lazy, rebake) in self.rebakes.items():
             if not isinstance(self.env.get(node), LazyWeight):
 
@@ -173,6 +177,16 @@ class ReducedRun(PlacingInterpreter):
                     return value if rows is None else value[rows[0] : rows[1]]
 
                 self.env[node] = dataclasses.replace(lazy, fetch=fetch)
+
+    def restore_params(self) -> None:
+        """Give the replaced in-memory parameters their first values back, without recomputing.
+
+        For a driver whose later steps no longer read them (the solver, once a block's nodes
+        are all computed): a replaced value held to the end of the run would keep a copy of
+        every patched weight of the model alive at once.
+        """
+        self.env.update(self._replaced)
+        self._replaced.clear()
 
     def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
         """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""
