@@ -89,7 +89,7 @@ def compile_cmd(
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     emit: str = typer.Option(
-        "torch", "--emit", help="Comma list of artefacts: torch (model/), onnx, peft (adapter/)."
+        "torch", "--emit", help="Comma list: torch (model/), onnx, ort-adapter, peft (adapter/)."
     ),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
     skip_unpatchable: bool = typer.Option(
@@ -140,7 +140,7 @@ def export_cmd(
     ),
     model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
     to: str = typer.Option(
-        "torch", "--to", help="Artefact: torch (the model folder), onnx (model.onnx), peft."
+        "torch", "--to", help="Artefact: torch (the model folder), onnx, ort-adapter, peft."
     ),
     patchable: bool = typer.Option(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."

@@ -201,7 +201,9 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     path, figures = emit_onnx_patchable(model, patch_a, tmp_path)
     assert figures.patchable and figures.patch_inputs == 2 * len(patch_a.deltas)
     session = _session(path)
-    names = [i.name for i in session.get_inputs()]
+    # The factor inputs have zero defaults (overridable initializers): optional inputs.
+    assert [i.name for i in session.get_inputs()] == ["input_ids"]
+    names = ["input_ids", *(i.name for i in session.get_overridable_initializers())]
     first = next(iter(patch_a.deltas))
     assert names[:3] == ["input_ids", f"{first}::u", f"{first}::v"]
 
