@@ -256,7 +256,8 @@ def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
     _assert_untouched(model, before)
     assert figures.patchable and figures.experts == "batched_mm"
     session = _session(path)
-    shapes = {i.name: i.shape for i in session.get_inputs()}
+    listed = [*session.get_inputs(), *session.get_overridable_initializers()]
+    shapes = {i.name: i.shape for i in listed}
     first = next(iter(banks_a))
     assert shapes[f"{first}::u"][0] == model.get_parameter(first).shape[0], "not the whole bank"
     got = _run(session, b.meta.query_ids, patch_feeds(b, session))
