@@ -1,4 +1,4 @@
-"""Emitters: patched Transformers model, ONNX, PEFT adapter; and the registry the CLI reads.
+"""Emitters: Transformers model, ONNX, PEFT and serving LoRA, GGUF; the registry the CLI reads.
 
 The registry names each backend, what it writes and the extra that brings its dependencies,
 without importing them: ``ctxc --help`` and a usage error must not load torch or onnx.
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ctxc.errors import CtxcError
 
-__all__ = ["BACKENDS", "Backend", "backend", "parse_backends"]
+__all__ = ["BACKENDS", "Backend", "backend", "parse_backends", "precheck"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class Backend:
         patchable: the same for ``--patchable``, when the backend has such a variant.
         extra: the pip extra that brings ``requires`` (``None``: the plain install has them).
         requires: import names the emitter needs.
+        takes: keyword arguments the emitter takes besides ``full`` (``tokenizer``,
+            ``gguf_type``), passed by ``emit_checked`` when given.
+        precheck: ``"module:function"`` taking the model, run before any compile: raises a
+            CtxcError for a model the backend cannot write (an unknown GGUF architecture).
     """
 
     name: str
@@ -38,6 +42,8 @@ class Backend:
     patchable: str | None = None
     extra: str | None = None
     requires: tuple[str, ...] = ()
+    takes: tuple[str, ...] = ()
+    precheck: str | None = None
 
     def require(self, flag: str = "--emit") -> None:
         """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
@@ -88,6 +94,30 @@ BACKENDS: dict[str, Backend] = {
             extra="peft",
             requires=("peft",),
         ),
+        Backend(
+            "lora",
+            writes="lora/",
+            status="writing the serving LoRA adapter and checking it",
+            emitter="ctxc.backends.lora_adapter:emit_lora",
+            extra="peft",
+            requires=("peft",),
+        ),
+        Backend(
+            "gguf-lora",
+            writes="lora.gguf",
+            status="writing the llama.cpp LoRA GGUF and checking it",
+            emitter="ctxc.backends.gguf_lora:emit_gguf_lora",
+            takes=("gguf_type",),
+            precheck="ctxc.backends.gguf_names:gguf_arch",
+        ),
+        Backend(
+            "gguf",
+            writes="model.gguf",
+            status="writing model.gguf and reloading it with Transformers",
+            emitter="ctxc.backends.gguf_model:emit_gguf",
+            takes=("tokenizer", "gguf_type"),
+            precheck="ctxc.backends.gguf_names:gguf_arch",
+        ),
     )
 }
 
@@ -113,3 +143,16 @@ def parse_backends(spec: str, flag: str = "--emit") -> list[str]:
     for name in names:
         BACKENDS[name].require(flag)
     return names
+
+
+def precheck(model, names: list[str]) -> None:
+    """Run the prechecks of the named backends on ``model`` (before the model is compiled).
+
+    Raises:
+        CtxcError: a backend cannot write this model.
+    """
+    for name in names:
+        target = BACKENDS[name].precheck
+        if target:
+            module, function = target.split(":")
+            getattr(importlib.import_module(module), function)(model)

@@ -266,6 +266,7 @@ def emit_peft(
     *,
     full: torch.Tensor | None = None,
     rtol: float = DEFAULT_RTOL,
+    dirname: str = ADAPTER_DIR,
 ) -> tuple[Path, PeftFigures]:
     """Write ``out/adapter/``: ``adapter_config.json`` and ``adapter_model.safetensors``.
 
@@ -279,6 +280,7 @@ def emit_peft(
         full: the full-context logits at the query positions [k, vocab], if already computed.
         rtol: the bound on the merged adapter's difference from the torch patched model,
             relative to the largest logit.
+        dirname: the adapter folder's name in ``out`` (``lora`` for the serving adapter).
 
     Returns:
         the adapter folder and its :class:`PeftFigures`.
@@ -290,7 +292,7 @@ def emit_peft(
     from peft import PeftModel
 
     clock = time.perf_counter()
-    path = out / ADAPTER_DIR
+    path = out / dirname
     path.mkdir(parents=True, exist_ok=True)
     plan = plan_adapter(model, patch)
     query = check_ids(patch)[:1]
@@ -320,7 +322,7 @@ def emit_peft(
             f"exceeds {tol:.3g}"
         )
     figures = PeftFigures(
-        dir=ADAPTER_DIR,
+        dir=dirname,
         lora_modules=len(plan.lora),
         lora_parameters=len(plan.banks),
         r=plan.r,

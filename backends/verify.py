@@ -75,7 +75,10 @@ def reloaded_logits(folder: Path, query_ids: list[int], dtype: str) -> torch.Ten
     Returns:
         float32 [k, vocab] on the CPU.
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+    from ctxc.vlm import auto_model_class  # AutoModelForImageTextToText for a VLM
+
+    auto = auto_model_class(AutoConfig.from_pretrained(str(folder)))
+    model = auto.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
     return torch_logits(model, [torch.tensor([query_ids])])[0]

@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 
 from ctxc._version import __version__
+from ctxc.cli_images import generate_inputs, image_options, processor_of, refuse_image_patch
 from ctxc.cli_output import output_folder
 from ctxc.cli_support import (
     emit_checked,
@@ -31,6 +32,7 @@ from ctxc.cli_support import (
     reload_fidelity,
     written,
 )
+from ctxc.cli_usage import is_click, usage_message
 from ctxc.errors import CtxcError
 from ctxc.interrupts import install_handlers, pause_point, received
 
@@ -48,12 +50,19 @@ class Update(str, Enum):
     standard = "standard"
     stable = "stable"
     output = "output"
+    lora = "lora"
 
 
 class DType(str, Enum):
     float32 = "float32"
     bfloat16 = "bfloat16"
     float16 = "float16"
+
+
+class GgufType(str, Enum):
+    F32 = "F32"
+    F16 = "F16"
+    BF16 = "BF16"
 
 
 class Format(str, Enum):
@@ -89,31 +98,44 @@ def compile_cmd(
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     emit: str = typer.Option(
-        "torch", "--emit", help="Comma list: torch (model/), onnx, ort-adapter, peft (adapter/)."
+        "torch",
+        "--emit",
+        help="Comma list of artefacts: torch (model/), onnx, ort-adapter, peft (adapter/), "
+        "lora (lora/), gguf (model.gguf), gguf-lora (lora.gguf).",
     ),
+    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
     ),
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    image: list[Path] = typer.Option(
+        None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
+    ),
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
     from ctxc.cli_batch import Options, compile_batch, compile_into
 
-    if context is None and contexts is None:
+    if image and contexts is not None:
+        raise CtxcError("--image applies to --context (or to no context: the images alone)")
+    if context is None and contexts is None and not image:
         raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
     if context is not None and contexts is not None:
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
-    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit))
+    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit), gguf_type.value)
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
         raise typer.Exit(compile_batch(contexts, out_dir, model, dtype.value, force, opts))
-    text = read_context(context)
+    text = read_context(context) if context is not None else ""
     if query is not None and not query.strip():
         raise CtxcError("the query is empty")
+    if image:
+        opts = image_options(opts, image)  # every image read now, before the model loads
     with output_folder(out_dir, force, "compile") as tmp:
         net, tokenizer = load(model, dtype.value)
+        if image:
+            tokenizer = processor_of(net, model)
         with progress() as bar:
             task = bar.add_task("compiling", total=None)
 
@@ -140,8 +162,11 @@ def export_cmd(
     ),
     model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
     to: str = typer.Option(
-        "torch", "--to", help="Artefact: torch (the model folder), onnx, ort-adapter, peft."
+        "torch",
+        "--to",
+        help="Artefact: torch (the model folder), onnx, ort-adapter, peft, lora, gguf, gguf-lora.",
     ),
+    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),
@@ -160,6 +185,10 @@ def export_cmd(
 
         net, tokenizer = load(model, patch.meta.dtype)
         patch.check(net)  # fingerprint and shapes, without applying
+        from ctxc.backends import precheck
+
+        refuse_image_patch(net, patch)
+        precheck(net, kinds)
         pause_point("writing")
         report: dict = {"patch": str(patch_file), "model": patch.meta.model}
         full = None
@@ -175,7 +204,16 @@ def export_cmd(
                 "emitted_measured_on": "the folder reloaded with "
                 "AutoModelForCausalLM.from_pretrained",
             }
-        figures = emit_checked(net, patch, tmp, kinds, patchable, full=full)
+        figures = emit_checked(
+            net,
+            patch,
+            tmp,
+            kinds,
+            patchable,
+            full=full,
+            tokenizer=tokenizer,
+            gguf_type=gguf_type.value,
+        )
         report.update({kind: f.to_dict() for kind, f in figures.items()})
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if "torch" in kinds:
@@ -212,16 +250,25 @@ def inspect_cmd(
 
 @app.command("generate")
 def generate_cmd(
-    context: Path = typer.Option(..., "--context", help="UTF-8 text file with the context."),
+    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
     model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
     max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    image: list[Path] = typer.Option(
+        None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
+    ),
 ) -> None:
     """The paper's protocol: recompile the patch at every token against greedy generation."""
-    text = read_context(context)
+    if context is None and not image:
+        raise CtxcError("missing option '--context'")
+    text = read_context(context) if context is not None else ""
+    if image:
+        from ctxc.images import read_images
+
+        read_images(image)  # every image read now, before the model loads
     if max_new_tokens < 1:
         raise CtxcError("--max-new-tokens must be at least 1")
     with output_folder(out_dir, force, "generate") as tmp:
@@ -230,7 +277,10 @@ def generate_cmd(
         from ctxc.models import check_length
 
         net, tokenizer = load(model, dtype.value)
-        ids = list(tokenizer(text).input_ids)
+        if image:
+            ids, prefill = generate_inputs(net, model, text, image)
+        else:
+            ids, prefill = list(tokenizer(text).input_ids), None
         check_length(net, len(ids) + max_new_tokens, f"context + {max_new_tokens} new tokens")
         with progress() as bar:
             task = bar.add_task("generating", total=max_new_tokens)
@@ -240,6 +290,7 @@ def generate_cmd(
                 max_new_tokens,
                 update=update.value,
                 on_step=lambda s: bar.update(task, completed=s.step + 1),
+                prefill=prefill,
             )
         tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
         write_json(result, tmp / "generate.json", tokens)
@@ -289,11 +340,13 @@ def _run(argv: list[str] | None) -> int:
     except CtxcError as exc:
         return _error(str(exc))
     except Exception as exc:
-        if _is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
+        if is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
             out.print(exc.format_message(), highlight=False, markup=False, soft_wrap=True)
             return 0
-        if _is_click(exc, "ClickException"):
-            return _error(_usage_message(exc, sys.argv[1:] if argv is None else argv))
+        if is_click(exc, "ClickException"):
+            return _error(
+                usage_message(exc, sys.argv[1:] if argv is None else argv, command_names())
+            )
         if os.environ.get("CTXC_DEBUG"):
             raise
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -311,50 +364,14 @@ def _run(argv: list[str] | None) -> int:
     return int(rc or 0) if isinstance(rc, int) else 0
 
 
+def command_names() -> list[str]:
+    """The names of the app's commands, sorted."""
+    return sorted(cmd.name or "" for cmd in app.registered_commands)
+
+
 def _error(message: str) -> int:
     err.print(f"ctxc: error: {message}", highlight=False, soft_wrap=True, markup=False)
     return 2
-
-
-def _is_click(exc: BaseException, name: str) -> bool:
-    # Typer vendors its own click (typer._click), so `except click.ClickException` misses its
-    # exceptions; match the class by name through the hierarchy instead, for either click.
-    return any(cls.__name__ == name for cls in type(exc).__mro__)
-
-
-def _usage_message(exc, argv: list[str]) -> str:
-    """Click's message as one line that names the option, its value and what it takes."""
-    message = " ".join(str(exc.format_message()).split()).rstrip(".")
-    head, sep, detail = message.partition("': ")
-    if message.startswith("Invalid value for") and sep:
-        # Typer validates through pydantic: drop its prefix, and say what the value was.
-        detail = detail.removeprefix("Value error, ")
-        opts = getattr(getattr(exc, "param", None), "opts", None) or []
-        raw = _raw_value(argv, opts)
-        if detail.startswith("Input should be a valid integer") and raw is not None:
-            detail = f"{raw!r} is not an integer"
-        elif detail.startswith("Input should be") and raw is not None:
-            detail = f"{raw!r}: {detail[:1].lower()}{detail[1:]}"
-        message = f"{head}{sep}{detail}"
-    elif message.startswith("Got unexpected extra argument"):
-        extra = message[message.rfind("(") + 1 :].rstrip(")")
-        message = f"unexpected argument {extra!r} (flags such as --force take no value)"
-    elif message.startswith("No such command"):
-        names = ", ".join(sorted(cmd.name or "" for cmd in app.registered_commands))
-        message = f"{message}; commands: {names}"
-    return message[:1].lower() + message[1:]
-
-
-def _raw_value(argv: list[str], opts: list[str]) -> str | None:
-    """The value given to one of ``opts`` on the command line (``--x v`` or ``--x=v``)."""
-    for i, arg in enumerate(argv):
-        name, eq, value = arg.partition("=")
-        if name in opts:
-            if eq:
-                return value
-            if i + 1 < len(argv):
-                return argv[i + 1]
-    return None
 
 
 if __name__ == "__main__":

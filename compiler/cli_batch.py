@@ -31,6 +31,8 @@ class Options:
     start_layer: int
     skip_unpatchable: bool
     kinds: list[str]
+    gguf_type: str = "F32"
+    images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
 
 
 def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
@@ -40,8 +42,11 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         (the report as written, the emitted artefacts' figures).
     """
     import ctxc
+    from ctxc.backends import precheck
     from ctxc.backends.torch_model import emit_torch
+    from ctxc.vlm import auto_model_class
 
+    precheck(net, opts.kinds)
     result = ctxc.compile(
         net,
         tokenizer,
@@ -50,6 +55,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         update=opts.update,
         start_layer=opts.start_layer,
         skip_unpatchable=opts.skip_unpatchable,
+        images=list(opts.images) or None,
         **hooks,
     )
     result.patch.save(tmp / "patch.safetensors")
@@ -62,8 +68,16 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
             full = result.full_logits
             reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full)
         report = dataclasses.replace(report, emitted=reloaded)
-        measured = "model/ reloaded with AutoModelForCausalLM.from_pretrained"
-    figures = emit_checked(net, result.patch, tmp, opts.kinds, full=result.full_logits)
+        measured = f"model/ reloaded with {auto_model_class(net.config).__name__}.from_pretrained"
+    figures = emit_checked(
+        net,
+        result.patch,
+        tmp,
+        opts.kinds,
+        full=result.full_logits,
+        tokenizer=tokenizer,
+        gguf_type=opts.gguf_type,
+    )
     data = report.to_dict()
     data["emitted_measured_on"] = measured
     data["in_memory"] = result.report.emitted.to_dict()

@@ -88,12 +88,15 @@ def load(model: str | None, dtype: str):
         return load_model(model, dtype, on_stage=on_stage)
 
 
-def emit_checked(net, patch, tmp: Path, kinds: list[str], patchable: bool = False, full=None):
+def emit_checked(
+    net, patch, tmp: Path, kinds: list[str], patchable: bool = False, full=None, **extra
+):
     """Write the artefacts of ``kinds`` other than ``torch`` into ``tmp``; their figures by kind.
 
     Each emitter checks its artefact against the torch patched model and raises a CtxcError
     when the check fails, which removes the staging folder. ``full``: the full-context logits
-    at the query positions when the caller has them (``ctxc compile`` does).
+    at the query positions when the caller has them (``ctxc compile`` does). ``extra``: the
+    keyword arguments some emitters take (``tokenizer``, ``gguf_type``: ``Backend.takes``).
     """
     from ctxc.backends import backend
 
@@ -107,7 +110,8 @@ def emit_checked(net, patch, tmp: Path, kinds: list[str], patchable: bool = Fals
     figures: dict = {}
     for b in checked:
         with err.status(b.status):
-            _, figures[b.name] = b.load(patchable)(net, patch, tmp, full=full)
+            given = {k: extra[k] for k in b.takes if extra.get(k) is not None}
+            _, figures[b.name] = b.load(patchable)(net, patch, tmp, full=full, **given)
     return figures
 
 

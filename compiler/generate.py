@@ -152,6 +152,19 @@ def _hooks_agree(model, traced, blocks, hooks: _TargetHooks, probe: torch.Tensor
     )
 
 
+def _prefill(model: torch.nn.Module, inputs: dict, cached: bool, text: bool):
+    """The baseline's KV cache over the context but its last token (None without hooks)."""
+    if not cached:
+        if not text:
+            raise CtxcError(
+                "an image context needs the cached decode path, and this model's module hooks "
+                "do not see its graph's values"
+            )
+        return None
+    with torch.no_grad():
+        return _cache_of(model(**inputs, use_cache=True))
+
+
 def _record(step: int, solution: Solution, full: FullRun, start: float) -> GenerateStep:
     """One step's figures: the patched logits against the baseline's; seconds since ``start``."""
     fid = fidelity(solution.logits, full.logits)
@@ -176,6 +189,7 @@ def generate(
     update: str = "stable",
     apply: str | None = None,
     on_step: Callable[[GenerateStep], None] | None = None,
+    prefill: dict | None = None,
 ) -> GenerateResult:
     """Run the per-token protocol for ``max_new_tokens`` steps.
 
@@ -186,6 +200,8 @@ def generate(
         update: the update rule.
         apply: ``lowrank`` (default) or ``baked``.
         on_step: called with each step's record.
+        prefill: the baseline's prefill inputs over ``context_ids[:-1]`` when they are more than
+            ids (an image context: ``ctxc.images.prefill_inputs``); the steps are text.
 
     Returns:
         the :class:`GenerateResult`.
@@ -211,11 +227,9 @@ def generate(
         cached = _hooks_agree(model, traced, blocks, hooks, ids[:, : min(8, ids.shape[1])])
         timings["probe"] = time.perf_counter() - t0
         history = list(context_ids)
-        cache, cache_arg = None, _cache_arg(model)
+        cache_arg = _cache_arg(model)
         t0 = time.perf_counter()
-        if cached:
-            with torch.no_grad():
-                cache = _cache_of(model(input_ids=ids[:, :-1], use_cache=True))
+        cache = _prefill(model, prefill or {"input_ids": ids[:, :-1]}, cached, prefill is None)
         timings["prefill"] = time.perf_counter() - t0
         for step in range(max_new_tokens):
             start = time.perf_counter()

@@ -32,9 +32,14 @@ from ctxc.passes.classify import (
     classify,
 )
 from ctxc.passes.plan import UPDATE_RULES, plan
+from ctxc.vlm import untouched_modules
 
 __all__ = ["ModelInspection", "describe", "inspect_model"]
 
+_UNTOUCHED = (
+    "not on the text path ({n:,} parameters): never patched; an image in the context acts on "
+    "the query through attention in the language model"
+)
 _TRAILING_NOTE = (
     "the outer linear matches the sum it normalises (its scale and bias are "
     "output-controllable alternatives)"
@@ -52,8 +57,14 @@ def inspect_model(model: torch.nn.Module) -> ModelInspection:
     """
     from ctxc.pipeline import traced_blocks  # the pipeline imports the solver: load on use
 
-    _, blocks = traced_blocks(model)
-    return describe(model, blocks)
+    traced, blocks = traced_blocks(model)
+    info = describe(model, blocks)
+    # A vision tower and projector are not on the text path: say so (compiler/vlm.py).
+    # Export lifts every parameter; those the text path reads are the placeholders with users.
+    read = {p for name, p in traced.param_of.items() if traced.node(name).users}
+    untouched = untouched_modules(model, read)
+    notes = tuple(RejectedBlock(path, _UNTOUCHED.format(n=n)) for path, n in untouched)
+    return replace(info, notes=info.notes + notes) if notes else info
 
 
 def describe(model: torch.nn.Module, blocks: BlockMap) -> ModelInspection:

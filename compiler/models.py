@@ -26,6 +26,7 @@ __all__ = [
     "load_model",
     "max_positions",
     "resolve_dtype",
+    "source_gguf",
 ]
 
 DEFAULT_MODEL = "gemma-3-270m"
@@ -116,6 +117,21 @@ def bundled_model_dir(on_stage: Callable[[str], None] | None = None) -> Path:
     return _converted(_bundled_gguf(on_stage), on_stage)
 
 
+def source_gguf(model: torch.nn.Module) -> Path | None:
+    """The GGUF file ``model`` was converted from, when it is the bundled model (else None).
+
+    Its metadata and tokenizer are what llama.cpp's converter wrote (the GGUF backends copy
+    them). Side effects: none beyond a first-run conversion of the bundled model.
+    """
+    name = getattr(model, "name_or_path", "") or ""
+    try:
+        if name and Path(name).resolve() == bundled_model_dir().resolve():
+            return _bundled_gguf()
+    except CtxcError:
+        return None
+    return None
+
+
 def load_model(
     spec: str | None = None,
     dtype: str | torch.dtype = "float32",
@@ -163,13 +179,14 @@ def load_model(
 
 
 def _load_directory(directory: Path, dtype: torch.dtype, spec: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ctxc.vlm import auto_model_class  # a vision-language model loads whole
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
-        model = AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=dtype, **_moe_kwargs(directory)
-        )
+        auto = auto_model_class(AutoConfig.from_pretrained(str(directory)))
+        model = auto.from_pretrained(str(directory), dtype=dtype, **_moe_kwargs(directory))
     except OSError as exc:
         raise CtxcError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
     except ValueError as exc:

@@ -13,12 +13,14 @@ from ctxc._version import __version__
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
+from ctxc.image_run import image_figures, multimodal_full_graph
+from ctxc.images import ImageContext
 from ctxc.metrics import fidelity
 from ctxc.models import check_length
 from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
-from ctxc.passes.solve import UPDATE_RULES, solve
+from ctxc.passes.solve import RULES, solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.report import CompileReport
 from ctxc.tokens import split_tokens
@@ -89,6 +91,7 @@ def compile(
     *,
     context_ids: list[int] | None = None,
     query_ids: list[int] | None = None,
+    images=None,
     update: str = "stable",
     start_layer: int = 0,
     skip_unpatchable: bool = False,
@@ -105,6 +108,10 @@ def compile(
         context: the context text; or pass ``context_ids``.
         query: the query text; default: the context's last token.
         context_ids, query_ids: token ids instead of text.
+        images: image paths or PIL images, for a vision-language model: the context is the
+            processor's layout of the images and ``context`` (``compiler/images.py``); then
+            ``tokenizer`` may be the model's processor (else it is loaded from the model's
+            folder). The patch changes the language model's blocks only.
         update: ``stable`` (default; MATH.md 4) or ``standard`` (the paper's Theorem 1).
         start_layer: blocks with index below it stay unpatched.
         skip_unpatchable: patch the patchable blocks when others are rejected (else an error).
@@ -122,15 +129,24 @@ def compile(
     Raises:
         CtxcError: bad input, rejected blocks, or a failed condition (see its message).
     """
-    if update not in UPDATE_RULES:
-        raise CtxcError(
-            f"unknown update rule {update!r}; expected one of {', '.join(UPDATE_RULES)}"
-        )
+    if update not in RULES:
+        raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(RULES)}")
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
-    ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
+    image = None
+    if images is not None:
+        from ctxc.images import encode_image_context
+        from ctxc.vlm import load_processor
+
+        processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
+        image = encode_image_context(model, processor, context, images, query)
+        ctx_ids, q_ids = image.context_ids, image.query_ids
+    else:
+        ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
-    options = _Options(update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block)
+    options = _Options(
+        update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block, image
+    )
     return _compile_ids(model, ctx_ids, q_ids, options)
 
 
@@ -145,6 +161,7 @@ class _Options:
     apply: str
     on_stage: Callable[[str], None] | None
     on_block: Callable[[int, int, str], None] | None
+    image: ImageContext | None = None
 
 
 def _compile_ids(
@@ -162,9 +179,15 @@ def _compile_ids(
         clock = now
 
     stage("tracing")
-    (full_traced, full_blocks), (traced, blocks), frontend = _matching_runs(
-        model, len(ctx_ids) + len(q_ids), len(q_ids)
-    )
+    if o.image is None:
+        (full_traced, full_blocks), (traced, blocks), frontend = _matching_runs(
+            model, len(ctx_ids) + len(q_ids), len(q_ids)
+        )
+    else:  # the images enter through the model's own forward (compiler/image_run.py)
+        traced, blocks = traced_blocks(model, len(q_ids))
+        _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
+        image_run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
+        full_traced, full_blocks, frontend = image_run.traced, image_run.blocks, traced.frontend
     lap("trace")
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
     device = next(model.parameters()).device
@@ -172,7 +195,8 @@ def _compile_ids(
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
     stage("full run")
-    full = record_targets(full_traced, full_blocks, full_ids, len(q_ids))
+    full_input = full_ids if o.image is None else image_run.inputs_embeds
+    full = record_targets(full_traced, full_blocks, full_input, len(q_ids))
     lap("full_run")
     stage("solving")
     solution, failed = _solve_skipping(
@@ -213,6 +237,7 @@ def _compile_ids(
         ctxc_version=__version__,
         apply=o.apply,
         frontend=frontend,
+        images=None if o.image is None else image_figures(o.image, image_run, full.logits),
     )
     return CompileResult(patch=patch, report=report, full_logits=full.logits)
 

@@ -30,6 +30,8 @@ class CompileReport:
         timings: seconds per stage.
         frontend: the export ladder's rung: ``dynamic``, ``bounded`` or ``static``
             (``compiler/frontend.py``).
+        images: for an image context, what ``compiler/image_run.py`` reports (the images,
+            the image token count, the full run against the model's own forward); else None.
     """
 
     model: str
@@ -47,6 +49,7 @@ class CompileReport:
     ctxc_version: str = ""
     apply: str = "baked"
     frontend: str = "dynamic"
+    images: dict | None = None
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -76,6 +79,8 @@ class CompileReport:
             "rejections": list(self.rejections),
             "timings": self.timings,
         }
+        if self.images is not None:
+            out["images"] = self.images
         return out
 
     def to_json(self) -> str:

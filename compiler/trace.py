@@ -115,15 +115,21 @@ class TracedModel:
 def _no_cache(model: torch.nn.Module) -> Iterator[None]:
     # Passing use_cache as a kwarg breaks export for models that take it through **kwargs
     # (ARCHITECTURES.md, export facts): set it on the config instead, and restore it after.
+    # A multimodal model's language model reads its own text config: that one too (else it
+    # builds a sliding-window cache whose guards pin the export's length).
     config = getattr(model, "config", None)
-    old = getattr(config, "use_cache", None)
-    if config is not None:
-        config.use_cache = False
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else None
+    configs = [c for c in (config, text) if c is not None]
+    configs = [c for i, c in enumerate(configs) if all(c is not d for d in configs[:i])]
+    old = [getattr(c, "use_cache", None) for c in configs]
+    for c in configs:
+        c.use_cache = False
     try:
         yield
     finally:
-        if config is not None:
-            config.use_cache = old
+        for c, value in zip(configs, old, strict=True):
+            c.use_cache = value
 
 
 # Public name, for the backends that export or run the model the same way.
@@ -135,6 +141,8 @@ def trace(
     example_len: int = 8,
     seq_range: tuple[int, int] | None = None,
     frontend: str = "dynamic",
+    wrapper: torch.nn.Module | None = None,
+    example: torch.Tensor | None = None,
 ) -> TracedModel:
     """Export ``model`` as ``input_ids [1, seq] -> logits [1, seq, vocab]``.
 
@@ -145,6 +153,11 @@ def trace(
         seq_range: ``(min, max)`` of the dynamic sequence length; default ``1`` to the config's
             maximum position; ``(n, n)`` exports a static graph for ``n`` tokens.
         frontend: the ladder rung recorded in the result.
+        wrapper: the module to export in place of :class:`LogitsOnly` (same contract:
+            ``forward(input_ids) -> logits``, the model held under ``WRAPPED``); the
+            multimodal full run (``compiler/image_run.py``) passes one.
+        example: the wrapper's example input, when it takes another than token ids (the
+            multimodal full run: ``inputs_embeds`` [1, n, d]); its length must be static.
 
     Returns:
         the :class:`TracedModel`. The model is left unmodified (its config's ``use_cache`` is
@@ -155,11 +168,12 @@ def trace(
             exception is its ``__cause__``.
     """
     model.eval()
-    wrapper = LogitsOnly(model).eval()
+    wrapper = (wrapper or LogitsOnly(model)).eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2) or 2
     lo, hi = seq_range or (1, max_positions(model))
     length = min(max(example_len, lo), hi)
     ids = torch.arange(length, dtype=torch.long).remainder(vocab).unsqueeze(0)
+    ids = ids if example is None else example
     dynamic = None if lo == hi else {"input_ids": {1: Dim("seq", min=lo, max=hi)}}
     try:
         with _no_cache(model), torch.no_grad():

@@ -30,6 +30,9 @@ class BlockStats:
         delta_norms: parameter name -> Frobenius norm of its delta.
         min_gate_sum: smallest gate sum ``S`` the experts' output move divided by (MoE).
         rejected: why the block was left unpatched (a failed condition), or ``""``.
+        unreached_norm: the ``lora`` rule's miss, ``max_j ||y_j - y_C,j||`` after the block's
+            patch (what its fixed post norm could not reach; the blocks above absorb it);
+            None under the other rules.
     """
 
     path: str
@@ -47,3 +50,4 @@ class BlockStats:
     delta_norms: dict[str, float] | None = None
     min_gate_sum: float | None = None
     rejected: str = ""
+    unreached_norm: float | None = None

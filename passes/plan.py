@@ -14,12 +14,27 @@ from dataclasses import dataclass
 from ctxc.errors import SolveError
 from ctxc.passes.block_map import LinearSite, MlpBlock
 from ctxc.passes.graph_view import GraphView
+from ctxc.passes.multi_scale import multi_refusal
 
-__all__ = ["UPDATE_RULES", "BlockPlan", "ParamMove", "check_in_time", "plan"]
+__all__ = [
+    "LORA_RULE",
+    "RULES",
+    "UPDATE_RULES",
+    "BlockPlan",
+    "ParamMove",
+    "check_in_time",
+    "checked_plan",
+    "plan",
+]
 
 # standard: the paper's rule (input move, then output move); stable: MATH.md 4 for scaled post
-# norms; output: no input move, the outer function absorbs the whole difference.
+# norms; output: no input move, the outer function absorbs the whole difference. All exact.
 UPDATE_RULES = ("standard", "stable", "output")
+# lora: linear weights only, what serving engines' LoRA adapters hold (issue 14): behind a post
+# norm the outer linear takes what it can reach, the blocks above absorb the rest
+# (reach_post_norm.py). Exact where the outer function is a linear (no post norm).
+LORA_RULE = "lora"
+RULES = (*UPDATE_RULES, LORA_RULE)
 
 
 @dataclass(frozen=True)
@@ -98,21 +113,25 @@ def plan(block: MlpBlock, rule: str, k: int = 1) -> BlockPlan:
 
     Args:
         block: a located block.
-        rule: one of :data:`UPDATE_RULES`.
+        rule: one of :data:`RULES`.
         k: query tokens; with k > 1 every rule moves the outer linear before a post-norm scale
             (one scale for k positions, MATH.md 9: ``multi_scale.py``).
 
     Returns:
         the :class:`BlockPlan`.
     """
-    if rule not in UPDATE_RULES:
-        raise ValueError(f"unknown update rule {rule!r}; expected one of {UPDATE_RULES}")
+    if rule not in RULES:
+        raise ValueError(f"unknown update rule {rule!r}; expected one of {RULES}")
     moves: list[ParamMove] = []
     if rule != "output":
         moves += [_matrix(site, "input", _inner_part(block, site)) for site in block.inner]
     ctl = block.output_control
-    stable = ctl == "scale" and (rule in ("stable", "output") or k > 1) and block.stable_ok
     outer_part = "expert_output_bank" if block.outer.experts else "outer_linear"
+    if rule == LORA_RULE:  # no vector: the outer linear only, and only where it feeds y
+        if ctl in ("linear", "experts") or (ctl == "scale" and block.stable_ok):
+            moves.append(_matrix(block.outer, "output", outer_part))
+        return BlockPlan(block.path, rule, ctl, tuple(moves))
+    stable = ctl == "scale" and (rule in ("stable", "output") or k > 1) and block.stable_ok
     if ctl in ("linear", "experts") or stable:
         moves.append(_matrix(block.outer, "output", outer_part))
     if ctl == "scale":
@@ -167,3 +186,21 @@ def check_in_time(view: GraphView, block: MlpBlock, param: str, after: str) -> N
             f"the graph reads {param} (at {view.module_path(early[0]) or 'the model'}) "
             "before the block computes its patch: the solver cannot patch it in time",
         )
+
+
+def checked_plan(view: GraphView, block: MlpBlock, update: str, k: int) -> BlockPlan:
+    """The block's plan, once the solver is known to be able to follow it.
+
+    Raises:
+        SolveError: k > 1 on a block shape one scale cannot serve, or a moved parameter is
+            read before the block computes its patch.
+    """
+    todo = plan(block, update, k)
+    if k > 1 and update != LORA_RULE and (reason := multi_refusal(block, k)):
+        raise SolveError(block.path, reason)
+    for move in todo.input_moves:
+        assert move.site is not None
+        check_in_time(view, block, move.param, move.site.experts or block.mlp_in)
+    for move in todo.output_moves:
+        check_in_time(view, block, move.param, block.mlp_in)
+    return todo

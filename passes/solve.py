@@ -28,15 +28,15 @@ from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.block_stats import BlockStats
 from ctxc.passes.delta_math import add_in_float32, at_alignment_of, lowrank_action
 from ctxc.passes.graph_view import GraphView
-from ctxc.passes.multi_scale import multi_refusal
-from ctxc.passes.plan import UPDATE_RULES, BlockPlan, check_in_time, plan
+from ctxc.passes.plan import LORA_RULE, RULES, UPDATE_RULES, BlockPlan, checked_plan
+from ctxc.passes.reach_post_norm import reachable_outputs
 from ctxc.passes.reduced_run import Action, ReducedRun
 from ctxc.passes.run_graph import FullRun
 from ctxc.passes.update_rules import ConditionError, ScaleMove
 from ctxc.patch import Delta
 from ctxc.trace import TracedModel
 
-__all__ = ["UPDATE_RULES", "Solution", "solve"]
+__all__ = ["RULES", "UPDATE_RULES", "Solution", "solve"]
 
 
 @dataclass(frozen=True)
@@ -139,6 +139,7 @@ class _Solver:
             max_unreached=scale.max_unreached if scale else 0.0,
             delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
             min_gate_sum=gate_sum,
+            unreached_norm=self._miss(block, y) if todo.rule == LORA_RULE else None,
         )
 
     def _move_banks(self, block: MlpBlock, z: torch.Tensor, z_target: torch.Tensor) -> None:
@@ -155,6 +156,11 @@ class _Solver:
                 found = moves.bank_input_move(bank, site.layout, ids, site.repeat, z, z_target)
                 self._put(moves.bank_delta(site, block.path, found), ids_node, site)
 
+    def _miss(self, block: MlpBlock, y: fx.Node) -> float:
+        """``max_j ||y_j - y_C,j||``: what the block left for the blocks above (``lora``)."""
+        now = _rows(self.run.env[y]).float()  # [k, d]
+        return float((now - self.full.targets[block.path].y.float()).norm(dim=-1).max())
+
     def _error(self, block: MlpBlock, y: fx.Node) -> float:
         """``max |y - y_C|`` as the patched run now computes ``y``."""
         now = _rows(self.run.env[y]).float()  # [k, d]
@@ -168,6 +174,13 @@ class _Solver:
         tail = [(s, _rows(self.value(s.side)) if s.side else None) for s in block.tail]
         t = moves.control_target(y_target, tail)  # [k, d]: wanted value of the controlled part
         ctl = block.output_control
+        if todo.rule == LORA_RULE and ctl in ("scale", "bias"):
+            if todo.output_moves:  # the outer linear feeds the post norm: reach what it can
+                h = _rows(self.value(block.activation))  # [k, d_ff]
+                u_now = self._outer_now(block, h)  # [k, d]
+                u_star = reachable_outputs(self._scale(block), t, u_now)  # [k, d]
+                self._put_outer(block, u_star - u_now, h, y)
+            return None, None
         if ctl == "linear":
             h = _rows(self.value(block.activation))  # [k, d_ff]
             self._put_outer(block, t - self._outer_now(block, h), h, y)
@@ -339,7 +352,8 @@ def solve(
         full: the full run's targets (:func:`record_targets`).
         query_ids: int64 [1, k], the query alone.
         update: ``standard`` (Theorem 1), ``stable`` (MATH.md 4, for scaled post norms) or
-            ``output`` (no input move: the outer function absorbs the whole difference).
+            ``output`` (no input move: the outer function absorbs the whole difference), or
+            ``lora`` (linear weights only; behind a post norm not exact: ``unreached_norm``).
         start_layer: blocks with index below it stay unpatched (ablation C.4).
         on_block: progress callback ``(done, total, path)``.
         apply: ``baked`` (each patch materialised into its weight in the model's dtype, as the
@@ -355,14 +369,14 @@ def solve(
         SolveError: a block's condition fails (zero norm, zero divisor, gate sum 0), with its
             value.
     """
-    if update not in UPDATE_RULES:
-        raise ValueError(f"unknown update rule {update!r}; expected one of {UPDATE_RULES}")
+    if update not in RULES:
+        raise ValueError(f"unknown update rule {update!r}; expected one of {RULES}")
     if apply not in ("baked", "lowrank"):
         raise ValueError(f"unknown apply mode {apply!r}; expected baked or lowrank")
     skip = skip or {}
     k = int(query_ids.shape[1])
     plans = [
-        _checked_plan(GraphView.of(traced), block, update, k)
+        checked_plan(GraphView.of(traced), block, update, k)
         if i >= start_layer and block.path not in skip
         else None
         for i, block in enumerate(blocks.blocks)
@@ -384,16 +398,3 @@ def solve(
                 on_block(i + 1, len(blocks.blocks), block.path)
         logits = solver.logits()  # [k, vocab]
     return Solution(deltas=dict(solver.deltas), stats=tuple(stats), logits=logits)
-
-
-def _checked_plan(view: GraphView, block: MlpBlock, update: str, k: int) -> BlockPlan:
-    """The block's plan, once the solver is known to be able to follow it."""
-    todo = plan(block, update, k)
-    if k > 1 and (reason := multi_refusal(block, k)):
-        raise SolveError(block.path, reason)
-    for move in todo.input_moves:
-        assert move.site is not None
-        check_in_time(view, block, move.param, move.site.experts or block.mlp_in)
-    for move in todo.output_moves:
-        check_in_time(view, block, move.param, block.mlp_in)
-    return todo

@@ -27,7 +27,7 @@ CASES = {
     "unknown update rule": (
         ["compile", "--context", "c.txt", "--update", "fancy"],
         "ctxc: error: invalid value for '--update': 'fancy' is not one of "
-        "'standard', 'stable', 'output'",
+        "'standard', 'stable', 'output', 'lora'",
     ),
     "unknown dtype": (
         ["compile", "--context", "c.txt", "--dtype", "float64"],
@@ -49,7 +49,7 @@ CASES = {
     "unknown emitter": (
         ["compile", "--context", "c.txt", "--emit", "torch,tflite"],
         "ctxc: error: invalid value for '--emit': 'tflite'; expected a comma list of "
-        "torch, onnx, peft",
+        "torch, onnx, peft, lora, gguf-lora, gguf",
     ),
     "export without --out": (
         ["export", "--patch", "p.safetensors"],

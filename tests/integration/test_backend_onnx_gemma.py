@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from helpers import diff_msg, max_diff
 
 import ctxc
