@@ -103,19 +103,19 @@ BACKENDS: dict[str, Backend] = {
             requires=("peft",),
         ),
         Backend(
-            "gguf-lora",
-            writes="lora.gguf",
-            status="writing the llama.cpp LoRA GGUF and checking it",
-            emitter="ctxc.backends.gguf_lora:emit_gguf_lora",
-            takes=("gguf_type",),
-            precheck="ctxc.backends.gguf_names:gguf_arch",
-        ),
-        Backend(
             "gguf",
             writes="model.gguf",
             status="writing model.gguf and reloading it with Transformers",
             emitter="ctxc.backends.gguf_model:emit_gguf",
             takes=("tokenizer", "gguf_type"),
+            precheck="ctxc.backends.gguf_names:gguf_arch",
+        ),
+        Backend(
+            "gguf-lora",
+            writes="lora.gguf",
+            status="writing the llama.cpp LoRA GGUF and checking it",
+            emitter="ctxc.backends.gguf_lora:emit_gguf_lora",
+            takes=("gguf_type",),
             precheck="ctxc.backends.gguf_names:gguf_arch",
         ),
     )

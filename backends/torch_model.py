@@ -6,16 +6,36 @@ from pathlib import Path
 
 import torch
 
+from ctxc.backends.torch_shards import realign_shards, source_alignments
+from ctxc.offload import is_dispersed
 from ctxc.patch import Patch
 
-__all__ = ["emit_torch"]
+__all__ = ["emit_torch", "shard_kwargs"]
+
+
+def shard_kwargs(model: torch.nn.Module) -> dict:
+    """``save_pretrained`` arguments: for a dispersed model, shards of about one block.
+
+    The shard size is the parameters' bytes over the number of blocks (``num_hidden_layers``),
+    so a shard never gathers more than about a block, or the one tensor that is bigger (Gemma
+    3's embedding, alone in its shard).
+    """
+    if not is_dispersed(model):
+        return {}
+    sizes = [p.numel() * p.element_size() for p in model.parameters()]
+    layers = getattr(getattr(model, "config", None), "num_hidden_layers", 1) or 1
+    # A tensor larger than this gets a shard of its own (Transformers' rule).
+    return {"max_shard_size": max(1, sum(sizes) // layers)}
 
 
 def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Path:
     """Write ``out/`` with the patched weights, loadable by ``from_pretrained`` without ctxc.
 
     The patch is baked with :meth:`Patch.apply` (the weights the solver computed with, bit for
-    bit), saved, and removed again: ``model`` is left as it was.
+    bit), saved, and removed again: ``model`` is left as it was. A model dispersed by accelerate
+    is saved shard by shard, each shard about one block, its offloaded weights read from their
+    store as the shard is written (Transformers' ``save_pretrained`` does this for offloaded
+    models; ctxc sizes the shards so none gathers more than a block).
 
     Args:
         model: the model the patch was computed on.
@@ -29,10 +49,14 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
     use_cache = config.use_cache
+    # Where the solver read each patched weight, before the patch points the store elsewhere.
+    wanted = source_alignments(model, patch.deltas) if is_dispersed(model) else None
     with patch.applied(model, check=False):
         try:
             config.use_cache = True  # ctxc turns the cache off for export; users generate with it
-            model.save_pretrained(str(out))
+            model.save_pretrained(str(out), **shard_kwargs(model))
+            if wanted is not None:  # the addresses the solver computed at (torch_shards.py)
+                realign_shards(out, wanted)
         finally:
             config.use_cache = use_cache
     if tokenizer is not None:

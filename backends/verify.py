@@ -7,8 +7,11 @@ from pathlib import Path
 
 import torch
 
+from ctxc.devices import block_device_map, placement_of
+from ctxc.offload import input_device
+from ctxc.passes.run_graph import run_logits
 from ctxc.patch import Patch
-from ctxc.trace import no_cache
+from ctxc.trace import no_cache, trace
 
 __all__ = ["check_ids", "reference_logits", "reloaded_logits", "torch_logits"]
 
@@ -55,12 +58,14 @@ def torch_logits(model: torch.nn.Module, ids: Sequence[torch.Tensor]) -> list[to
     Returns:
         float32 [n, vocab] on the CPU, one per input.
     """
-    device = next(model.parameters()).device
+    device = input_device(model)  # a dispersed model's hooks move the rest
     with torch.no_grad():
         return [model(input_ids=x.to(device)).logits[0].float().cpu() for x in ids]
 
 
-def reloaded_logits(folder: Path, query_ids: list[int], dtype: str) -> torch.Tensor:
+def reloaded_logits(
+    folder: Path, query_ids: list[int], dtype: str, like: torch.nn.Module | None = None
+) -> torch.Tensor:
     """A written model folder as a user loads it (plain ``from_pretrained``), fed the query.
 
     The report's ``emitted`` figures come from here: a model loaded from disk can take other
@@ -71,6 +76,8 @@ def reloaded_logits(folder: Path, query_ids: list[int], dtype: str) -> torch.Ten
         folder: a Transformers model folder.
         query_ids: the token ids to feed.
         dtype: ``float32`` | ``bfloat16`` | ``float16``.
+        like: load it placed as this model was (its device, or accelerate's ``device_map`` and
+            ``max_memory``: a dispersed model is never reloaded whole into memory).
 
     Returns:
         float32 [k, vocab] on the CPU.
@@ -80,5 +87,15 @@ def reloaded_logits(folder: Path, query_ids: list[int], dtype: str) -> torch.Ten
     from ctxc.vlm import auto_model_class  # AutoModelForImageTextToText for a VLM
 
     auto = auto_model_class(AutoConfig.from_pretrained(str(folder)))
-    model = auto.from_pretrained(str(folder), dtype=getattr(torch, dtype)).eval()
+    placement = placement_of(like)
+    kwargs = placement.load_kwargs()
+    if placement.device_map is not None:  # reloaded dispersed, as it was compiled
+        torch_dtype = getattr(torch, dtype)
+        memory = kwargs.get("max_memory")
+        kwargs["device_map"] = block_device_map(folder, torch_dtype, placement.device_map, memory)
+        model = auto.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
+        ids = torch.tensor([query_ids], device=input_device(model))
+        k = len(query_ids)
+        return run_logits(trace(model.eval(), k, (k, k), "static"), ids).cpu()
+    model = auto.from_pretrained(str(folder), dtype=getattr(torch, dtype), **kwargs).eval()
     return torch_logits(model, [torch.tensor([query_ids])])[0]

@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 
 from ctxc._version import __version__
+from ctxc.cli_devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
 from ctxc.cli_images import generate_inputs, image_options, processor_of, refuse_image_patch
 from ctxc.cli_output import output_folder
 from ctxc.cli_support import (
@@ -108,6 +109,9 @@ def compile_cmd(
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
     ),
+    device: str = DEVICE,
+    device_map: str = DEVICE_MAP,
+    max_memory: str = MAX_MEMORY,
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
     image: list[Path] = typer.Option(
         None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
@@ -122,7 +126,11 @@ def compile_cmd(
         raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
     if context is not None and contexts is not None:
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
-    opts = Options(update.value, start_layer, skip_unpatchable, parse_emit(emit), gguf_type.value)
+    kinds = parse_emit(emit)
+    where = placement_for(device, device_map, max_memory, kinds)
+    opts = Options(
+        update.value, start_layer, skip_unpatchable, kinds, gguf_type.value, placement=where
+    )
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
@@ -133,7 +141,7 @@ def compile_cmd(
     if image:
         opts = image_options(opts, image)  # every image read now, before the model loads
     with output_folder(out_dir, force, "compile") as tmp:
-        net, tokenizer = load(model, dtype.value)
+        net, tokenizer = load(model, dtype.value, where)
         if image:
             tokenizer = processor_of(net, model)
         with progress() as bar:
@@ -171,6 +179,9 @@ def export_cmd(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),
     out_dir: Path = typer.Option(..., "--out", help="Output folder."),
+    device: str = DEVICE,
+    device_map: str = DEVICE_MAP,
+    max_memory: str = MAX_MEMORY,
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
 ) -> None:
     """Emit an artefact from a saved patch."""
@@ -179,11 +190,12 @@ def export_cmd(
     kinds = parse_emit(to, "--to")
     if patchable and "onnx" not in kinds:
         raise CtxcError("--patchable applies to --to onnx")
+    where = placement_for(device, device_map, max_memory, kinds)
     patch = Patch.load(patch_file)  # validated: finite values, factor shapes, ranks
     with output_folder(out_dir, force, "export") as tmp:
         from ctxc.backends.torch_model import emit_torch
 
-        net, tokenizer = load(model, patch.meta.dtype)
+        net, tokenizer = load(model, patch.meta.dtype, where)
         patch.check(net)  # fingerprint and shapes, without applying
         from ctxc.backends import precheck
 
@@ -198,7 +210,7 @@ def export_cmd(
             with err.status("writing the model folder and reloading it"):
                 emit_torch(net, tokenizer, patch, tmp)
                 full = reference_logits(net, patch)
-                reloaded = reload_fidelity(tmp, patch, patch.meta.dtype, full)
+                reloaded = reload_fidelity(tmp, patch, patch.meta.dtype, full, net)
             report["torch"] = {
                 "emitted": reloaded.to_dict(),
                 "emitted_measured_on": "the folder reloaded with "
@@ -234,10 +246,13 @@ def inspect_cmd(
     fmt: Format = typer.Option(
         Format.text, "--format", help="text, json, or html (a page with a diagram per shape)."
     ),
+    device: str = DEVICE,
+    device_map: str = DEVICE_MAP,
+    max_memory: str = MAX_MEMORY,
 ) -> None:
     """Report every residual MLP block: its shape, parts and roles, what ctxc patches per
     update rule, or why a block cannot be patched."""
-    net, _ = load(model, "float32")
+    net, _ = load(model, "float32", placement_for(device, device_map, max_memory))
     from ctxc.inspect_model import inspect_model
 
     info = inspect_model(net)
@@ -256,6 +271,9 @@ def generate_cmd(
     update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
     dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
     out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
+    device: str = DEVICE,
+    device_map: str = DEVICE_MAP,
+    max_memory: str = MAX_MEMORY,
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
     image: list[Path] = typer.Option(
         None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
@@ -271,12 +289,13 @@ def generate_cmd(
         read_images(image)  # every image read now, before the model loads
     if max_new_tokens < 1:
         raise CtxcError("--max-new-tokens must be at least 1")
+    where = placement_for(device, device_map, max_memory)
     with output_folder(out_dir, force, "generate") as tmp:
         from ctxc.generate import generate
         from ctxc.generate_report import plot_steps, steps_table, write_json
         from ctxc.models import check_length
 
-        net, tokenizer = load(model, dtype.value)
+        net, tokenizer = load(model, dtype.value, where)
         if image:
             ids, prefill = generate_inputs(net, model, text, image)
         else:

@@ -33,6 +33,7 @@ class Options:
     kinds: list[str]
     gguf_type: str = "F32"
     images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
+    placement: object = None  # a ctxc.devices.Placement: where the model is loaded
 
 
 def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
@@ -66,7 +67,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         with err.status("writing model/ and reloading it"):
             emit_torch(net, tokenizer, result.patch, tmp / "model")
             full = result.full_logits
-            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full)
+            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full, net)
         report = dataclasses.replace(report, emitted=reloaded)
         measured = f"model/ reloaded with {auto_model_class(net.config).__name__}.from_pretrained"
     figures = emit_checked(
@@ -144,7 +145,7 @@ def compile_batch(contexts: Path, out_dir: Path, model, dtype: str, force: bool,
     with output_folder(out_dir, force, "compile") as tmp:
         from ctxc.cli_support import load
 
-        net, tokenizer = load(model, dtype)
+        net, tokenizer = load(model, dtype, opts.placement)
         with _progress() as bar:
             task = bar.add_task("contexts", total=len(lines))
             for n, entry, problem in lines:

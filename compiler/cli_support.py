@@ -67,8 +67,11 @@ def progress() -> Progress:
     )
 
 
-def load(model: str | None, dtype: str):
+def load(model: str | None, dtype: str, placement=None):
     """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
+
+    Args:
+        placement: a :class:`~ctxc.devices.Placement` (checked already), or None: the CPU.
 
     Returns:
         ``(model, tokenizer)``.
@@ -85,7 +88,14 @@ def load(model: str | None, dtype: str):
             err.print(f"ctxc: {line}", highlight=False, soft_wrap=True, markup=False)
             status.update(line)
 
-        return load_model(model, dtype, on_stage=on_stage)
+        where = {}
+        if placement is not None:
+            where = {
+                "device": placement.device,
+                "device_map": placement.device_map,
+                "max_memory": placement.max_memory,
+            }
+        return load_model(model, dtype, on_stage=on_stage, **where)
 
 
 def emit_checked(
@@ -122,7 +132,7 @@ def written(kinds: list[str]) -> list[str]:
     return ["patch.safetensors", "report.json", *(backend(k).writes for k in kinds)]
 
 
-def reload_fidelity(folder: Path, patch, dtype: str, full):
+def reload_fidelity(folder: Path, patch, dtype: str, full, like=None):
     """The written model folder, reloaded by plain Transformers and fed the query alone.
 
     Args:
@@ -130,6 +140,7 @@ def reload_fidelity(folder: Path, patch, dtype: str, full):
         patch: its query ids are fed.
         dtype: the model dtype name.
         full: the full-context logits at the query positions [k, vocab].
+        like: the model it came from: the folder is reloaded placed as it was.
 
     Returns:
         the :class:`~ctxc.metrics.Fidelity` of the reloaded model against ``full``.
@@ -140,7 +151,7 @@ def reload_fidelity(folder: Path, patch, dtype: str, full):
     from ctxc.backends.verify import reloaded_logits
     from ctxc.metrics import fidelity
 
-    logits = reloaded_logits(folder, patch.meta.query_ids, dtype)
+    logits = reloaded_logits(folder, patch.meta.query_ids, dtype, like)
     if not bool(logits.isfinite().all()):
         raise CtxcError("the written model gives non-finite logits: nothing was written")
     return fidelity(logits.to(full.device), full)
@@ -151,6 +162,8 @@ def _quiet_libraries() -> None:
 
     # The ONNX exporter logs a warning per optional op library it does not find (torchvision).
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+    # accelerate warns at every dispersed load that offloaded parameters are on meta: expected.
+    logging.getLogger("accelerate").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()

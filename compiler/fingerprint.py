@@ -7,7 +7,9 @@ import json
 
 import torch
 
-__all__ = ["fingerprint"]
+from ctxc.offload import read_param, read_rows
+
+__all__ = ["SLAB_BYTES", "fingerprint"]
 
 # Config keys that say how a model was loaded or saved, not what it computes.
 _VOLATILE = {
@@ -28,6 +30,8 @@ _VOLATILE = {
     "return_dict",
 }
 _SAMPLES = 8192
+# Bytes of an offloaded parameter read at once while sampling it.
+SLAB_BYTES = 64 << 20
 
 
 def fingerprint(model: torch.nn.Module) -> dict[str, str]:
@@ -52,9 +56,31 @@ def fingerprint(model: torch.nn.Module) -> dict[str, str]:
     weights = hashlib.sha256()
     for name, param in sorted(model.named_parameters(), key=lambda kv: kv[0]):
         arch.update(f"{name}:{tuple(param.shape)};".encode())
-        flat = param.detach().reshape(-1)
-        step = max(1, flat.numel() // _SAMPLES)
-        sample = torch.cat([flat[::step], flat[-1:]]).contiguous()
+        sample = _sample(model, name, param)
         weights.update(f"{name}:{param.dtype};".encode())
         weights.update(sample.view(torch.uint8).numpy().tobytes())
     return {"arch": arch.hexdigest(), "weights": weights.hexdigest()}
+
+
+def _sample(model: torch.nn.Module, name: str, param: torch.Tensor) -> torch.Tensor:
+    """Every ``step``-th element of the flattened parameter and its last, on the CPU.
+
+    An offloaded parameter is read from its store a slab of rows at a time (Gemma 3's
+    embedding is 670 MB in float32): the same elements, never the whole tensor at once.
+    """
+    numel = param.numel()
+    step = max(1, numel // _SAMPLES)
+    if param.device.type != "meta" or param.dim() < 2:
+        flat = read_param(model, name).reshape(-1)
+        return torch.cat([flat[::step], flat[-1:]]).cpu().contiguous()
+    row = numel // param.shape[0]
+    slab = max(1, SLAB_BYTES // (row * param.element_size()))  # rows per read
+    parts = []
+    for start in range(0, param.shape[0], slab):
+        stop = min(start + slab, param.shape[0])
+        first = -(-start * row // step) * step  # the first sampled flat index in the slab
+        flat = read_rows(model, name, start, stop).reshape(-1)
+        parts.append(flat[first - start * row :: step].cpu().clone())  # not a view: frees the slab
+        if stop == param.shape[0]:
+            parts.append(flat[-1:].cpu().clone())
+    return torch.cat(parts).contiguous()

@@ -18,6 +18,7 @@ import torch
 
 from ctxc.errors import CtxcError
 from ctxc.metrics import fidelity
+from ctxc.offload import input_device
 from ctxc.passes.block_map import BlockMap
 from ctxc.passes.graph_view import GraphView
 from ctxc.passes.run_graph import BlockTargets, FullRun, record_targets
@@ -217,7 +218,7 @@ def generate(
     # The protocol measures the patched model in memory: low-rank actions beside the weights
     # cost far less than materialising every patched matrix at every token (MATH.md 6).
     apply = apply or "lowrank"
-    device = next(model.parameters()).device
+    device = input_device(model)  # the embedding's device, dispersed or not
     ids = torch.tensor([context_ids], dtype=torch.long, device=device)
     hooks = _TargetHooks(model, traced, blocks)
     timings: dict[str, float] = {}

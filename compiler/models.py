@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ctxc.cache import cache_dir, partial_entry
+from ctxc.devices import Placement, block_device_map
 from ctxc.errors import CtxcError
 from ctxc.interrupts import pause_point
 
@@ -136,6 +137,10 @@ def load_model(
     spec: str | None = None,
     dtype: str | torch.dtype = "float32",
     on_stage: Callable[[str], None] | None = None,
+    *,
+    device: str | None = None,
+    device_map: str | None = None,
+    max_memory: str | dict | None = None,
 ):
     """Load a causal LM and its tokenizer, without any download.
 
@@ -145,6 +150,11 @@ def load_model(
             directory, or a ``.gguf`` file.
         dtype: ``float32`` (default), ``bfloat16`` or ``float16``.
         on_stage: called with a line of progress during a one-time GGUF conversion.
+        device: ``cpu`` (default), ``cuda``, ``cuda:N`` or ``mps``: the model is loaded there.
+        device_map: ``auto`` | ``balanced`` | ``sequential``: dispersed over the GPUs, the CPU
+            and disk by accelerate (``compiler/devices.py``); exclusive with ``device``.
+        max_memory: per device (``0=20GiB,cpu=60GiB``, or accelerate's dict), with
+            ``device_map``; what does not fit is offloaded to disk.
 
     Returns:
         ``(model, tokenizer)``, the model in eval mode.
@@ -153,6 +163,7 @@ def load_model(
         CtxcError: the model cannot be found or read; the message says how to get it.
     """
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
+    placement = Placement.parse(device, device_map, max_memory)  # before the (long) load
     spec = spec or DEFAULT_MODEL
     path = Path(spec).expanduser()
     stage = on_stage or _silent
@@ -175,18 +186,25 @@ def load_model(
         raise CtxcError(
             f"unknown model {spec!r}: not an alias ({known}), a directory or a .gguf file"
         )
-    return _load_directory(directory, torch_dtype, spec)
+    return _load_directory(directory, torch_dtype, spec, placement)
 
 
-def _load_directory(directory: Path, dtype: torch.dtype, spec: str):
+def _load_directory(directory: Path, dtype: torch.dtype, spec: str, placement: Placement):
     from transformers import AutoConfig, AutoTokenizer
 
     from ctxc.vlm import auto_model_class  # a vision-language model loads whole
 
+    kwargs = placement.load_kwargs()
     try:
+        if placement.device_map is not None:  # one accelerate hook per block, not per device
+            kwargs["device_map"] = block_device_map(
+                directory, dtype, placement.device_map, kwargs.get("max_memory")
+            )
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
         auto = auto_model_class(AutoConfig.from_pretrained(str(directory)))
-        model = auto.from_pretrained(str(directory), dtype=dtype, **_moe_kwargs(directory))
+        model = auto.from_pretrained(
+            str(directory), dtype=dtype, **_moe_kwargs(directory), **kwargs
+        )
     except OSError as exc:
         raise CtxcError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
     except ValueError as exc:
@@ -194,6 +212,7 @@ def _load_directory(directory: Path, dtype: torch.dtype, spec: str):
     model.eval()
     model.config.use_cache = False
     model.ctxc_name = spec  # type: ignore[attr-defined]
+    model.ctxc_placement = placement  # type: ignore[attr-defined]
     return model, tokenizer
 
 

@@ -22,6 +22,7 @@ from safetensors.torch import save
 
 from ctxc.errors import CtxcError
 from ctxc.fingerprint import fingerprint
+from ctxc.offload import put_param, read_param, restore_param
 from ctxc.passes.delta_math import add_in_float32, lowrank_dense
 from ctxc.patch_checks import canonical, check_factors, check_fits, check_tensor
 
@@ -30,7 +31,7 @@ __all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta"]
 FORMAT_VERSION = "1"
 
 # model -> {param name: original tensor}; weak so a dropped model frees its originals.
-_ORIGINALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, torch.Tensor]] = (
+_ORIGINALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -77,7 +78,7 @@ class Delta:
             index = torch.tensor(self.experts, dtype=torch.long, device=base.device)
             w[index] = w[index] + self.dense().to(base.device)
             return w.to(base.dtype)
-        return add_in_float32(base.detach(), self.dense())
+        return add_in_float32(base.detach(), self.dense().to(base.device))
 
     def norm(self) -> float:
         """Frobenius norm of the delta (from the factors, without materialising)."""
@@ -133,12 +134,12 @@ class Patch:
             raise CtxcError("a patch is already applied to this model: remove it first")
         if check:
             self.check(model)
-        originals: dict[str, torch.Tensor] = {}
+        originals: dict[str, object] = {}
         with torch.no_grad():
             for name, delta in self.deltas.items():
-                param = model.get_parameter(name)
-                originals[name] = param.detach().clone()
-                param.copy_(delta.materialize(param))
+                # In place where the parameter lives: its device, or its offload store.
+                value = delta.materialize(read_param(model, name))
+                originals[name] = put_param(model, name, value)
         _ORIGINALS[model] = originals
 
     def remove(self, model: torch.nn.Module) -> None:
@@ -146,9 +147,8 @@ class Patch:
         originals = _ORIGINALS.pop(model, None)
         if originals is None:
             raise CtxcError("no patch is applied to this model")
-        with torch.no_grad():
-            for name, value in originals.items():
-                model.get_parameter(name).copy_(value)
+        for name, token in originals.items():
+            restore_param(model, name, token)
 
     @staticmethod
     def is_applied(model: torch.nn.Module) -> bool:
@@ -219,12 +219,12 @@ class Patch:
         index = []
         for name, d in self.deltas.items():
             if d.vector is not None:
-                tensors[f"{name}::vector"] = d.vector.contiguous()
+                tensors[f"{name}::vector"] = d.vector.cpu().contiguous()
             else:
                 assert d.u is not None and d.v is not None
                 # Linears that read the same input share one v: store a copy per delta.
-                tensors[f"{name}::u"] = d.u.contiguous().clone()
-                tensors[f"{name}::v"] = d.v.contiguous().clone()
+                tensors[f"{name}::u"] = d.u.cpu().contiguous().clone()
+                tensors[f"{name}::v"] = d.v.cpu().contiguous().clone()
             entry = {"param": name, "block": d.block, "layout": d.layout}
             if d.experts:
                 entry["experts"] = list(d.experts)

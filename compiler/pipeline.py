@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxc._version import __version__
+from ctxc.devices import check_on_device, describe
 from ctxc.errors import CtxcError, SolveError, UnpatchableError
 from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend, build_frontend
@@ -17,6 +18,7 @@ from ctxc.image_run import image_figures, multimodal_full_graph
 from ctxc.images import ImageContext
 from ctxc.metrics import fidelity
 from ctxc.models import check_length
+from ctxc.offload import input_device
 from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
@@ -99,6 +101,7 @@ def compile(
     apply: str = "baked",
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
+    device: str | None = None,
 ) -> CompileResult:
     """Compile a context into a :class:`Patch` for ``model``; the model is left unmodified.
 
@@ -122,6 +125,9 @@ def compile(
             only: ``report.emitted`` then still measures the baked weights).
         on_stage: progress callback, called with a stage name.
         on_block: progress callback ``(done, total, block path)`` from the solver.
+        device: the device to run on (``cpu``, ``cuda``, ``cuda:N``, ``mps``): the model must be
+            there (``ctxc.load_model(..., device=...)``); default: where the model is. A model
+            dispersed by accelerate (``device_map``) runs where each block lives.
 
     Returns:
         the :class:`CompileResult`.
@@ -133,6 +139,8 @@ def compile(
         raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(RULES)}")
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
+    if device is not None:
+        check_on_device(model, device)
     image = None
     if images is not None:
         from ctxc.images import encode_image_context
@@ -190,7 +198,7 @@ def _compile_ids(
         full_traced, full_blocks, frontend = image_run.traced, image_run.blocks, traced.frontend
     lap("trace")
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
-    device = next(model.parameters()).device
+    device = input_device(model)  # the embedding's device (a dispersed model's too)
     full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
@@ -219,7 +227,7 @@ def _compile_ids(
     emitted = solution.logits
     if o.verify:
         stage("verifying")
-        emitted = _run_patched(model, patch, query)
+        emitted = _run_patched(model, patch, query, traced)
         lap("verify")
     report = CompileReport(
         model=meta.model,
@@ -238,6 +246,8 @@ def _compile_ids(
         apply=o.apply,
         frontend=frontend,
         images=None if o.image is None else image_figures(o.image, image_run, full.logits),
+        device=str(device),
+        placement=describe(model)[1],
     )
     return CompileResult(patch=patch, report=report, full_logits=full.logits)
 
@@ -287,9 +297,18 @@ def _solve_skipping(args: tuple, skip_unpatchable: bool) -> tuple:
 _SKIP_HINT = " (--skip-unpatchable patches the other blocks)"
 
 
-def _run_patched(model: torch.nn.Module, patch: Patch, query: torch.Tensor) -> torch.Tensor:
-    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored."""
+def _run_patched(
+    model: torch.nn.Module, patch: Patch, query: torch.Tensor, traced: TracedModel
+) -> torch.Tensor:
+    """Logits [k, vocab] of ``model`` with ``patch`` applied, on ``query``; model restored.
+
+    A dispersed model runs through its graph, which reads each patched weight from where
+    ``Patch.apply`` wrote it, one block at a time: accelerate's own forward would read a whole
+    offloaded module at once (Gemma 3's 670 MB embedding, for the head).
+    """
     with patch.applied(model, check=False), torch.no_grad():
+        if traced.source is not None:
+            return run_logits(traced, query)
         return model(input_ids=query).logits[0].float()
 
 

@@ -32,6 +32,8 @@ class CompileReport:
             (``compiler/frontend.py``).
         images: for an image context, what ``compiler/image_run.py`` reports (the images,
             the image token count, the full run against the model's own forward); else None.
+        device: the device the runs started on (the input embedding's).
+        placement: parameters per device (``disk``: offloaded), ``compiler/devices.py``.
     """
 
     model: str
@@ -50,6 +52,8 @@ class CompileReport:
     apply: str = "baked"
     frontend: str = "dynamic"
     images: dict | None = None
+    device: str = "cpu"
+    placement: dict[str, int] = field(default_factory=dict)
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -65,6 +69,8 @@ class CompileReport:
             "update": self.update,
             "apply": self.apply,
             "frontend": self.frontend,
+            "device": self.device,
+            "placement": self.placement,
             "start_layer": self.start_layer,
             "context_ids": self.context_ids,
             "query_ids": self.query_ids,

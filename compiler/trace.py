@@ -9,7 +9,7 @@ and the module paths in ``nn_module_stack`` survive for the locator.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +18,8 @@ from torch.export import Dim, ExportedProgram, export
 from torch.export.graph_signature import InputKind
 
 from ctxc.errors import CtxcError
+from ctxc.offload import input_device, is_dispersed, meta_skeleton, weight_source
+from ctxc.passes.placement import Placer
 
 __all__ = [
     "MAX_SEQ",
@@ -61,6 +63,8 @@ class TracedModel:
         frontend: the rung of the export ladder that produced it (``compiler/frontend.py``):
             ``dynamic``, ``bounded`` or ``static``.
         seq_range: the sequence lengths the export holds for, inclusive.
+        source: for a model dispersed over devices and disk (``compiler/offload.py``), what
+            each state name reads in a run (``source(name, traced value)``); None otherwise.
     """
 
     program: ExportedProgram
@@ -70,6 +74,16 @@ class TracedModel:
     _args: tuple[tuple[str, str, str], ...] = field(repr=False)
     frontend: str = "dynamic"
     seq_range: tuple[int, int] = (1, _MAX_SEQ)
+    source: Callable[[str, object], object] | None = None
+
+    def placer(self, input_ids: torch.Tensor) -> Placer | None:
+        """A :class:`Placer` for a run of a dispersed model on ``input_ids``; else None."""
+        return None if self.source is None else Placer(input_ids.device)
+
+    @property
+    def input_index(self) -> int:
+        """The position of ``input_ids`` among :meth:`placeholder_values`."""
+        return next(i for i, (kind, _, _) in enumerate(self._args) if kind == "input")
 
     def accepts(self, length: int) -> bool:
         """Whether this export holds for inputs of ``length`` tokens (its ``seq`` range)."""
@@ -97,10 +111,11 @@ class TracedModel:
         for kind, _, target in self._args:
             if kind == "input":
                 values.append(input_ids)
-            elif target in state:
-                values.append(state[target])
-            else:
-                values.append(consts[target])
+                continue
+            value = state[target] if target in state else consts[target]
+            if self.source is not None:  # a dispersed model: its weights where they live
+                value = self.source(target.removeprefix(_WRAPPED + "."), value)
+            values.append(value)
         return values
 
     def node(self, name: str) -> fx.Node:
@@ -168,15 +183,22 @@ def trace(
             exception is its ``__cause__``.
     """
     model.eval()
-    wrapper = (wrapper or LogitsOnly(model)).eval()
+    # A dispersed model is traced on a meta skeleton: no second copy of its weights, and no
+    # accelerate hook loading them during the trace (compiler/offload.py).
+    dispersed = is_dispersed(model)
+    if wrapper is None:
+        wrapper = LogitsOnly(meta_skeleton(model) if dispersed else model)
+    wrapper = wrapper.eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2) or 2
     lo, hi = seq_range or (1, max_positions(model))
     length = min(max(example_len, lo), hi)
     ids = torch.arange(length, dtype=torch.long).remainder(vocab).unsqueeze(0)
+    if not dispersed:
+        ids = ids.to(input_device(model))
     ids = ids if example is None else example
     dynamic = None if lo == hi else {"input_ids": {1: Dim("seq", min=lo, max=hi)}}
     try:
-        with _no_cache(model), torch.no_grad():
+        with _no_cache(getattr(wrapper, _WRAPPED)), torch.no_grad():
             program = export(wrapper, (ids,), dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # torch.export raises many types; all mean the same to a user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -198,7 +220,10 @@ def trace(
         args.append(("state", name, target))
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
     dtype = next(iter(dtypes)) if len(dtypes) == 1 else torch.float32
-    return TracedModel(program, param_of, input_name, dtype, tuple(args), frontend, (lo, hi))
+    source = weight_source(model) if dispersed else None
+    return TracedModel(
+        program, param_of, input_name, dtype, tuple(args), frontend, (lo, hi), source
+    )
 
 
 # Config attributes that bound the sequence length, first found wins.

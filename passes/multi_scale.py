@@ -191,7 +191,7 @@ def _solve_dual(
 
     lam = _start(tt, b, a2, q_of)
     g, gap = dual(lam)
-    vec = torch.eye(k, dtype=torch.float64)  # [k, k]
+    vec = torch.eye(k, dtype=torch.float64, device=b.device)  # [k, k]
     rel, it = math.inf, 0
     while it < _MAX_ITER:
         it += 1

@@ -9,12 +9,14 @@ It mutates only its own environment, never the graph or the model.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
 from torch import fx
 
 from ctxc.passes.graph_view import GraphView
+from ctxc.passes.placement import LazyWeight, PlacingInterpreter, materialize
 
 __all__ = ["Action", "ReducedRun"]
 
@@ -23,7 +25,7 @@ Action = Callable[[torch.Tensor], torch.Tensor]  # a node's value -> the value i
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 
 
-class ReducedRun(fx.Interpreter):
+class ReducedRun(PlacingInterpreter):
     """Steps through the graph on given inputs; values are kept (the query is a few tokens).
 
     Args:
@@ -35,12 +37,15 @@ class ReducedRun(fx.Interpreter):
     """
 
     def __init__(self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple) -> None:
-        super().__init__(view.traced.graph_module, garbage_collect_values=False)
+        placer = view.traced.placer(inputs[view.traced.input_index])
+        super().__init__(view.traced.graph_module, placer, garbage_collect_values=False)
         self.view = view
         self.keep = frozenset(keep)
         self.kept: dict[fx.Node, torch.Tensor] = {}
         # node -> actions added to its value (apply="lowrank").
         self.actions: dict[fx.Node, list[Action]] = {}
+        # offloaded parameter -> (its lazy original, how to patch it again): for release().
+        self.rebakes: dict[fx.Node, tuple[LazyWeight, Callable]] = {}
         self.args_iter = iter(self.graph.process_inputs(*inputs))
         self._pending = iter(self.graph.nodes)
         self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
@@ -107,10 +112,40 @@ class ReducedRun(fx.Interpreter):
         kept = self.kept.get(node)
         return kept if kept is not None else self.env[node]
 
-    def replace_param(self, param: fx.Node, value: torch.Tensor, upto: fx.Node) -> None:
-        """Make ``param`` read ``value``, recomputing the nodes up to ``upto`` that used it."""
+    def param(self, node: fx.Node) -> torch.Tensor:
+        """A parameter placeholder's value, read from its store when it is offloaded."""
+        return materialize(self.env[node])
+
+    def replace_param(
+        self,
+        param: fx.Node,
+        value: torch.Tensor,
+        upto: fx.Node,
+        rebake: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        """Make ``param`` read ``value``, recomputing the nodes up to ``upto`` that used it.
+
+        ``rebake(original) -> value``: for an offloaded parameter, how to compute ``value``
+        again after :meth:`release` drops it.
+        """
+        old = self.env.get(param)
+        if isinstance(old, LazyWeight) and rebake is not None:
+            self.rebakes[param] = (old, rebake)
         self.env[param] = value
         self.recompute_from(param, upto)
+
+    def release(self) -> None:
+        """Drop the patched values of offloaded parameters (a block's worth of weights): a
+        later use reads the original from its store and patches it again. Keeps the run's
+        memory at about one block, whatever the model's size."""
+        for node, (lazy, rebake) in self.rebakes.items():
+            if not isinstance(self.env.get(node), LazyWeight):
+
+                def fetch(rows, lazy=lazy, rebake=rebake):
+                    value = rebake(lazy.get())
+                    return value if rows is None else value[rows[0] : rows[1]]
+
+                self.env[node] = dataclasses.replace(lazy, fetch=fetch)
 
     def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
         """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""

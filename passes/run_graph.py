@@ -13,6 +13,7 @@ import torch
 from torch import fx
 
 from ctxc.passes.block_map import BlockMap
+from ctxc.passes.placement import Placer, PlacingInterpreter
 from ctxc.trace import TracedModel
 
 __all__ = ["BlockTargets", "FullRun", "record_targets", "run_logits"]
@@ -46,11 +47,13 @@ class FullRun:
     logits: torch.Tensor
 
 
-class _Recorder(fx.Interpreter):
+class _Recorder(PlacingInterpreter):
     """Runs the graph, keeping the last ``k`` positions of chosen nodes."""
 
-    def __init__(self, gm: fx.GraphModule, keep: set[str], head: str | None, k: int) -> None:
-        super().__init__(gm, garbage_collect_values=True)
+    def __init__(
+        self, gm: fx.GraphModule, keep: set[str], head: str | None, k: int, placer: Placer | None
+    ) -> None:
+        super().__init__(gm, placer, garbage_collect_values=True)
         self.keep, self.head, self.k = keep, head, k
         self.kept: dict[str, torch.Tensor] = {}
 
@@ -86,7 +89,7 @@ def record_targets(
         the :class:`FullRun` (targets and logits at the last k positions).
     """
     keep = {b.mlp_in for b in blocks.blocks} | {b.residual_add for b in blocks.blocks}
-    rec = _Recorder(traced.graph_module, keep, blocks.head, k)
+    rec = _Recorder(traced.graph_module, keep, blocks.head, k, traced.placer(input_ids))
     with torch.no_grad():
         (logits,) = _as_tuple(rec.run(*traced.placeholder_values(input_ids)))
     targets = {
@@ -100,7 +103,9 @@ def run_logits(traced: TracedModel, input_ids: torch.Tensor, k: int | None = Non
     """Logits of the unpatched graph on ``input_ids``, last ``k`` positions, float32 [k, vocab]."""
     with torch.no_grad():
         (logits,) = _as_tuple(
-            fx.Interpreter(traced.graph_module).run(*traced.placeholder_values(input_ids))
+            PlacingInterpreter(traced.graph_module, traced.placer(input_ids)).run(
+                *traced.placeholder_values(input_ids)
+            )
         )
     return _last_positions(logits, k or input_ids.shape[1])
 

@@ -152,7 +152,7 @@ class _Solver:
             ids_node = self.advance_to(ids_name)
             ids = self.run.env[ids_node].reshape(-1).long()  # [rows]: expert of each bank row
             for site in banks[ids_name]:
-                bank = self.run.env[self.param_node[site.weight]]  # [E, ., .]
+                bank = self.run.param(self.param_node[site.weight])  # [E, ., .]
                 found = moves.bank_input_move(bank, site.layout, ids, site.repeat, z, z_target)
                 self._put(moves.bank_delta(site, block.path, found), ids_node, site)
 
@@ -240,13 +240,13 @@ class _Solver:
     # -- values --------------------------------------------------------------------------------
 
     def _weight(self, site: LinearSite) -> torch.Tensor:
-        w = self.run.env[self.param_node[site.weight]]
+        w = self.run.param(self.param_node[site.weight])
         return w.T if site.layout == "in_out" else w  # [out, in]
 
     def _scale(self, block: MlpBlock) -> torch.Tensor:
         sc = block.scale
         assert sc is not None
-        w = self.run.env[self.param_node[sc.param]].float()  # [d]
+        w = self.run.param(self.param_node[sc.param]).float()  # [d]
         return sc.alpha * w + sc.offset
 
     def _outer_now(self, block: MlpBlock, h: torch.Tensor) -> torch.Tensor:
@@ -254,7 +254,7 @@ class _Solver:
         site = block.outer
         u_now = h.float() @ self._weight(site).float().T  # [k, d]
         if site.bias is not None:
-            u_now = u_now + self.run.env[self.param_node[site.bias]].float()
+            u_now = u_now + self.run.param(self.param_node[site.bias]).float()
         return u_now
 
     def _normalized(self, block: MlpBlock) -> torch.Tensor:
@@ -287,8 +287,9 @@ class _Solver:
             self.run.add_action(self.view.by_name[target], act, upto)
             return
         node = self.param_node[delta.param]
-        base = self.run.env[node]
-        self.run.replace_param(node, at_alignment_of(delta.materialize(base), base), upto)
+        base = self.run.param(node)
+        bake = lambda b: at_alignment_of(delta.materialize(b), b)  # noqa: E731
+        self.run.replace_param(node, bake(base), upto, rebake=bake)
 
     def _action(self, delta: Delta, at: LinearSite | MlpBlock) -> tuple[str, Action]:
         """The node a delta acts on and the action, computed in float32 beside the weights."""
@@ -304,7 +305,7 @@ class _Solver:
                 def bank_act(out: torch.Tensor) -> torch.Tensor:
                     x = _rows(env[x_node]).float()  # [rows, in]
                     ids = env[ids_node].reshape(-1).tolist()
-                    add = torch.zeros(out.shape, dtype=torch.float32)  # [rows, out]
+                    add = out.new_zeros(out.shape, dtype=torch.float32)  # [rows, out]
                     for r, e in enumerate(ids):
                         if e in slot:
                             add[r] = lowrank_action(x[r], u[slot[e]], v[slot[e]])  # [out]
@@ -394,6 +395,7 @@ def solve(
                     stats.append(solver.patch_block(block, todo))
                 except ConditionError as exc:
                     raise SolveError(block.path, str(exc)) from exc
+            solver.run.release()  # an offloaded block's patched weights: back to its store
             if on_block is not None:
                 on_block(i + 1, len(blocks.blocks), block.path)
         logits = solver.logits()  # [k, vocab]
