@@ -211,9 +211,7 @@ class _Solver:
             return self._normalized(block)  # [k, d]
 
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
-        # One scale for k positions (MATH.md 9); the stable rule takes its least ratio change for
-        # k = 1 too: large patched gains amplify a runtime's rounding (MATH.md 8, 9).
-        if t.shape[0] > 1 or (todo.stable and not (block.norm and block.norm.centered)):
+        if t.shape[0] > 1 or (todo.stable and not block.norm.centered):  # MATH.md 9; 8: gains
             f_now = self._normalized(block)  # [k, d]
             move = moves.shared_scale_move(self._scale(block), t, y_target, u_now, f_now, reach)
         else:
