@@ -93,7 +93,7 @@ def compile(
     *,
     context_ids: list[int] | None = None,
     query_ids: list[int] | None = None,
-    images=None,
+    images: list | None = None,
     update: str = "stable",
     start_layer: int = 0,
     skip_unpatchable: bool = False,
