@@ -211,7 +211,7 @@ class _Solver:
             return self._normalized(block)  # [k, d]
 
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
-        if t.shape[0] > 1:  # k positions, one scale (MATH.md 9)
+        if t.shape[0] > 1 or (todo.stable and not block.norm.centered):  # MATH.md 9; 8: gains
             f_now = self._normalized(block)  # [k, d]
             move = moves.shared_scale_move(self._scale(block), t, y_target, u_now, f_now, reach)
         else:
