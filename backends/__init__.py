@@ -79,6 +79,14 @@ BACKENDS: dict[str, Backend] = {
             requires=("onnx", "onnxruntime", "onnxscript"),
         ),
         Backend(
+            "ort-adapter",
+            writes="context.onnx_adapter",
+            status="writing the onnxruntime adapter (and patchable.onnx) and checking it",
+            emitter="ctxc.backends.ort_adapter:emit_ort_adapter",
+            extra="onnx",
+            requires=("onnx", "onnxruntime", "onnxscript"),
+        ),
+        Backend(
             "peft",
             writes="adapter/",
             status="writing the PEFT adapter and checking it",

@@ -47,7 +47,15 @@ from ctxc.errors import CtxcError
 from ctxc.passes.delta_math import add_in_float32, lowrank_dense
 from ctxc.patch import Delta, Patch
 
-__all__ = ["Slot", "emit_onnx_patchable", "input_name", "patch_feeds", "slots_of"]
+__all__ = [
+    "Slot",
+    "emit_onnx_patchable",
+    "input_name",
+    "inputs_of",
+    "patch_feeds",
+    "slots_of",
+    "zero_defaults",
+]
 
 # torch.export specialises a dimension whose example size is 0 or 1: trace with rank >= 2
 # (extra zero columns add exact zeros to u @ v.T).
@@ -169,6 +177,7 @@ def emit_onnx_patchable(
     opset: int | None = None,
     external_data: bool | None = None,
     atol: float = ONNX_ATOL,
+    name: str = ONNX_FILE,
 ) -> tuple[Path, OnnxFigures]:
     """Write ``out/model.onnx`` with the base weights baked and ``patch``'s slots as inputs.
 
@@ -186,16 +195,17 @@ def emit_onnx_patchable(
         opset: the ONNX opset (default: the exporter's).
         external_data: force or forbid ``model.onnx.data`` (default: only past 2 GB).
         atol: the check's absolute bound on ``max |logits_ort - logits_torch|``.
+        name: the file name (``model.onnx``; the ORT adapter backend writes ``patchable.onnx``).
 
     Returns:
-        the path of ``model.onnx`` and its :class:`OnnxFigures` (``patchable=True``).
+        the path of the file and its :class:`OnnxFigures` (``patchable=True``).
 
     Raises:
         CtxcError: the export or its check failed.
     """
     require_onnx()
     out.mkdir(parents=True, exist_ok=True)
-    path = out / ONNX_FILE
+    path = out / name
     slots = slots_of(model, patch)
     ids = check_ids(patch)
     names = ["input_ids"] + [n for s in slots for n in s.inputs]
@@ -211,6 +221,7 @@ def emit_onnx_patchable(
             names,
             opset,
         )
+        zero_defaults(program.model.graph)
         metadata = patch_metadata(model, patch, True)
         metadata["ctxc.slots"] = json.dumps([vars(s) for s in slots])
         external = save_program(program, path, metadata, external_data)
@@ -256,7 +267,7 @@ def patch_feeds(patch: Patch | str | Path, model=None) -> dict[str, np.ndarray]:
         patch = Patch.load(patch)
     shapes: dict[str, list] | None = None
     if model is not None:
-        shapes, meta = _inputs_of(model)
+        shapes, meta = inputs_of(model)
         fp = meta.get("ctxc.fingerprint")
         if fp is not None and json.loads(fp) != patch.meta.fingerprint:
             raise CtxcError(
@@ -299,6 +310,22 @@ def patch_feeds(patch: Patch | str | Path, model=None) -> dict[str, np.ndarray]:
     return feeds
 
 
+def zero_defaults(graph) -> None:
+    """Give every factor input a zero initializer of rank 1: the input becomes optional.
+
+    An input that is also an initializer is overridable (ONNX IR 4+): a run that does not feed
+    it reads zeros, the exact zero delta (the unpatched model). onnxruntime's adapters
+    (:mod:`ctxc.backends.ort_adapter`) need it: a session checks that every required input is
+    fed before it reads the active adapters' tensors. Mutates ``graph`` (an ``onnx_ir.Graph``).
+    """
+    import onnx_ir as ir
+
+    for value in graph.inputs[1:]:  # after input_ids: the factors
+        shape = [d if isinstance(d, int) else 1 for d in value.shape.dims]
+        value.const_value = ir.tensor(np.zeros(shape, np.float32), name=value.name)
+        graph.register_initializer(value)
+
+
 def _parts(delta: Delta) -> dict[str, torch.Tensor]:
     if delta.vector is not None:
         return {"vector": delta.vector}
@@ -306,8 +333,13 @@ def _parts(delta: Delta) -> dict[str, torch.Tensor]:
     return {"u": delta.u, "v": delta.v}
 
 
-def _inputs_of(model) -> tuple[dict[str, list], dict[str, str]]:
-    """Input name -> shape (ints, or str for a dynamic dimension), and the metadata_props."""
+def inputs_of(model) -> tuple[dict[str, list], dict[str, str]]:
+    """Input name -> shape (ints, or str for a dynamic dimension), and the metadata_props.
+
+    Args:
+        model: a ``model.onnx`` path (read without its external data) or an onnxruntime
+            session.
+    """
     if isinstance(model, str | Path):
         import onnx
 
@@ -317,5 +349,7 @@ def _inputs_of(model) -> tuple[dict[str, list], dict[str, str]]:
             for i in proto.graph.input
         }
         return shapes, {p.key: p.value for p in proto.metadata_props}
-    shapes = {i.name: list(i.shape) for i in model.get_inputs()}
+    # Factor inputs with a zero default are overridable initializers, not required inputs.
+    listed = [*model.get_inputs(), *model.get_overridable_initializers()]
+    shapes = {i.name: list(i.shape) for i in listed}
     return shapes, dict(model.get_modelmeta().custom_metadata_map)

@@ -104,8 +104,8 @@ def compile_cmd(
     emit: str = typer.Option(
         "torch",
         "--emit",
-        help="Comma list of artefacts: torch (model/), onnx, peft (adapter/), lora (lora/), "
-        "gguf (model.gguf), gguf-lora (lora.gguf).",
+        help="Comma list of artefacts: torch (model/), onnx, ort-adapter, peft (adapter/), "
+        "lora (lora/), gguf (model.gguf), gguf-lora (lora.gguf).",
     ),
     gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
@@ -175,7 +175,7 @@ def export_cmd(
     to: str = typer.Option(
         "torch",
         "--to",
-        help="Artefact: torch (the model folder), onnx (model.onnx), peft, lora, gguf, gguf-lora.",
+        help="Artefact: torch (the model folder), onnx, ort-adapter, peft, lora, gguf, gguf-lora.",
     ),
     gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(

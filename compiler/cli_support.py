@@ -70,6 +70,8 @@ def progress() -> Progress:
 def load(model: str | None, dtype: str, placement=None):
     """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
 
+    The model is enabled for the export cache (``compiler/export_cache.py``).
+
     Args:
         placement: a :class:`~ctxc.devices.Placement` (checked already), or None: the CPU.
 
@@ -95,7 +97,11 @@ def load(model: str | None, dtype: str, placement=None):
                 "device_map": placement.device_map,
                 "max_memory": placement.max_memory,
             }
-        return load_model(model, dtype, on_stage=on_stage, **where)
+        net, tokenizer = load_model(model, dtype, on_stage=on_stage, **where)
+    from ctxc.export_cache import enable
+
+    enable(net)  # every command is a new process: reuse the export on disk (issue 11)
+    return net, tokenizer
 
 
 def emit_checked(

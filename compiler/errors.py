@@ -6,7 +6,7 @@ and exits non-zero, without a traceback.
 
 from __future__ import annotations
 
-__all__ = ["CtxcError", "SolveError", "UnpatchableError"]
+__all__ = ["CtxcError", "SolveError", "UnpatchableError", "UntraceableError"]
 
 
 class CtxcError(Exception):
@@ -15,6 +15,10 @@ class CtxcError(Exception):
 
 class UnpatchableError(CtxcError):
     """The model has blocks that admit no exact patch (see ``Rejection`` reasons)."""
+
+
+class UntraceableError(CtxcError):
+    """No export rung gives a graph that holds for every input (its reason names the branch)."""
 
 
 class SolveError(CtxcError):

@@ -11,9 +11,10 @@ import torch
 
 from ctxc._version import __version__
 from ctxc.devices import check_on_device, describe
-from ctxc.errors import CtxcError, SolveError, UnpatchableError
+from ctxc.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
+from ctxc.export_cache import frontend_for
 from ctxc.fingerprint import fingerprint
-from ctxc.frontend import Frontend, build_frontend
+from ctxc.frontend import Frontend
 from ctxc.image_run import image_figures, multimodal_full_graph
 from ctxc.images import ImageContext
 from ctxc.metrics import fidelity
@@ -24,6 +25,7 @@ from ctxc.passes.locate_blocks import locate_blocks
 from ctxc.passes.run_graph import record_targets, run_logits
 from ctxc.passes.solve import RULES, solve
 from ctxc.patch import Patch, PatchMeta
+from ctxc.patched_forward import patched_logits
 from ctxc.report import CompileReport
 from ctxc.tokens import split_tokens
 from ctxc.trace import TracedModel
@@ -52,7 +54,8 @@ class CompileResult:
 def traced_blocks(
     model: torch.nn.Module, length: int | None = None
 ) -> tuple[TracedModel, BlockMap]:
-    """The model's export and block map for inputs of ``length`` tokens, cached per model.
+    """The model's export and block map for inputs of ``length`` tokens, cached per model
+    (and on disk for a model enabled for the export cache: ``compiler/export_cache.py``).
 
     Args:
         model: the causal LM.
@@ -61,7 +64,7 @@ def traced_blocks(
     """
     frontend = _TRACES.get(model)
     if frontend is None:
-        frontend = _TRACES[model] = build_frontend(model, locate_blocks)
+        frontend = _TRACES[model] = frontend_for(model, locate_blocks)
     return frontend.traced_for(length)
 
 
@@ -81,8 +84,10 @@ def _matching_runs(model: torch.nn.Module, n: int, k: int) -> tuple:
                 f"the static exports for {n} and {k} tokens find different blocks "
                 f"({len(a)}: {a[:2]}... vs {len(b)}: {b[:2]}...): no correspondence"
             )
-    frontend = "static" if "static" in (full[0].frontend, reduced[0].frontend) else None
-    return full, reduced, frontend or full[0].frontend
+    # The report names the ladder's latest rung that either run needed (compiler/frontend.py).
+    rungs = ("dynamic", "bounded", "static", "specialised")
+    frontend = max(full[0].frontend, reduced[0].frontend, key=rungs.index)
+    return full, reduced, frontend
 
 
 def compile(
@@ -93,7 +98,7 @@ def compile(
     *,
     context_ids: list[int] | None = None,
     query_ids: list[int] | None = None,
-    images=None,
+    images: list | None = None,
     update: str = "stable",
     start_layer: int = 0,
     skip_unpatchable: bool = False,
@@ -155,7 +160,15 @@ def compile(
     options = _Options(
         update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block, image
     )
-    return _compile_ids(model, ctx_ids, q_ids, options)
+    try:
+        return _compile_ids(model, ctx_ids, q_ids, options)
+    except RuntimeError as exc:  # a runtime assertion of a specialised export (frontend.py)
+        if "Runtime assertion failed" not in str(exc):
+            raise
+        raise UntraceableError(
+            "the forward pass branches on tensor values: the specialised export decided a "
+            f"branch by its example's values and these ids take another ({str(exc)[:160]})"
+        ) from exc
 
 
 @dataclass(frozen=True)
@@ -306,10 +319,10 @@ def _run_patched(
     ``Patch.apply`` wrote it, one block at a time: accelerate's own forward would read a whole
     offloaded module at once (Gemma 3's 670 MB embedding, for the head).
     """
+    if traced.source is None:  # in memory: one module's patched weights at a time
+        return patched_logits(model, patch, query)
     with patch.applied(model, check=False), torch.no_grad():
-        if traced.source is not None:
-            return run_logits(traced, query)
-        return model(input_ids=query).logits[0].float()
+        return run_logits(traced, query)
 
 
 def _ids(tokenizer, context, query, context_ids, query_ids) -> tuple[list[int], list[int]]:

@@ -56,7 +56,8 @@ class TracedModel:
     """An exported decoder and the mapping from graph inputs to model tensors.
 
     Attributes:
-        program: the ``ExportedProgram`` (lifted: parameters are placeholders).
+        program: the ``ExportedProgram`` (lifted: parameters are placeholders), or the
+            ``StoredProgram`` of the export cache (``compiler/export_cache.py``).
         param_of: placeholder node name -> parameter name in ``model.state_dict()``.
         input_name: the placeholder name of ``input_ids``.
         dtype: the floating dtype of the model's parameters.
@@ -88,6 +89,11 @@ class TracedModel:
     def accepts(self, length: int) -> bool:
         """Whether this export holds for inputs of ``length`` tokens (its ``seq`` range)."""
         return self.seq_range[0] <= length <= self.seq_range[1]
+
+    @property
+    def arg_specs(self) -> tuple[tuple[str, str, str], ...]:
+        """Per placeholder: ``("input", name, "")`` or ``("state", name, signature target)``."""
+        return self._args
 
     @property
     def graph(self) -> fx.Graph:

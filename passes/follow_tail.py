@@ -253,6 +253,26 @@ def _residual_leaf(view: GraphView, side: fx.Node, z_anc: set[fx.Node]) -> fx.No
             stack.extend(a for a in n.args if view.is_tensor(a))
         elif single and (n.target in VIEW_LIKE or view.keeps_rows(n)):
             stack.append(n.args[0])
+        elif single and (scaled := _scaled_term(view, n)) is not None:
+            stack.append(scaled)
+    return None
+
+
+def _scaled_term(view: GraphView, n: fx.Node) -> fx.Node | None:
+    """``x`` when ``n = x * c`` with ``c`` a number or weights only, else None.
+
+    A residual carried back scaled (Doge's ``r * v``, Beam's depth-scaled add, MiniMax's
+    ``alpha * z``) is still the residual: the solver subtracts the add's other operand as it
+    is (``block_moves.control_target``), so a factor on that side puts no condition on the move.
+    """
+    if n.target != aten.mul.Tensor or len(n.args) != 2:
+        return None
+    a, b = n.args
+    for x, c in ((a, b), (b, a)):
+        if not (isinstance(x, fx.Node) and view.is_tensor(x)):
+            continue
+        if isinstance(c, int | float) or (isinstance(c, fx.Node) and view.param_only(c)):
+            return x
     return None
 
 

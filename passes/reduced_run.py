@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import fx
 
+from ctxc.passes.compile_segments import compile_segments
 from ctxc.passes.graph_view import GraphView
 from ctxc.passes.placement import LazyWeight, PlacingInterpreter, materialize
 
@@ -34,9 +35,14 @@ class ReducedRun(PlacingInterpreter):
             in-place op may change the stored value (Falcon adds the attention output into the
             MLP output with ``add_``); :meth:`value` returns the copy.
         inputs: the graph's inputs (:meth:`TracedModel.placeholder_values`).
+        stops: names of the nodes the driver may stop at, read or add actions to (names of no
+            node are ignored): the stretches between them run compiled (:mod:`compile_segments`)
+            when these stops come a second time.
     """
 
-    def __init__(self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple) -> None:
+    def __init__(
+        self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple, stops: Iterable = ()
+    ) -> None:
         placer = view.traced.placer(inputs[view.traced.input_index])
         super().__init__(view.traced.graph_module, placer, garbage_collect_values=False)
         self.view = view
@@ -47,9 +53,14 @@ class ReducedRun(PlacingInterpreter):
         # offloaded parameter -> (its lazy original, how to patch it again): for release().
         self.rebakes: dict[fx.Node, tuple[LazyWeight, Callable]] = {}
         self.args_iter = iter(self.graph.process_inputs(*inputs))
+        stops = frozenset((*(view.by_name[n] for n in stops if n in view.by_name), *self.keep))
+        # A dispersed model's ops run through its placer, node by node: no compiled stretches.
+        plain = stops and placer is None
+        self.segments = (compile_segments(self.module, stops) if plain else None) or {}
         self._pending = iter(self.graph.nodes)
         self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
         self._last: fx.Node | None = None
+        self._replaced: dict[fx.Node, torch.Tensor] = {}  # param -> its value before replacing
         self.result = None
 
     # -- stepping ----------------------------------------------------------------------------
@@ -66,16 +77,33 @@ class ReducedRun(PlacingInterpreter):
         if stop in self.env:
             raise RuntimeError(f"node {stop.name} was computed before the driver stopped there")
         for node in self._pending:
-            self._step(node)
-            if node is stop:
-                return self.env[node]
+            self._step_from(node, stop)
+            if node is stop or self._last is stop:
+                return self.env[stop]
         raise RuntimeError(f"node {stop.name} is not in the graph")
 
     def finish(self):
         """Compute the remaining nodes; the graph's output."""
         for node in self._pending:
-            self._step(node)
+            self._step_from(node, None)
         return self.result
+
+    def _step_from(self, node: fx.Node, stop: fx.Node | None) -> None:
+        """Compute ``node``, or the compiled segment it starts when nothing in it is the stop
+        or has an action (the segment's other nodes are then consumed from the pending ones)."""
+        seg = self.segments.get(node)
+        if seg is None or stop in seg.members or not seg.members.isdisjoint(self.actions):
+            self._step(node)
+            return
+        env = self.env
+        values = seg.run(*[env[n] for n in seg.inputs])
+        for n in seg.guards:
+            env[n] = None
+        for n, v in zip(seg.computed, values, strict=True):
+            env[n] = v
+        for _ in range(len(seg.nodes) - 1):
+            next(self._pending)
+        self._last = seg.nodes[-1]
 
     def _step(self, node: fx.Node) -> None:
         self._last = node
@@ -131,6 +159,8 @@ class ReducedRun(PlacingInterpreter):
         old = self.env.get(param)
         if isinstance(old, LazyWeight) and rebake is not None:
             self.rebakes[param] = (old, rebake)
+        elif not isinstance(old, LazyWeight):
+            self._replaced.setdefault(param, old)
         self.env[param] = value
         self.recompute_from(param, upto)
 
@@ -138,6 +168,7 @@ class ReducedRun(PlacingInterpreter):
         """Drop the patched values of offloaded parameters (a block's worth of weights): a
         later use reads the original from its store and patches it again. Keeps the run's
         memory at about one block, whatever the model's size."""
+        self.restore_params()  # in-memory weights: the run reads them no more either
         for node, (lazy, rebake) in self.rebakes.items():
             if not isinstance(self.env.get(node), LazyWeight):
 
@@ -146,6 +177,16 @@ class ReducedRun(PlacingInterpreter):
                     return value if rows is None else value[rows[0] : rows[1]]
 
                 self.env[node] = dataclasses.replace(lazy, fetch=fetch)
+
+    def restore_params(self) -> None:
+        """Give the replaced in-memory parameters their first values back, without recomputing.
+
+        For a driver whose later steps no longer read them (the solver, once a block's nodes
+        are all computed): a replaced value held to the end of the run would keep a copy of
+        every patched weight of the model alive at once.
+        """
+        self.env.update(self._replaced)
+        self._replaced.clear()
 
     def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
         """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""

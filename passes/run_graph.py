@@ -2,7 +2,10 @@
 
 Both runs walk the exported graph with ``torch.fx.Interpreter``, so they compute exactly the ops
 the solver's reduced run computes. The recording run keeps, per block and at the query positions
-only, the targets of MATH.md 3: the MLP input ``z_C`` and the block output ``y_C``.
+only, the targets of MATH.md 3: the MLP input ``z_C`` and the block output ``y_C``. It frees
+each value after its last use, applies the head to the query rows only, and computes attention
+under a boolean mask on the key blocks each query chunk can see (``banded_attention``: the same
+bits, a fraction of the scores at long contexts).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ctxc.passes.banded_attention import Band, banded_sdpa, mask_bands, sdpa_call, usable
 from ctxc.passes.block_map import BlockMap
 from ctxc.passes.placement import Placer, PlacingInterpreter
 from ctxc.trace import TracedModel
@@ -56,6 +60,7 @@ class _Recorder(PlacingInterpreter):
         super().__init__(gm, placer, garbage_collect_values=True)
         self.keep, self.head, self.k = keep, head, k
         self.kept: dict[str, torch.Tensor] = {}
+        self.bands: dict[fx.Node, tuple[Band, ...]] = {}  # attention mask node -> its bands
 
     def run_node(self, n: fx.Node):
         if n.name == self.head and n.target == aten.linear.default:
@@ -63,11 +68,32 @@ class _Recorder(PlacingInterpreter):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
             x = args[0][..., -self.k :, :]  # [1, k, d]
             return self.call_function(n.target, (x, *args[1:]), kwargs)
+        if n.target is aten.scaled_dot_product_attention.default:
+            out = self._banded(n)
+            if out is not None:
+                return out
         out = super().run_node(n)
         if n.name in self.keep:
             # Rows are positions whatever the layout ([1, n, d], or [n, d] for OPT and Conv1D).
             self.kept[n.name] = out.reshape(-1, out.shape[-1])[-self.k :].detach().clone()  # [k, d]
         return out
+
+    def _banded(self, n: fx.Node) -> torch.Tensor | None:
+        """Attention on the keys each query can see (bit for bit the whole call, see
+        ``banded_attention``), or None when the call does not qualify."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        call = sdpa_call(n.target, args, kwargs)
+        assert call is not None
+        q, mask = call["query"], call["attn_mask"]
+        if not usable(q, mask, call["dropout_p"], call["is_causal"]):
+            return None
+        node = n.args[3] if len(n.args) > 3 else n.kwargs["attn_mask"]
+        if node not in self.bands:  # masks are shared by many layers: scan each once
+            self.bands[node] = mask_bands(mask)
+        extra = {"enable_gqa": call["enable_gqa"]} if "enable_gqa" in call else {}
+        return banded_sdpa(
+            q, call["key"], call["value"], mask, self.bands[node], call["scale"], **extra
+        )
 
 
 def _last_positions(logits: torch.Tensor, k: int) -> torch.Tensor:

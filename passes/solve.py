@@ -72,13 +72,13 @@ class _Solver:
         query_ids: torch.Tensor,
         apply: str,
         keep: set[str],
+        stops: set[str],  # node names the run stops at, reads or acts on
     ) -> None:
         self.full, self.apply = full, apply
         self.view = view = GraphView.of(traced)
-        self.param_node = view.param_node
-        self.deltas: dict[str, Delta] = {}
-        inputs = traced.placeholder_values(query_ids)
-        self.run = ReducedRun(view, (view.by_name[n] for n in keep), inputs)
+        self.param_node, self.deltas = view.param_node, dict[str, Delta]()
+        inputs, kept = traced.placeholder_values(query_ids), (view.by_name[n] for n in keep)
+        self.run = ReducedRun(view, kept, inputs, stops)
 
     def value(self, name: str) -> torch.Tensor:
         """A node's value as computed (its kept copy, when it has one)."""
@@ -211,7 +211,7 @@ class _Solver:
             return self._normalized(block)  # [k, d]
 
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
-        if t.shape[0] > 1:  # k positions, one scale (MATH.md 9)
+        if t.shape[0] > 1 or (todo.stable and not block.norm.centered):  # MATH.md 9; 8: gains
             f_now = self._normalized(block)  # [k, d]
             move = moves.shared_scale_move(self._scale(block), t, y_target, u_now, f_now, reach)
         else:
@@ -382,7 +382,7 @@ def solve(
     ]
     patched = [b for b, p in zip(blocks.blocks, plans, strict=True) if p is not None]
     keep = set().union(*(moves.output_reads(b) for b in patched))
-    solver = _Solver(traced, full, query_ids, apply, keep)
+    solver = _Solver(traced, full, query_ids, apply, keep, moves.solver_nodes(*blocks.blocks))
     stats = []
     with torch.no_grad():
         for i, (block, todo) in enumerate(zip(blocks.blocks, plans, strict=True)):

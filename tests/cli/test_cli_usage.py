@@ -50,7 +50,7 @@ CASES = {
     "unknown emitter": (
         ["compile", "--context", "c.txt", "--emit", "torch,tflite"],
         "ctxc: error: invalid value for '--emit': 'tflite'; expected a comma list of "
-        "torch, onnx, peft, lora, gguf, gguf-lora",
+        "torch, onnx, ort-adapter, peft, lora, gguf, gguf-lora",
     ),
     "export without --out": (
         ["export", "--patch", "p.safetensors"],

@@ -201,7 +201,9 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     path, figures = emit_onnx_patchable(model, patch_a, tmp_path)
     assert figures.patchable and figures.patch_inputs == 2 * len(patch_a.deltas)
     session = _session(path)
-    names = [i.name for i in session.get_inputs()]
+    # The factor inputs have zero defaults (overridable initializers): optional inputs.
+    assert [i.name for i in session.get_inputs()] == ["input_ids"]
+    names = ["input_ids", *(i.name for i in session.get_overridable_initializers())]
     first = next(iter(patch_a.deltas))
     assert names[:3] == ["input_ids", f"{first}::u", f"{first}::v"]
 
@@ -254,7 +256,8 @@ def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
     _assert_untouched(model, before)
     assert figures.patchable and figures.experts == "batched_mm"
     session = _session(path)
-    shapes = {i.name: i.shape for i in session.get_inputs()}
+    listed = [*session.get_inputs(), *session.get_overridable_initializers()]
+    shapes = {i.name: i.shape for i in listed}
     first = next(iter(banks_a))
     assert shapes[f"{first}::u"][0] == model.get_parameter(first).shape[0], "not the whole bank"
     got = _run(session, b.meta.query_ids, patch_feeds(b, session))

@@ -79,30 +79,64 @@ def test_suggested_range_is_parsed() -> None:
     assert suggested_range(RuntimeError("no suggestion"), (1, 2048)) is None
 
 
-class _DataDependent(torch.nn.Module):
-    """A model no rung can export: its control flow depends on the ids' values."""
+class _Unexportable(torch.nn.Module):
+    """A model no rung can export: it refuses to be traced at all."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = torch.nn.Embedding(16, 4)
 
     def forward(self, input_ids):
-        x = self.emb(input_ids)
-        if input_ids.sum() > 5:
-            x = x * 2
-
-        class Out:
-            logits = x
-
-        return Out()
+        if torch.compiler.is_exporting():
+            raise RuntimeError("this model refuses export")
+        return self.emb(input_ids)
 
 
 def test_every_rung_failing_names_each_reason() -> None:
-    model = _DataDependent().eval()
+    model = _Unexportable().eval()
     with pytest.raises(CtxcError) as info:
         build_frontend(model, lambda traced: None)
     msg = str(info.value)
     assert "every export rung failed" in msg and "dynamic [1," in msg and "static (8" in msg, msg
+
+
+class _ExpertLoop(torch.nn.Module):
+    """An eager expert loop: which "experts" run, and on which rows, depends on the ids' values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 4)
+
+    def forward(self, input_ids):
+        x = self.emb(input_ids)[0]
+        mask = torch.nn.functional.one_hot(input_ids[0] % 4, 4).T  # [experts, seq]
+        for e in (mask.sum(-1) > 0).nonzero():
+            (rows,) = torch.where(mask[e].squeeze(0))
+            if rows.numel() == 0:
+                continue
+            x = x.index_add(0, rows, x[rows] * (e.float() + 2.0))
+
+        class Out:
+            logits = x[None]
+
+        return Out()
+
+
+def test_value_branches_get_the_specialised_rung() -> None:
+    """Rung 4: the branches follow the example's values, and a runtime assertion guards each."""
+    model = _ExpertLoop().eval()
+    frontend = build_frontend(model, lambda traced: None)
+    traced = frontend.traced_for(8)[0]
+    assert traced.frontend == "specialised", traced.frontend
+    assert "branches on tensor values" in frontend.branch, frontend.branch
+    graph = traced.graph_module
+    same = (torch.arange(8) % 2).unsqueeze(0)  # the example's ids (vocabulary 2): its branches
+    got = graph(*traced.placeholder_values(same))[0]
+    want = model(same).logits
+    assert torch.equal(got, want), f"max {(got - want).abs().max():.3g}"
+    other = torch.zeros(1, 8, dtype=torch.long)  # one expert hit, not two: another branch
+    with pytest.raises(RuntimeError, match="Runtime assertion failed"):
+        graph(*traced.placeholder_values(other))
 
 
 class _LengthGuarded(torch.nn.Module):
