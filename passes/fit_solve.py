@@ -25,6 +25,7 @@ from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.delta_math import at_alignment_of
 from ctxc.passes.fit_moves import FitOptions, fit_bias, fit_linear, fit_scale, stable_targets
 from ctxc.passes.graph_view import GraphView
+from ctxc.passes.multi_scale import shared_scale_targets
 from ctxc.passes.reduced_run import ReducedRun
 from ctxc.passes.run_graph import BlockTargets
 from ctxc.passes.update_rules import ConditionError
@@ -189,7 +190,15 @@ class _Fitter:
             s = sc.alpha * self.runs.param(sc.param).float() + sc.offset  # [d]
             h = self.runs.values(block.activation).float()  # [N, d_ff]
             u_now = self._outer_now(site, h)  # [N, d]
-            self._put_outer(block, stable_targets(s, t, u_now) - u_now, h)
+            assert block.norm is not None
+            if t.shape[0] == 1 and not block.norm.centered:
+                # One position: the exact stable rule's least-ratio target (MATH.md 8, 9), so a
+                # one-position bake is the exact compile; N positions: each its nearest target.
+                rho = self._normalized(block).double().pow(2).mean(1)  # [1]
+                want = shared_scale_targets(s, t, u_now, rho).targets  # [1, d]
+            else:
+                want = stable_targets(s, t, u_now)  # [N, d]
+            self._put_outer(block, want - u_now, h)
             f = self._fit_rows(self._normalized(block))  # [N', d], recomputed (MATH.md 8)
             found = fit_scale(s, f, self._fit_rows(t), self.opts.scale_ridge)
             delta = Delta(sc.param, block.path, vector=found.ds / sc.alpha)
