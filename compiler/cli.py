@@ -32,6 +32,7 @@ from ctxc.cli_support import (
     progress,
     read_context,
     reload_fidelity,
+    stage_progress,
     written,
 )
 from ctxc.cli_usage import is_click, usage_message
@@ -147,16 +148,7 @@ def compile_cmd(
         net, tokenizer = load(model, dtype.value, where)
         if image:
             tokenizer = processor_of(net, model)
-        with progress() as bar:
-            task = bar.add_task("compiling", total=None)
-
-            def on_stage(name: str) -> None:
-                bar.update(task, description=name)
-                pause_point(name)
-
-            def on_block(done: int, total: int, path: str) -> None:
-                bar.update(task, completed=done, total=total, description=f"solving {path}")
-
+        with stage_progress("compiling", "solving") as (on_stage, on_block):
             report, figures = compile_into(
                 net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
             )

@@ -12,9 +12,8 @@ from pathlib import Path
 import typer
 
 from ctxc.cli_output import output_folder
-from ctxc.cli_support import emit_checked, err, load, out, parse_emit, progress, read_context
+from ctxc.cli_support import emit_checked, err, load, out, parse_emit, read_context, stage_progress
 from ctxc.errors import CtxcError
-from ctxc.interrupts import pause_point
 
 __all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
 
@@ -84,16 +83,7 @@ def bake_cmd(
             distill_steps=steps,
             distill_from_fit=from_fit,
         )
-        with progress() as bar:
-            task = bar.add_task("baking", total=None)
-
-            def on_stage(name: str) -> None:
-                bar.update(task, description=name)
-                pause_point(name)
-
-            def on_block(done: int, total: int, path: str) -> None:
-                bar.update(task, completed=done, total=total, description=f"fitting {path}")
-
+        with stage_progress("baking", "fitting") as (on_stage, on_block):
             result = bake(
                 net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage, on_block=on_block
             )

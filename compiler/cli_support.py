@@ -5,6 +5,8 @@ Nothing here imports torch or Transformers at module level: ``ctxc --help`` must
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -22,6 +24,7 @@ __all__ = [
     "progress",
     "read_context",
     "reload_fidelity",
+    "stage_progress",
     "written",
 ]
 
@@ -65,6 +68,30 @@ def progress() -> Progress:
         transient=True,
         disable=not err.is_terminal,
     )
+
+
+@contextlib.contextmanager
+def stage_progress(label: str, verb: str) -> Iterator[tuple[Callable, Callable]]:
+    """A :func:`progress` bar driven by a compile's ``on_stage``/``on_block`` callbacks.
+
+    Args:
+        label: the bar's first description (``compiling``).
+        verb: what is done to each block (``solving``), shown with its path.
+
+    Yields:
+        ``(on_stage, on_block)``; ``on_stage`` is also an interrupt pause point.
+    """
+    with progress() as bar:
+        task = bar.add_task(label, total=None)
+
+        def on_stage(name: str) -> None:
+            bar.update(task, description=name)
+            pause_point(name)
+
+        def on_block(done: int, total: int, path: str) -> None:
+            bar.update(task, completed=done, total=total, description=f"{verb} {path}")
+
+        yield on_stage, on_block
 
 
 def load(model: str | None, dtype: str, placement=None):
