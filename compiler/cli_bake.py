@@ -5,6 +5,7 @@ No torch import at module level (``ctxc --help`` stays fast).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from enum import Enum
 from pathlib import Path
@@ -68,6 +69,8 @@ def bake_cmd(
         raise CtxcError("--samples 0 and no --queries: nothing to fit the patch on")
     if eval_samples < 0 or steps < 1:
         raise CtxcError("--eval-samples must be at least 0 and --steps at least 1")
+    if method is Method.distill and importlib.util.find_spec("peft") is None:
+        raise CtxcError("--method distill needs peft: pip install 'ctxc[peft]'")
     kinds = parse_emit(emit)
     with output_folder(out_dir, force, "bake") as tmp:
         from ctxc.bake import BakeOptions, bake
