@@ -48,6 +48,7 @@ __all__ = [
     "TOL",
     "Entry",
     "build_model",
+    "cell",
     "entries",
     "main",
     "run_entry",

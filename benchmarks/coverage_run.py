@@ -26,9 +26,9 @@ N_IDS = 24
 # name (compiler/frontend.py: build_frontend and _static join them with "; ").
 _RUNG = re.compile(r"; (?=(?:dynamic|bounded|static|specialised)\b)")
 # A rung's reason in the record: its first sentence (a full stop and a space end it), this long
-# at most; the branch leads the reasons.
+# at most (the branch leads the reasons; a rung's reason says why that rung could not help).
 _SENTENCE = re.compile(r"\.\s+")
-_RUNG_CHARS = 200
+_RUNG_CHARS = 180
 
 
 def run_entry(entry: Entry, seed: int = SEED) -> dict:
@@ -112,9 +112,12 @@ def _untraceable(exc) -> dict:
 
 
 def _brief(text: str) -> str:
-    """A rung's reason up to its first full stop (torch's advice follows), clipped."""
+    """A rung's reason up to its first full stop (torch's advice follows), clipped at a word."""
     text = _SENTENCE.split(text.strip().splitlines()[0] if text.strip() else "", maxsplit=1)[0]
-    return text if len(text) <= _RUNG_CHARS else text[: _RUNG_CHARS - 1] + "…"
+    text = text.rstrip(" .")
+    if len(text) <= _RUNG_CHARS:
+        return text
+    return text[:_RUNG_CHARS].rsplit(" ", 1)[0] + "…"
 
 
 def _refusal(model, exc) -> dict:
