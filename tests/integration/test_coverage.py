@@ -45,3 +45,16 @@ def test_ci_family_compiles_exactly(family: str) -> None:
     assert rec["control_max_abs_logit_diff"] > 1e-2, "the context hardly matters: " + _fig(rec)
     blocks = rec["blocks"]
     assert blocks["count"] >= 2 and not blocks["rejected"], _fig(rec)
+
+
+def test_every_rung_failing_shows_each_rung() -> None:
+    """DBRX's eager expert loop defeats every export rung: the record keeps the branch as its
+    reason (the refusal groups are unchanged) and each rung's own reason, which the cell shows."""
+    (entry,) = coverage.entries({"dbrx"})
+    rec = coverage.run_entry(entry)
+    assert rec["status"] == "refused" and rec["error"] == "UntraceableError", rec
+    assert rec["reasons"][0].startswith("export: the forward pass branches on tensor values"), rec
+    names = [r.split(":", 1)[0] for r in rec["rungs"]]
+    assert names[0].startswith("dynamic [") and names[-1].startswith("specialised ("), rec["rungs"]
+    assert all(len(r) <= 181 and "\n" not in r for r in rec["rungs"]), rec["rungs"]
+    assert coverage.cell(rec).endswith(f" [rungs: {'; '.join(rec['rungs'])}]"), coverage.cell(rec)
