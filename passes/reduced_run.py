@@ -119,7 +119,7 @@ class ReducedRun(PlacingInterpreter):
             for act in acts:
                 value = act(value)
         if node in self.keep:
-            self.kept[node] = value.detach().clone()
+            self.kept[node] = _copy(value)
         self.env[node] = value
         if node.op == "output":
             self.result = self.graph.process_outputs(self.env[node])
@@ -130,7 +130,7 @@ class ReducedRun(PlacingInterpreter):
         for act in self.actions.get(node, ()):
             value = act(value)
         if node in self.keep:
-            self.kept[node] = value.detach().clone()
+            self.kept[node] = _copy(value)
         return value
 
     # -- reading and changing ----------------------------------------------------------------
@@ -216,3 +216,10 @@ class ReducedRun(PlacingInterpreter):
         if key not in self._dependents:
             self._dependents[key] = self.view.descendants_upto(root, self.view.index[upto])
         return self._dependents[key]
+
+
+def _copy(value):
+    """A detached copy of a tensor, or of each tensor of a tuple (a split's chunks)."""
+    if isinstance(value, list | tuple):
+        return type(value)(v.detach().clone() for v in value)
+    return value.detach().clone()
