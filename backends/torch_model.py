@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from ctxc.backends.torch_shards import realign_shards, source_alignments
+from ctxc.backends.torch_shards import realign_shards, source_alignments, write_shards
 from ctxc.offload import is_dispersed
 from ctxc.patch import Patch
 
@@ -33,9 +33,9 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
 
     The patch is baked with :meth:`Patch.apply` (the weights the solver computed with, bit for
     bit), saved, and removed again: ``model`` is left as it was. A model dispersed by accelerate
-    is saved shard by shard, each shard about one block, its offloaded weights read from their
-    store as the shard is written (Transformers' ``save_pretrained`` does this for offloaded
-    models; ctxc sizes the shards so none gathers more than a block).
+    is saved shard by shard, each shard about one block, by :func:`write_shards`: no weight is
+    gathered whole (``save_pretrained`` would read Gemma 3's 670 MB embedding into memory), the
+    unchanged ones are copied from their files in chunks.
 
     Args:
         model: the model the patch was computed on.
@@ -49,16 +49,32 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     out.mkdir(parents=True, exist_ok=True)
     config = model.config
     use_cache = config.use_cache
+    dispersed = is_dispersed(model)
     # Where the solver read each patched weight, before the patch points the store elsewhere.
-    wanted = source_alignments(model, patch.deltas) if is_dispersed(model) else None
+    wanted = source_alignments(model, patch.deltas) if dispersed else None
     with patch.applied(model, check=False):
         try:
             config.use_cache = True  # ctxc turns the cache off for export; users generate with it
-            model.save_pretrained(str(out), **shard_kwargs(model))
-            if wanted is not None:  # the addresses the solver computed at (torch_shards.py)
-                realign_shards(out, wanted)
+            if not dispersed:
+                model.save_pretrained(str(out))
+            elif write_shards(model, out, shard_kwargs(model)["max_shard_size"], wanted):
+                _save_config(model, out)
+            else:  # a checkpoint layout of its own (MoE experts): Transformers reverts it
+                model.save_pretrained(str(out), **shard_kwargs(model))
+                realign_shards(out, wanted)  # the addresses the solver computed at
         finally:
             config.use_cache = use_cache
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     return out
+
+
+def _save_config(model, out: Path) -> None:
+    """The files ``save_pretrained`` writes beside the weights (Transformers'
+    ``PreTrainedModel.save_pretrained``: the dtype and architecture noted in the config)."""
+    config = model.config
+    config.dtype = str(model.dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    config.save_pretrained(str(out))
+    if model.can_generate():
+        model.generation_config.save_pretrained(str(out))

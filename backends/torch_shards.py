@@ -1,27 +1,60 @@
-"""The saved shards of a dispersed model, rewritten so each patched weight keeps its alignment.
+"""A dispersed model's folder written shard by shard, each weight copied from where it lives.
 
-CPU BLAS kernels round differently at another address modulo 64 bytes, and the solver computed
-each patched weight at the address the model held it (``at_alignment_of``; README, Precision). A
-model loaded from safetensors is memory-mapped: a tensor's address modulo 64 is
-``8 + header length + its data offset`` modulo 64. Saved as one file like its source, the
-emitted model reproduces those addresses; saved shard by shard it does not (Gemma 3 270M:
-1.8e-4 instead of 3.1e-6). Padding a shard's header with spaces (which the safetensors format
-allows) shifts every tensor of the shard: each shard gets the shift most of its patched
-weights need (``ctxc.offload.pad_header``; the file is copied, never read whole).
+``save_pretrained`` gathers each shard of an offloaded model in memory (Transformers'
+``load_offloaded_parameter``): a tensor bigger than a block (Gemma 3's 670 MB embedding) is
+read whole. :func:`write_shards` writes the same shards (Transformers' split, safetensors'
+tensor order) without reading any weight whole: a weight its store keeps as the model holds it
+(the checkpoint's own file, or the file ``Patch.apply`` wrote a patched weight to) is copied
+byte for byte in chunks with ``read``/``write`` (pages read that way go to the page cache, not
+to the process, as a memory map's would); any other (on a device, or converted at each read) is
+written a few rows at a time.
+
+Alignment: CPU BLAS kernels round differently at another address modulo 64 bytes, and the
+solver computed each patched weight at the address the model held it (``at_alignment_of``;
+README, Precision). A model loaded from safetensors is memory-mapped: a tensor's address modulo
+64 is ``8 + header length + its data offset`` modulo 64. Saved shard by shard, unpadded, the
+emitted model would not reproduce those addresses (Gemma 3 270M: 1.8e-4, not the in-memory
+figure), so each shard's header is padded with spaces (which the format allows) by the shift
+most of its patched weights need (:func:`shard_header`).
 """
 
 from __future__ import annotations
 
+import json
+import struct
 from collections import Counter
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
-from ctxc.offload import pad_header, safetensors_header, store_file
+from ctxc.offload import pad_header, safetensors_header, store_file, stored_range
 
-__all__ = ["realign_shards", "source_alignments"]
+__all__ = [
+    "copy_range",
+    "realign_shards",
+    "shard_header",
+    "source_alignments",
+    "write_shards",
+]
 
 _ALIGN = 64
+_CHUNK = 16 << 20  # bytes copied or written at once
+# torch dtype -> safetensors dtype (the format's names: safetensors docs, "Format").
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
 
 
 def source_alignments(model: torch.nn.Module, names) -> dict[str, int]:
@@ -39,8 +72,142 @@ def source_alignments(model: torch.nn.Module, names) -> dict[str, int]:
     return out
 
 
+def copy_range(src: str, offset: int, count: int, dst: BinaryIO, chunk: int = _CHUNK) -> None:
+    """Append bytes ``offset:offset + count`` of file ``src`` to ``dst``, ``chunk`` at a time.
+
+    Raises:
+        OSError: ``src`` ends before the range does.
+    """
+    buf = memoryview(bytearray(max(1, min(chunk, count))))
+    with open(src, "rb", buffering=0) as f:
+        f.seek(offset)
+        left = count
+        while left:
+            n = f.readinto(buf[: min(len(buf), left)])
+            if not n:
+                raise OSError(f"{src} ends {left} bytes before the tensor it should hold")
+            dst.write(buf[:n])
+            left -= n
+
+
+def shard_header(entries: list[tuple[str, str, list[int], int]], wanted: dict[str, int]) -> bytes:
+    """A safetensors header (length prefix included) for tensors laid out in ``entries`` order.
+
+    Args:
+        entries: (name, safetensors dtype, shape, byte count) per tensor.
+        wanted: parameter name -> the address modulo 64 it was solved at; the header is padded
+            so that most of this shard's named tensors land there, else to 8 bytes.
+
+    Returns:
+        the bytes that precede the tensors' data.
+    """
+    header: dict = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, dtype, shape, count in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + count]}
+        offset += count
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    pads = Counter(
+        (wanted[name] - 8 - len(raw) - header[name]["data_offsets"][0]) % _ALIGN
+        for name, *_ in entries
+        if name in wanted
+    )
+    pad = pads.most_common(1)[0][0] if pads else -(8 + len(raw)) % 8
+    return struct.pack("<Q", len(raw) + pad) + raw + b" " * pad
+
+
+def saved_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+    """What ``save_pretrained`` writes, by name (meta tensors where offloaded); None when the
+    checkpoint's names or layout differ from the modules' (a weight conversion: MoE experts)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    state = model.state_dict()  # views and meta tensors: nothing is read
+    for key in getattr(model, "_keys_to_ignore_on_save", None) or ():
+        state.pop(key, None)
+    state = remove_tied_weights_from_state_dict(state, model)
+    reverted = revert_weight_conversion(model, dict(state))
+    if reverted.keys() != state.keys() or any(reverted[k] is not v for k, v in state.items()):
+        return None
+    return state
+
+
+def write_shards(model: torch.nn.Module, out: Path, max_shard_size: int, wanted: dict) -> bool:
+    """Write ``model``'s weights into ``out`` as ``save_pretrained`` shards them, chunk by chunk.
+
+    Args:
+        model: a dispersed model (its patched weights written where they live).
+        out: the model folder (exists; the config is written by the caller).
+        max_shard_size: bytes per shard (a bigger tensor gets a shard of its own).
+        wanted: parameter name -> address modulo 64 it was solved at (:func:`shard_header`).
+
+    Returns:
+        False, writing nothing, when the checkpoint layout differs from the modules' (the
+        caller saves with ``save_pretrained``); True when written.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    state = saved_tensors(model)
+    if state is None:
+        return False
+    split = split_torch_state_dict_into_shards(
+        state, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size
+    )
+    for filename, names in split.filename_to_tensors.items():
+        # safetensors' own order: wider dtypes first, then by name (keeps each tensor aligned)
+        names = sorted(names, key=lambda k: (-state[k].element_size(), k))
+        entries = [(k, _dtype(state[k]), list(state[k].shape), state[k].nbytes) for k in names]
+        with open(out / filename, "wb") as f:
+            f.write(shard_header(entries, wanted))
+            for name, dtype, _, count in entries:
+                _write_tensor(model, name, state[name], dtype, count, f)
+    if split.is_sharded:
+        index = {
+            "metadata": {"total_parameters": model.num_parameters(), **split.metadata},
+            "weight_map": split.tensor_to_filename,
+        }
+        text = json.dumps(index, indent=2, sort_keys=True) + "\n"  # as save_pretrained writes it
+        (out / "model.safetensors.index.json").write_text(text, encoding="utf-8")
+    return True
+
+
+def _write_tensor(model, name: str, value: torch.Tensor, dtype: str, count: int, f) -> None:
+    """Append tensor ``name``'s bytes to ``f``: copied from its file, or written by rows."""
+    from ctxc.offload import read_param, read_rows
+
+    offloaded = value.device.type == "meta"
+    if offloaded:
+        found = stored_range(model, name, dtype)
+        if found is not None:
+            copy_range(*found, f)
+            return
+    if value.dim() == 0:
+        f.write(_bytes(read_param(model, name) if offloaded else value))
+        return
+    n = value.shape[0]
+    step = max(1, _CHUNK // max(1, count // max(1, n)))  # rows per chunk
+    for i in range(0, n, step):
+        j = min(i + step, n)
+        f.write(_bytes(read_rows(model, name, i, j) if offloaded else value[i:j]))
+
+
+def _dtype(t: torch.Tensor) -> str:
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"no safetensors dtype for {t.dtype}")
+    return _DTYPES[t.dtype]
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    """The raw bytes of ``t`` (on the CPU, contiguous), without a copy when it is already so."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
 def realign_shards(folder: Path, wanted: dict[str, int]) -> int:
     """Pad the header of every shard in ``folder`` so its patched weights sit at ``wanted``.
+
+    For a folder ``save_pretrained`` wrote (a model whose checkpoint layout differs from its
+    modules', which :func:`write_shards` leaves to it).
 
     Args:
         folder: a saved model folder (``*.safetensors``).

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ctxc.cache import cache_dir, partial_entry
-from ctxc.devices import Placement, block_device_map
+from ctxc.devices import Placement, block_device_map, fix_mmap_threshold
 from ctxc.errors import CtxcError
 from ctxc.interrupts import pause_point
 
@@ -197,6 +197,7 @@ def _load_directory(directory: Path, dtype: torch.dtype, spec: str, placement: P
     kwargs = placement.load_kwargs()
     try:
         if placement.device_map is not None:  # one accelerate hook per block, not per device
+            fix_mmap_threshold()  # freed block weights leave the process (devices.py)
             kwargs["device_map"] = block_device_map(
                 directory, dtype, placement.device_map, kwargs.get("max_memory")
             )

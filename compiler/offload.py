@@ -42,6 +42,7 @@ __all__ = [
     "restore_param",
     "safetensors_header",
     "store_file",
+    "stored_range",
     "weight_source",
 ]
 
@@ -182,6 +183,32 @@ def store_file(model: torch.nn.Module, name: str) -> tuple[str, str] | None:
     if "safetensors_file" not in info:
         return None
     return info["safetensors_file"], info.get("weight_name", key)
+
+
+def stored_range(model: torch.nn.Module, name: str, dtype: str) -> tuple[str, int, int] | None:
+    """(file, byte offset, byte count) of offloaded tensor ``name``'s value as its store keeps it.
+
+    Args:
+        model: the dispersed model.
+        name: a parameter or buffer on the meta device.
+        dtype: the safetensors dtype (``F32``, ``BF16``...) it is wanted in.
+
+    Returns:
+        the range, or None when the store does not keep it as the model holds it (another
+        dtype or shape: the loader converts at each read), or keeps it in memory.
+    """
+    loader, key = _store(model, name)
+    info = {} if key in loader.state_dict else loader.index.get(key, {})
+    if "safetensors_file" not in info:
+        return None
+    path = info["safetensors_file"]
+    n, header = safetensors_header(path)
+    entry = header[info.get("weight_name", key)]
+    shape = list(model.get_parameter_or_buffer(name).shape)
+    if entry["dtype"] != dtype or entry["shape"] != shape:
+        return None
+    begin, end = entry["data_offsets"]
+    return path, 8 + n + begin, end - begin
 
 
 def safetensors_header(path: str) -> tuple[int, dict]:
