@@ -9,6 +9,7 @@ import torch
 from ctxc.backends.torch_shards import realign_shards, source_alignments
 from ctxc.offload import is_dispersed
 from ctxc.patch import Patch
+from ctxc.patched_forward import patched_values
 
 __all__ = ["emit_torch", "shard_kwargs"]
 
@@ -31,9 +32,12 @@ def shard_kwargs(model: torch.nn.Module) -> dict:
 def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Path:
     """Write ``out/`` with the patched weights, loadable by ``from_pretrained`` without ctxc.
 
-    The patch is baked with :meth:`Patch.apply` (the weights the solver computed with, bit for
-    bit), saved, and removed again: ``model`` is left as it was. A model dispersed by accelerate
-    is saved shard by shard, each shard about one block, its offloaded weights read from their
+    The patched weights are those :meth:`Patch.apply` writes (the weights the solver computed
+    with, bit for bit), swapped in for the save by :func:`~ctxc.patched_forward.patched_values`
+    and out again: ``model`` is left as it was, and its own tensors (memory-mapped from its
+    checkpoint) are never written or cloned. A model dispersed by accelerate is baked with
+    :meth:`Patch.apply` (its store entries are pointed at the patched values) and
+    saved shard by shard, each shard about one block, its offloaded weights read from their
     store as the shard is written (Transformers' ``save_pretrained`` does this for offloaded
     models; ctxc sizes the shards so none gathers more than a block).
 
@@ -51,7 +55,14 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     use_cache = config.use_cache
     # Where the solver read each patched weight, before the patch points the store elsewhere.
     wanted = source_alignments(model, patch.deltas) if is_dispersed(model) else None
-    with patch.applied(model, check=False):
+    # A dispersed model's store entries are pointed at the patched values (Patch.apply); in
+    # memory, the values are only read by the save: where they sit does not matter.
+    patched = (
+        patched_values(model, patch, aligned=False)
+        if wanted is None
+        else patch.applied(model, check=False)
+    )
+    with patched:
         try:
             config.use_cache = True  # ctxc turns the cache off for export; users generate with it
             model.save_pretrained(str(out), **shard_kwargs(model))
