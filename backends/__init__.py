@@ -30,7 +30,8 @@ class Backend:
         extra: the pip extra that brings ``requires`` (``None``: the plain install has them).
         requires: import names the emitter needs.
         takes: keyword arguments the emitter takes besides ``full`` (``tokenizer``,
-            ``gguf_type``), passed by ``emit_checked`` when given.
+            ``gguf_type``, ``baked``: the compile's patched logits), passed by ``emit_checked``
+            when given.
         precheck: ``"module:function"`` taking the model, run before any compile: raises a
             CtxcError for a model the backend cannot write (an unknown GGUF architecture).
     """
@@ -93,6 +94,7 @@ BACKENDS: dict[str, Backend] = {
             emitter="ctxc.backends.peft_adapter:emit_peft",
             extra="peft",
             requires=("peft",),
+            takes=("baked",),
         ),
         Backend(
             "lora",
@@ -101,6 +103,7 @@ BACKENDS: dict[str, Backend] = {
             emitter="ctxc.backends.lora_adapter:emit_lora",
             extra="peft",
             requires=("peft",),
+            takes=("baked",),
         ),
         Backend(
             "gguf",

@@ -83,7 +83,12 @@ def servable_deltas(model: torch.nn.Module, patch: Patch, what: str) -> dict[str
 
 
 def emit_lora(
-    model: torch.nn.Module, patch: Patch, out: Path, *, full: torch.Tensor | None = None
+    model: torch.nn.Module,
+    patch: Patch,
+    out: Path,
+    *,
+    full: torch.Tensor | None = None,
+    baked: torch.Tensor | None = None,
 ) -> tuple[Path, LoraFigures]:
     """Write ``out/lora/`` (PEFT format, vLLM's rules) and check it.
 
@@ -92,6 +97,7 @@ def emit_lora(
         patch: a patch of linear deltas of one rank (``--update lora``).
         out: the output folder.
         full: the full-context logits at the query positions [k, vocab], if computed.
+        baked: the patched model's logits on the query, if computed (``emit_peft``).
 
     Returns:
         the folder and its :class:`LoraFigures`.
@@ -100,5 +106,5 @@ def emit_lora(
         CtxcError: the patch has deltas LoRA cannot serve, or the adapter fails a check.
     """
     servable_deltas(model, patch, "--emit lora")
-    path, peft = emit_peft(model, patch, out, full=full, dirname=LORA_DIR)
+    path, peft = emit_peft(model, patch, out, full=full, dirname=LORA_DIR, baked=baked)
     return path, LoraFigures(peft=peft, vllm=check_vllm_adapter(path, model))

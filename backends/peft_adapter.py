@@ -16,7 +16,7 @@ weights, which is the baked weight again. The figures give both.
 
 from __future__ import annotations
 
-import copy
+import json
 import re
 import time
 from collections import Counter
@@ -26,10 +26,13 @@ from pathlib import Path
 import torch
 
 from ctxc.backends import backend
+from ctxc.backends.peft_write import fill_adapter, flags_kept, shared_copy
 from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
+from ctxc.offload import input_device
 from ctxc.patch import Delta, Patch
+from ctxc.patched_forward import patched_logits
 
 __all__ = ["ADAPTER_DIR", "DEFAULT_RTOL", "AdapterPlan", "PeftFigures", "emit_peft", "plan_adapter"]
 
@@ -189,19 +192,6 @@ def _bank_able(target: torch.nn.Module, attr: str, delta: Delta) -> bool:
     return param.dim() == 3 and transposed == (delta.layout == "in_out")
 
 
-def _bank_factors(delta: Delta, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """PEFT's expert LoRA factors: ``lora_A`` [E r, in] rows (e, r), ``lora_B`` [out, r E]
-    columns (r, e), zero for the experts the delta leaves alone."""
-    assert delta.u is not None and delta.v is not None
-    _, out_dim, rank = delta.u.shape
-    index = list(delta.experts)
-    a = delta.v.new_zeros(experts, rank, delta.v.shape[1])
-    a[index] = delta.v.mT  # [n, r, in]
-    b = delta.u.new_zeros(out_dim, rank, experts)
-    b[:, :, index] = delta.u.permute(1, 2, 0)  # [out, r, n]
-    return a.reshape(experts * rank, -1), b.reshape(out_dim, rank * experts)
-
-
 def _lora_config(model: torch.nn.Module, patch: Patch, plan: AdapterPlan):
     from peft import LoraConfig
 
@@ -231,32 +221,21 @@ def _lora_config(model: torch.nn.Module, patch: Patch, plan: AdapterPlan):
 
 
 def _write(model: torch.nn.Module, patch: Patch, plan: AdapterPlan, path: Path) -> None:
-    """Build the adapter with PEFT itself on a copy of ``model`` (its format, not a guess)."""
+    """Build the adapter with PEFT itself on a copy of ``model`` (its format, not a guess).
+
+    PEFT writes ``target_modules`` from a set, in hash order: sorted, the file is the same in
+    every run.
+    """
     from peft import get_peft_model
 
-    peft_model = get_peft_model(copy.deepcopy(model), _lora_config(model, patch, plan))
-    inner = peft_model.base_model.model
-    with torch.no_grad():
-        for module, delta in plan.lora.items():
-            layer = inner.get_submodule(module)
-            layer.lora_A["default"].weight.copy_(delta.v.T)
-            layer.lora_B["default"].weight.copy_(delta.u)
-        for name, wrapper in inner.named_modules():
-            attr = getattr(wrapper, "parameter_name", None)
-            if attr is None:
-                continue
-            # Parameter targets of one module nest: each wrapper's base_layer is the next.
-            module = ".".join(p for p in name.split(".") if p != "base_layer")
-            a, b = _bank_factors(plan.banks[f"{module}.{attr}"], wrapper.num_experts)
-            wrapper.lora_A["default"].weight.copy_(a)
-            wrapper.lora_B["default"].weight.copy_(b)
-        for module in plan.modules_to_save:
-            saved = inner.get_submodule(module).modules_to_save["default"]
-            for name, delta in patch.deltas.items():
-                owner, _, attr = name.rpartition(".")
-                if owner == module:
-                    getattr(saved, attr).copy_(delta.materialize(model.get_parameter(name)))
-    peft_model.save_pretrained(str(path))
+    with flags_kept(model):
+        peft_model = get_peft_model(shared_copy(model), _lora_config(model, patch, plan))
+        fill_adapter(peft_model.base_model.model, model, patch, plan)
+        peft_model.save_pretrained(str(path))
+    config = json.loads((path / "adapter_config.json").read_text())
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def emit_peft(
@@ -267,11 +246,13 @@ def emit_peft(
     full: torch.Tensor | None = None,
     rtol: float = DEFAULT_RTOL,
     dirname: str = ADAPTER_DIR,
+    baked: torch.Tensor | None = None,
 ) -> tuple[Path, PeftFigures]:
     """Write ``out/adapter/``: ``adapter_config.json`` and ``adapter_model.safetensors``.
 
     The adapter is loaded back with ``PeftModel.from_pretrained`` on a copy of ``model`` and fed
-    the query, as loaded and merged; ``model`` itself is not modified.
+    the query, as loaded and merged; ``model`` itself is not modified (its tensors are shared,
+    not written; its ``requires_grad`` flags are put back).
 
     Args:
         model: the model the patch was computed on.
@@ -281,6 +262,8 @@ def emit_peft(
         rtol: the bound on the merged adapter's difference from the torch patched model,
             relative to the largest logit.
         dirname: the adapter folder's name in ``out`` (``lora`` for the serving adapter).
+        baked: ``model`` with the patch's weights fed the query [k, vocab], if already computed
+            (``ctxc.compile``'s verification, ``CompileResult.patched_logits``).
 
     Returns:
         the adapter folder and its :class:`PeftFigures`.
@@ -289,8 +272,6 @@ def emit_peft(
         CtxcError: PEFT is missing, or the merged adapter does not reproduce the patched model.
     """
     require_peft()
-    from peft import PeftModel
-
     clock = time.perf_counter()
     path = out / dirname
     path.mkdir(parents=True, exist_ok=True)
@@ -300,19 +281,14 @@ def emit_peft(
         full = reference_logits(model, patch)
     _write(model, patch, plan, path)
 
-    # The baked reference runs on the very copy the adapter is loaded into: a copy's freshly
-    # allocated (aligned) tensors take other CPU kernel paths than, say, a model loaded from
-    # safetensors, which alone moves Gemma 3 270M's logits by ~5e-5. So the merged adapter
-    # is compared with the baked weights in the same memory, and must match them exactly.
-    base = copy.deepcopy(model).eval()
-    with patch.applied(base, check=False):
-        (baked,) = torch_logits(base, query)
-    loaded = PeftModel.from_pretrained(base, str(path)).eval()
-    (as_loaded,) = torch_logits(loaded, query)
-    merged_model = loaded.merge_and_unload()
-    (merged,) = torch_logits(merged_model, query)
-    del base, loaded, merged_model
-
+    # The adapter is loaded into a copy that shares the model's tensors and owns the patched
+    # ones at their addresses modulo 64 (backends/peft_write.py): every kernel runs as on the
+    # model, so the torch patched model's logits are the compile's own (``baked``, when given)
+    # and the merged adapter must reproduce them.
+    if baked is None:
+        baked = patched_logits(model, patch, query[0].to(input_device(model)))
+    baked = baked.float().cpu()
+    as_loaded, merged = _loaded_logits(model, patch, path, query)
     tol = rtol * max(1.0, float(baked.abs().max()))
     merged_vs_baked = float((merged - baked).abs().max())
     if not merged_vs_baked <= tol:
@@ -337,6 +313,19 @@ def emit_peft(
         seconds=round(time.perf_counter() - clock, 3),
     )
     return path, figures
+
+
+def _loaded_logits(model: torch.nn.Module, patch: Patch, path: Path, query: list) -> tuple:
+    """The adapter at ``path`` loaded by PEFT on a shared copy of ``model``, fed ``query``:
+    (logits as loaded, logits after ``merge_and_unload()``), each [k, vocab] on the CPU."""
+    from peft import PeftModel
+
+    with flags_kept(model):
+        base = shared_copy(model, patch.deltas).eval()
+        loaded = PeftModel.from_pretrained(base, str(path)).eval()
+        (as_loaded,) = torch_logits(loaded, query)
+        (merged,) = torch_logits(loaded.merge_and_unload(), query)
+    return as_loaded, merged
 
 
 def _note(patch: Patch, plan: AdapterPlan) -> str:

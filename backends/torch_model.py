@@ -9,6 +9,7 @@ import torch
 from ctxc.backends.torch_shards import realign_shards, source_alignments, write_shards
 from ctxc.offload import is_dispersed
 from ctxc.patch import Patch
+from ctxc.patched_forward import patched_values
 
 __all__ = ["emit_torch", "shard_kwargs"]
 
@@ -31,11 +32,14 @@ def shard_kwargs(model: torch.nn.Module) -> dict:
 def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Path:
     """Write ``out/`` with the patched weights, loadable by ``from_pretrained`` without ctxc.
 
-    The patch is baked with :meth:`Patch.apply` (the weights the solver computed with, bit for
-    bit), saved, and removed again: ``model`` is left as it was. A model dispersed by accelerate
-    is saved shard by shard, each shard about one block, by :func:`write_shards`: no weight is
-    gathered whole (``save_pretrained`` would read Gemma 3's 670 MB embedding into memory), the
-    unchanged ones are copied from their files in chunks.
+    The patched weights are those :meth:`Patch.apply` writes (the weights the solver computed
+    with, bit for bit), swapped in for the save by :func:`~ctxc.patched_forward.patched_values`
+    and out again: ``model`` is left as it was, and its own tensors (memory-mapped from its
+    checkpoint) are never written or cloned. A model dispersed by accelerate is baked with
+    :meth:`Patch.apply` (its store entries are pointed at the patched values) and saved shard by
+    shard, each shard about one block, by :func:`write_shards`: no weight is gathered whole
+    (``save_pretrained`` would read Gemma 3's 670 MB embedding into memory), the unchanged ones
+    are copied from their files in chunks.
 
     Args:
         model: the model the patch was computed on.
@@ -52,7 +56,14 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     dispersed = is_dispersed(model)
     # Where the solver read each patched weight, before the patch points the store elsewhere.
     wanted = source_alignments(model, patch.deltas) if dispersed else None
-    with patch.applied(model, check=False):
+    # A dispersed model's store entries are pointed at the patched values (Patch.apply); in
+    # memory, the values are only read by the save: where they sit does not matter.
+    patched = (
+        patched_values(model, patch, aligned=False)
+        if not dispersed
+        else patch.applied(model, check=False)
+    )
+    with patched:
         try:
             config.use_cache = True  # ctxc turns the cache off for export; users generate with it
             if not dispersed:

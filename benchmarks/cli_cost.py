@@ -113,8 +113,17 @@ def contexts_file(path: Path, n: int) -> list[dict]:
     return rows
 
 
-def _figures(report: dict) -> dict:
-    return {k: v for k, v in report.items() if k != "timings"}
+# Wall times inside a report (the compile's stages, each emitter's check): never identical.
+_TIMES = {"timings", "seconds", "check_seconds"}
+
+
+def _figures(report):
+    """``report`` without its wall times, at any depth: what must be identical."""
+    if isinstance(report, dict):
+        return {k: _figures(v) for k, v in report.items() if k not in _TIMES}
+    if isinstance(report, list):
+        return [_figures(v) for v in report]
+    return report
 
 
 def batch(args, env: dict, work: Path) -> dict:

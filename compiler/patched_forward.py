@@ -8,19 +8,21 @@ them, while it runs, from tensors made when it starts and dropped when it ends; 
 tensors are never written. The values are those ``Patch.apply`` writes (:meth:`Delta.materialize`)
 at the parameter's own address modulo 64 bytes (``at_alignment_of``: CPU BLAS kernels round by
 alignment), so the logits are bit for bit those of the model with the patch applied
-(``tests/integration/test_patched_forward.py``).
+(``tests/integration/test_patched_forward.py``). :func:`patched_values` does the same for the
+whole model at once, for writing its weights out (``ctxc.backends.torch_model.emit_torch``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
 from ctxc.passes.delta_math import at_alignment_of
 from ctxc.patch import Patch
 
-__all__ = ["patched_logits"]
+__all__ = ["patched_logits", "patched_values"]
 
 
 def patched_logits(model: torch.nn.Module, patch: Patch, input_ids: torch.Tensor) -> torch.Tensor:
@@ -59,6 +61,35 @@ def patched_logits(model: torch.nn.Module, patch: Patch, input_ids: torch.Tensor
     return logits
 
 
+@contextmanager
+def patched_values(
+    model: torch.nn.Module, patch: Patch, aligned: bool = True
+) -> Iterator[torch.nn.Module]:
+    """``model`` with every patched parameter reading its patched value, for the ``with`` body.
+
+    The values are those :meth:`Patch.apply` writes, at each parameter's address modulo 64
+    (``aligned=False``: wherever they were computed, one copy fewer, for reading the values
+    out rather than running the model), but the model's own tensors are never written: each
+    parameter's storage is swapped (``param.data``) and swapped back at the end, kept by
+    reference, so the restore is exact.
+    Unlike ``Patch.applied`` it keeps no clone of the originals and writes nothing into a
+    parameter memory-mapped from its checkpoint (no copy-on-write of every patched page).
+    A model with parameters off the CPU memory (on the meta device under an offloading hook)
+    falls back to ``patch.applied``. Side effect: none once the body ends, however it ends.
+    """
+    params = {name: model.get_parameter(name) for name in patch.deltas}
+    if any(p.device.type == "meta" for p in params.values()):
+        with patch.applied(model, check=False):
+            yield model
+        return
+    swap = _swapper(patch, list(params), params, aligned)
+    try:
+        swap(True)
+        yield model
+    finally:
+        swap(False)
+
+
 def _pre(owner: str, swap: Callable[[bool], None], fired: set[str]) -> Callable:
     def hook(*_args) -> None:
         fired.add(owner)
@@ -68,7 +99,7 @@ def _pre(owner: str, swap: Callable[[bool], None], fired: set[str]) -> Callable:
 
 
 def _swapper(
-    patch: Patch, names: list[str], params: dict[str, torch.nn.Parameter]
+    patch: Patch, names: list[str], params: dict[str, torch.nn.Parameter], aligned: bool = True
 ) -> Callable[[bool], None]:
     """``swap(True)``: the owner's parameters read their patched values; ``swap(False)``: their
     own tensors again (kept by reference, so restoring is exact)."""
@@ -78,8 +109,8 @@ def _swapper(
         for name in names:
             base = own[name]
             if patched:
-                value = at_alignment_of(patch.deltas[name].materialize(base), base)
-                params[name].data = value
+                value = patch.deltas[name].materialize(base)
+                params[name].data = at_alignment_of(value, base) if aligned else value
             else:
                 params[name].data = base
 

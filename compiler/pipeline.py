@@ -44,11 +44,15 @@ class CompileResult:
     Attributes:
         full_logits: the model fed context + query, at the query positions [k, vocab], float32
             (the reference emitters check against, without a second full pass).
+        patched_logits: the verification's run, ``model`` with the patch's weights (eager, in
+            memory) fed the query [k, vocab], float32; None without ``verify`` or for a model
+            verified through its graph (dispersed). The PEFT check's torch reference.
     """
 
     patch: Patch
     report: CompileReport
     full_logits: torch.Tensor | None = None
+    patched_logits: torch.Tensor | None = None
 
 
 def traced_blocks(
@@ -237,10 +241,11 @@ def _compile_ids(
     meta = _meta(model, traced, ctx_ids, q_ids, o.update, o.start_layer)
     patch = Patch(solution.deltas, meta)
     lap("fingerprint")
-    emitted = solution.logits
+    emitted, eager = solution.logits, None
     if o.verify:
         stage("verifying")
         emitted = _run_patched(model, patch, query, traced)
+        eager = emitted if traced.source is None else None  # _run_patched: patched_logits
         lap("verify")
     report = CompileReport(
         model=meta.model,
@@ -262,7 +267,7 @@ def _compile_ids(
         device=str(device),
         placement=describe(model)[1],
     )
-    return CompileResult(patch=patch, report=report, full_logits=full.logits)
+    return CompileResult(patch, report, full_logits=full.logits, patched_logits=eager)
 
 
 def _check_blocks(blocks: BlockMap, skip_unpatchable: bool, start_layer: int) -> None:

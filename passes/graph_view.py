@@ -10,14 +10,17 @@ from __future__ import annotations
 import math
 import weakref
 from functools import cached_property
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import sympy
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ctxc.trace import WRAPPED, TracedModel
+
+if TYPE_CHECKING:  # networkx is imported when a graph is analysed: a cached export needs none
+    import networkx as nx
 
 __all__ = ["ELEMENTWISE", "ROW_VIEWS", "TRANSPOSES", "VIEW_LIKE", "GraphView", "op_name"]
 
@@ -121,6 +124,8 @@ class GraphView:
 
     @cached_property
     def dag(self) -> nx.DiGraph:
+        import networkx as nx
+
         g = nx.DiGraph()
         g.add_nodes_from(self.nodes)
         for n in self.nodes:
@@ -132,13 +137,17 @@ class GraphView:
     def input_dependent(self) -> frozenset[fx.Node]:
         """Nodes whose value depends on ``input_ids`` (activations, not weights)."""
         source = self.by_name[self.traced.input_name]
-        return frozenset(nx.descendants(self.dag, source) | {source})
+        return frozenset(self.descendants(source) | {source})
 
     def ancestors(self, node: fx.Node) -> set[fx.Node]:
-        return nx.ancestors(self.dag, node)
+        from networkx import ancestors
+
+        return ancestors(self.dag, node)
 
     def descendants(self, node: fx.Node) -> set[fx.Node]:
-        return nx.descendants(self.dag, node)
+        from networkx import descendants
+
+        return descendants(self.dag, node)
 
     def descendants_upto(self, node: fx.Node, last: int) -> list[fx.Node]:
         """Descendants of ``node`` whose graph index is at most ``last``, in graph order."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -131,3 +132,28 @@ def test_a_patch_lora_cannot_hold_is_a_clear_error(tmp_path) -> None:
     norms = {n: d for n, d in patch.deltas.items() if d.vector is not None}
     with pytest.raises(ctxc.CtxcError, match="PEFT cannot hold this patch"):
         emit_peft(model, Patch(norms, patch.meta), tmp_path)
+
+
+def test_compiles_patched_logits_stand_for_the_torch_reference_and_the_model_is_kept(tmp_path):
+    # emit_peft loads the adapter on a copy sharing the model's tensors (patched ones at their
+    # addresses modulo 64), so the compile's verification run is its torch reference, bit for bit.
+    model = build("gemma3")
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith("0.mlp.up_proj.weight"))  # PEFT would freeze it
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = ctxc.compile(model, context_ids=random_ids(3, 20))
+    assert result.patched_logits is not None
+    a, given = emit_peft(model, result.patch, tmp_path / "a", baked=result.patched_logits)
+    b, computed = emit_peft(model, result.patch, tmp_path / "b")
+
+    def figures(f) -> dict:
+        return {k: v for k, v in dataclasses.asdict(f).items() if k != "seconds"}
+
+    assert figures(given) == figures(computed), (figures(given), figures(computed))
+    assert given.merged_vs_baked == 0.0, f"merged vs baked max |diff| {given.merged_vs_baked}"
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+    assert not changed, f"emit_peft left the model modified: {changed[:3]}"
+    grads = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert grads == ["model.layers.0.mlp.up_proj.weight"], grads

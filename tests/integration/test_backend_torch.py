@@ -1,0 +1,64 @@
+"""The torch backend writes the patched weights without writing, cloning or moving the model's own
+(``patched_values``, issue 11): the saved tensors are Patch.apply's, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+from helpers import random_ids
+from safetensors.torch import load_file
+from tiny_models import build
+
+import ctxc
+from ctxc.backends.torch_model import emit_torch
+from ctxc.patched_forward import patched_values
+
+
+def _saved(folder) -> dict[str, torch.Tensor]:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_emit_torch_saves_the_applied_weights_and_leaves_the_model(tmp_path) -> None:
+    model = build("gemma3")
+    patch = ctxc.compile(model, context_ids=random_ids(4, 20), verify=False).patch
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    addresses = {k: v.data_ptr() for k, v in model.state_dict().items()}
+
+    emit_torch(model, None, patch, tmp_path / "new")
+    with patch.applied(model):  # the reference: the weights written into the model in place
+        model.save_pretrained(str(tmp_path / "applied"))
+
+    new, applied = _saved(tmp_path / "new"), _saved(tmp_path / "applied")
+    assert sorted(new) == sorted(applied)
+    differ = [k for k in new if not torch.equal(new[k], applied[k])]
+    assert not differ, f"{len(differ)} tensors differ from Patch.apply's, e.g. {differ[:2]}"
+    changed = [k for k in patch.deltas if not torch.equal(new[k], before[k])]
+    assert len(changed) == len(patch.deltas), f"{len(changed)} of {len(patch.deltas)} patched"
+    kept = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
+    assert not kept, f"emit_torch left the model modified: {kept[:3]}"
+    moved = [k for k, v in model.state_dict().items() if v.data_ptr() != addresses[k]]
+    assert not moved, f"emit_torch left parameters at other addresses: {moved[:3]}"
+
+
+def test_patched_values_are_the_applied_logits_and_restore_on_error() -> None:
+    model = build("gemma3")
+    ids = random_ids(5, 16)
+    patch = ctxc.compile(model, context_ids=ids, verify=False).patch
+    query = torch.tensor([patch.meta.query_ids])
+    with patch.applied(model), torch.no_grad():
+        want = model(input_ids=query).logits
+    for _ in range(2):  # twice: the first swap must leave the model as it found it
+        with patched_values(model, patch), torch.no_grad():
+            got = model(input_ids=query).logits
+        diff = (got - want).abs()
+        assert torch.equal(got, want), f"max {diff.max():.3g}, mean {diff.mean():.3g}"
+    name = next(iter(patch.deltas))
+    param = model.get_parameter(name)
+    own, address = param.detach().clone(), param.data_ptr()
+    try:
+        with patched_values(model, patch):
+            assert param.data_ptr() != address, "the patched value is swapped in"
+            raise RuntimeError("stop")
+    except RuntimeError:
+        pass
+    assert param.data_ptr() == address, "the parameter's own tensor is back"
+    assert torch.equal(param.detach(), own), f"max {(param.detach() - own).abs().max():.3g}"
