@@ -24,6 +24,7 @@ from ctxc.passes.graph_view import GraphView
 from ctxc.passes.run_graph import BlockTargets, FullRun, record_targets
 from ctxc.passes.solve import Solution, solve
 from ctxc.pipeline import traced_blocks
+from ctxc.shared_head import HeadShare, head_share
 from ctxc.trace import TracedModel
 
 __all__ = ["GenerateResult", "GenerateStep", "generate"]
@@ -183,6 +184,66 @@ def _record(step: int, solution: Solution, full: FullRun, start: float) -> Gener
     )
 
 
+class _Stepper:
+    """One protocol step at a time: the baseline's step (its cached decode, or a graph full
+    run), then the reduced pass that compiles and applies the patch for the current token."""
+
+    def __init__(self, model, traced, blocks, hooks, update: str, apply: str) -> None:
+        self.model, self.traced, self.blocks, self.hooks = model, traced, blocks, hooks
+        self.update, self.apply = update, apply
+        self.cache_arg = _cache_arg(model)
+        self.cached = False
+        self.cache = None
+        self.share: HeadShare | None = None
+
+    def start(self, ids: torch.Tensor, prefill: dict | None) -> dict[str, float]:
+        """Probe what the hooks and the head can share, then prefill; the timings."""
+        t0 = time.perf_counter()
+        probe = ids[:, : min(8, ids.shape[1])]
+        self.cached = _hooks_agree(self.model, self.traced, self.blocks, self.hooks, probe)
+        if self.cached and prefill is None:
+            args = (self.model, self.traced, self.blocks, probe, self.cache_arg, _cache_of)
+            self.share = head_share(*args)
+        probed = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        text = prefill is None
+        self.cache = _prefill(self.model, prefill or {"input_ids": ids[:, :-1]}, self.cached, text)
+        if self.share is not None:
+            self.share.trim = True  # the decode reads no head weights: the reduced run does
+        return {"probe": probed, "prefill": time.perf_counter() - t0}
+
+    def step(self, history: list[int], device) -> tuple[Solution, FullRun]:
+        """The patched and the baseline's runs for the last token of ``history``."""
+        current = torch.tensor([[history[-1]]], dtype=torch.long, device=device)
+        logits = None
+        if self.cached:
+            with torch.no_grad():
+                out = self.model(input_ids=current, **{self.cache_arg: self.cache}, use_cache=True)
+            self.cache = _cache_of(out)
+            targets = self.hooks.targets()
+            logits = out.logits[0, -1:].float() if self.share is None else None
+        else:  # the hooks cannot stand in for the graph: a full run per step
+            full_ids = torch.tensor([history], dtype=torch.long, device=device)
+            full = record_targets(self.traced, self.blocks, full_ids, 1)
+            targets, logits = full.targets, full.logits
+        ops = None
+        if self.share is not None and self.blocks.head:  # both heads in the reduced run's
+            ops = {self.blocks.head: self.share.head_op()}
+        # The solver reads the targets only; with a shared head the logits come with its run.
+        pending = FullRun(targets=targets, logits=torch.empty(0, 0) if logits is None else logits)
+        args = (self.traced, self.blocks, pending, current, self.update)
+        solution = solve(*args, apply=self.apply, ops=ops)
+        if logits is None:
+            assert self.share is not None and self.share.full is not None
+            logits = self.share.full[0, -1:].float()
+        return solution, FullRun(targets=targets, logits=logits)
+
+    def close(self) -> None:
+        self.hooks.close()
+        if self.share is not None:
+            self.share.close()
+
+
 def generate(
     model: torch.nn.Module,
     context_ids: list[int],
@@ -220,37 +281,21 @@ def generate(
     apply = apply or "lowrank"
     device = input_device(model)  # the embedding's device, dispersed or not
     ids = torch.tensor([context_ids], dtype=torch.long, device=device)
-    hooks = _TargetHooks(model, traced, blocks)
-    timings: dict[str, float] = {}
+    stepper = _Stepper(model, traced, blocks, _TargetHooks(model, traced, blocks), update, apply)
     steps: list[GenerateStep] = []
     try:
-        t0 = time.perf_counter()
-        cached = _hooks_agree(model, traced, blocks, hooks, ids[:, : min(8, ids.shape[1])])
-        timings["probe"] = time.perf_counter() - t0
+        timings = stepper.start(ids, prefill)
         history = list(context_ids)
-        cache_arg = _cache_arg(model)
-        t0 = time.perf_counter()
-        cache = _prefill(model, prefill or {"input_ids": ids[:, :-1]}, cached, prefill is None)
-        timings["prefill"] = time.perf_counter() - t0
         for step in range(max_new_tokens):
             start = time.perf_counter()
-            current = torch.tensor([[history[-1]]], dtype=torch.long, device=device)
-            if cached:
-                with torch.no_grad():
-                    out = model(input_ids=current, **{cache_arg: cache}, use_cache=True)
-                cache = _cache_of(out)
-                full = FullRun(targets=hooks.targets(), logits=out.logits[0, -1:].float())
-            else:  # the hooks cannot stand in for the graph: a full run per step
-                full_ids = torch.tensor([history], dtype=torch.long, device=device)
-                full = record_targets(traced, blocks, full_ids, 1)
-            solution = solve(traced, blocks, full, current, update, apply=apply)
+            solution, full = stepper.step(history, device)
             record = _record(step, solution, full, start)
             steps.append(record)
             if on_step is not None:
                 on_step(record)
             history.append(record.baseline_token)  # teacher forcing: follow the baseline
     finally:
-        hooks.close()
+        stepper.close()
     timings["steps"] = sum(s.seconds for s in steps)
     return GenerateResult(
         steps=tuple(steps),
@@ -258,6 +303,8 @@ def generate(
         update=update,
         dtype=str(dtype).removeprefix("torch."),
         apply=apply,
-        targets_from="cached decode (module hooks)" if cached else "graph full run per step",
+        targets_from=(
+            "cached decode (module hooks)" if stepper.cached else "graph full run per step"
+        ),
         timings={k: round(v, 4) for k, v in timings.items()},
     )

@@ -10,7 +10,7 @@ It mutates only its own environment, never the graph or the model.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import fx
@@ -38,10 +38,18 @@ class ReducedRun(PlacingInterpreter):
         stops: names of the nodes the driver may stop at, read or add actions to (names of no
             node are ignored): the stretches between them run compiled (:mod:`compile_segments`)
             when these stops come a second time.
+        ops: node -> ``fn(*args, **kwargs)`` that computes its value instead of its op (the
+            caller computes it together with another run's: ``ctxc generate`` reads the LM
+            head's weights once for both its runs); they are stops too.
     """
 
     def __init__(
-        self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple, stops: Iterable = ()
+        self,
+        view: GraphView,
+        keep: Iterable[fx.Node],
+        inputs: tuple,
+        stops: Iterable = (),
+        ops: Mapping[fx.Node, Callable] | None = None,
     ) -> None:
         placer = view.traced.placer(inputs[view.traced.input_index])
         super().__init__(view.traced.graph_module, placer, garbage_collect_values=False)
@@ -52,8 +60,10 @@ class ReducedRun(PlacingInterpreter):
         self.actions: dict[fx.Node, list[Action]] = {}
         # offloaded parameter -> (its lazy original, how to patch it again): for release().
         self.rebakes: dict[fx.Node, tuple[LazyWeight, Callable]] = {}
+        self.ops = dict(ops or {})
         self.args_iter = iter(self.graph.process_inputs(*inputs))
-        stops = frozenset((*(view.by_name[n] for n in stops if n in view.by_name), *self.keep))
+        named = (view.by_name[n] for n in stops if n in view.by_name)
+        stops = frozenset((*named, *self.keep, *self.ops))
         # A dispersed model's ops run through its placer, node by node: no compiled stretches.
         plain = stops and placer is None
         self.segments = (compile_segments(self.module, stops) if plain else None) or {}
@@ -113,7 +123,8 @@ class ReducedRun(PlacingInterpreter):
         # Interpreter.run_node without its error-context manager, inlined (:meth:`_compute`):
         # this loop runs at every generated token of `ctxc generate`, where per-node cost shows.
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        value = getattr(self, node.op)(node.target, args, kwargs)
+        op = self.ops.get(node)
+        value = op(*args, **kwargs) if op else getattr(self, node.op)(node.target, args, kwargs)
         acts = self.actions.get(node)
         if acts:
             for act in acts:
@@ -126,7 +137,8 @@ class ReducedRun(PlacingInterpreter):
 
     def _compute(self, node: fx.Node):
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        value = getattr(self, node.op)(node.target, args, kwargs)
+        op = self.ops.get(node)
+        value = op(*args, **kwargs) if op else getattr(self, node.op)(node.target, args, kwargs)
         for act in self.actions.get(node, ()):
             value = act(value)
         if node in self.keep:
