@@ -56,6 +56,9 @@ class ReducedRun(PlacingInterpreter):
         self.view = view
         self.keep = frozenset(keep)
         self.kept: dict[fx.Node, torch.Tensor] = {}
+        # kept node -> the input values (and their versions) its op output came from, or None
+        # when the kept copy has actions added (:meth:`_plain_kept`).
+        self._sources: dict[fx.Node, tuple | None] = {}
         # node -> actions added to its value (apply="lowrank").
         self.actions: dict[fx.Node, list[Action]] = {}
         # offloaded parameter -> (its lazy original, how to patch it again): for release().
@@ -130,7 +133,7 @@ class ReducedRun(PlacingInterpreter):
             for act in acts:
                 value = act(value)
         if node in self.keep:
-            self.kept[node] = value.detach().clone()
+            self._keep(node, value, not acts)
         self.env[node] = value
         if node.op == "output":
             self.result = self.graph.process_outputs(self.env[node])
@@ -139,11 +142,35 @@ class ReducedRun(PlacingInterpreter):
         args, kwargs = self.fetch_args_kwargs_from_env(node)
         op = self.ops.get(node)
         value = op(*args, **kwargs) if op else getattr(self, node.op)(node.target, args, kwargs)
-        for act in self.actions.get(node, ()):
+        acts = self.actions.get(node, ())
+        for act in acts:
             value = act(value)
         if node in self.keep:
-            self.kept[node] = value.detach().clone()
+            self._keep(node, value, not acts)
         return value
+
+    def _keep(self, node: fx.Node, value: torch.Tensor, plain: bool) -> None:
+        """Copy ``value``; when it is the op's own output (``plain``: no action), remember the
+        inputs it came from, each with its version (:meth:`_plain_kept`)."""
+        self.kept[node] = value.detach().clone()
+        self._sources[node] = self._inputs_now(node) if plain else None
+
+    def _inputs_now(self, node: fx.Node) -> tuple:
+        values = (self.env[n] for n in node.all_input_nodes)
+        return tuple((v, v._version if isinstance(v, torch.Tensor) else None) for v in values)
+
+    def _plain_kept(self, node: fx.Node) -> torch.Tensor | None:
+        """The kept copy of ``node``'s op output when the op would give it again: no action
+        since, and the same input tensors, none changed in place (a tensor's version counts
+        its in-place changes); else None."""
+        then, kept = self._sources.get(node), self.kept.get(node)
+        if then is None or kept is None or self.actions.get(node):
+            return None
+        now = self._inputs_now(node)
+        same = len(now) == len(then) and all(
+            a is b and va == vb for (a, va), (b, vb) in zip(now, then, strict=True)
+        )
+        return kept if same else None
 
     # -- reading and changing ----------------------------------------------------------------
 
@@ -202,10 +229,17 @@ class ReducedRun(PlacingInterpreter):
 
     def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
         """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""
+        raw = self._plain_kept(node) if node in self.env else None
         self.actions.setdefault(node, []).append(act)
         if node in self.env:
-            # Compute the node afresh: a later in-place op may have changed the stored value.
-            self.env[node] = self._compute(node)
+            if raw is not None:
+                # Its op on the same inputs gives the kept copy again, bit for bit: add the action
+                # to that (an outer linear's weights are not read a second time).
+                value = act(raw)
+                self._keep(node, value, False)
+                self.env[node] = value
+            else:  # afresh: a later in-place op may have changed the stored value
+                self.env[node] = self._compute(node)
             self.recompute_from(node, upto)
 
     def recompute_from(self, root: fx.Node, upto: fx.Node) -> None:

@@ -39,6 +39,8 @@ from ctxc.trace import TracedModel
 
 __all__ = ["RULES", "UPDATE_RULES", "Solution", "solve"]
 
+aten = torch.ops.aten
+
 
 @dataclass(frozen=True)
 class Solution:
@@ -253,7 +255,19 @@ class _Solver:
     def _outer_now(self, block: MlpBlock, h: torch.Tensor) -> torch.Tensor:
         """The outer linear's output [k, d] in float32, from its input ``h`` [k, d_ff]."""
         site = block.outer
-        u_now = h.float() @ self._weight(site).float().T  # [k, d]
+        node = self.view.by_name[site.node]
+        w = self._weight(site)  # [out, in]
+        if (
+            node.target is aten.linear.default
+            and len(node.args) == 2
+            and h.dtype == w.dtype == torch.float32
+            and not self.run.actions.get(node)
+            and node in self.run.kept
+        ):
+            # The run computed it: aten.linear without a bias is matmul(x, W^T), the same mm
+            # as ``h @ W^T`` below, bit for bit; its weights need not be read again.
+            return _rows(self.run.kept[node])
+        u_now = h.float() @ w.float().T  # [k, d]
         if site.bias is not None:
             u_now = u_now + self.run.param(self.param_node[site.bias]).float()
         return u_now
