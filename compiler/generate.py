@@ -9,9 +9,13 @@ so a step costs one cached decode step plus one reduced pass, not a new prefill.
 
 from __future__ import annotations
 
+import gc
 import inspect
+import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -108,6 +112,10 @@ class _TargetHooks:
         view = GraphView(traced)
         self.blocks = blocks
         self.values: dict[tuple[str, str], torch.Tensor] = {}
+        # While a decode step runs on another thread: each block's targets as soon as its
+        # output is recorded, for a solver that waits on ``changed`` (:meth:`waiter`).
+        self.live: dict[str, BlockTargets] | None = None
+        self.changed = threading.Condition()
         self.handles = []
         for b in blocks.blocks:
             z_mod = model.get_submodule(b.path)
@@ -129,8 +137,32 @@ class _TargetHooks:
         def hook(module, args, output):
             y = output[0] if isinstance(output, tuple | list) else output
             self.values[(path, "y")] = y[0, -1:].detach().clone()  # [1, d]
+            if self.live is not None:
+                with self.changed:
+                    z = self.values[(path, "z")]
+                    self.live[path] = BlockTargets(z=z, y=self.values[(path, "y")])
+                    self.changed.notify_all()
 
         return hook
+
+    def waiter(self, decode: Future) -> Callable[[str], None]:
+        """``wait(path)``: returns once the running ``decode`` recorded that block's targets in
+        :attr:`live`; raises the decode's error if it failed first."""
+        decode.add_done_callback(lambda _: self._notify())
+
+        def wait(path: str) -> None:
+            with self.changed:
+                while self.live is not None and path not in self.live:
+                    if decode.done():
+                        decode.result()  # its error, if any
+                        raise CtxcError(f"the decode step recorded no targets for {path}")
+                    self.changed.wait(0.1)
+
+        return wait
+
+    def _notify(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
 
     def targets(self) -> dict[str, BlockTargets]:
         return {
@@ -188,13 +220,20 @@ class _Stepper:
     """One protocol step at a time: the baseline's step (its cached decode, or a graph full
     run), then the reduced pass that compiles and applies the patch for the current token."""
 
-    def __init__(self, model, traced, blocks, hooks, update: str, apply: str) -> None:
+    def __init__(self, model, traced, blocks, hooks, update: str, apply: str, device) -> None:
         self.model, self.traced, self.blocks, self.hooks = model, traced, blocks, hooks
         self.update, self.apply = update, apply
         self.cache_arg = _cache_arg(model)
         self.cached = False
         self.cache = None
         self.share: HeadShare | None = None
+        # With two or more torch threads on a CPU, the decode step runs on a worker thread
+        # while the solver works on the blocks it has recorded (each step computes the same
+        # ops on the same values, in the same threads' settings: only their order in time
+        # changes), and the two head products run at once (``shared_head``).
+        self.worker: ThreadPoolExecutor | None = None
+        if torch.get_num_threads() >= 2 and torch.device(device).type == "cpu":
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="ctxc-decode")
 
     def start(self, ids: torch.Tensor, prefill: dict | None) -> dict[str, float]:
         """Probe what the hooks and the head can share, then prefill; the timings."""
@@ -203,7 +242,7 @@ class _Stepper:
         self.cached = _hooks_agree(self.model, self.traced, self.blocks, self.hooks, probe)
         if self.cached and prefill is None:
             args = (self.model, self.traced, self.blocks, probe, self.cache_arg, _cache_of)
-            self.share = head_share(*args)
+            self.share = head_share(*args, self.worker)
         probed = time.perf_counter() - t0
         t0 = time.perf_counter()
         text = prefill is None
@@ -215,33 +254,53 @@ class _Stepper:
     def step(self, history: list[int], device) -> tuple[Solution, FullRun]:
         """The patched and the baseline's runs for the last token of ``history``."""
         current = torch.tensor([[history[-1]]], dtype=torch.long, device=device)
-        logits = None
-        if self.cached:
-            with torch.no_grad():
-                out = self.model(input_ids=current, **{self.cache_arg: self.cache}, use_cache=True)
-            self.cache = _cache_of(out)
-            targets = self.hooks.targets()
-            logits = out.logits[0, -1:].float() if self.share is None else None
-        else:  # the hooks cannot stand in for the graph: a full run per step
+        if not self.cached:  # the hooks cannot stand in for the graph: a full run per step
             full_ids = torch.tensor([history], dtype=torch.long, device=device)
             full = record_targets(self.traced, self.blocks, full_ids, 1)
-            targets, logits = full.targets, full.logits
-        ops = None
-        if self.share is not None and self.blocks.head:  # both heads in the reduced run's
-            ops = {self.blocks.head: self.share.head_op()}
-        # The solver reads the targets only; with a shared head the logits come with its run.
-        pending = FullRun(targets=targets, logits=torch.empty(0, 0) if logits is None else logits)
-        args = (self.traced, self.blocks, pending, current, self.update)
-        solution = solve(*args, apply=self.apply, ops=ops)
-        if logits is None:
-            assert self.share is not None and self.share.full is not None
+            return self._solve(current, full.targets, None), full
+        if self.worker is None:
+            out = self._decode(current)
+            targets = self.hooks.targets()
+            solution = self._solve(current, targets, None)
+        else:  # the decode on the worker, the solver here as its blocks' targets arrive
+            targets = self.hooks.live = {}
+            decode = self.worker.submit(self._decode, current)
+            try:
+                solution = self._solve(current, targets, decode)
+            finally:
+                futures.wait([decode])  # never leave it running, whatever happened here
+                self.hooks.live = None
+            out = decode.result()
+        self.cache = _cache_of(out)
+        if self.share is None:
+            logits = out.logits[0, -1:].float()
+        else:  # the baseline's logits came with the reduced run's head
+            assert self.share.full is not None
             logits = self.share.full[0, -1:].float()
         return solution, FullRun(targets=targets, logits=logits)
+
+    def _decode(self, current: torch.Tensor):
+        with torch.no_grad():  # grad mode is per thread
+            return self.model(input_ids=current, **{self.cache_arg: self.cache}, use_cache=True)
+
+    def _solve(self, current: torch.Tensor, targets: dict, decode: Future | None) -> Solution:
+        """The reduced pass on ``current``; with ``decode`` running, waiting for its targets."""
+        ops = wait = None
+        if decode is not None:
+            wait = self.hooks.waiter(decode)
+        if self.share is not None and self.blocks.head:  # both heads in the reduced run's
+            ops = {self.blocks.head: self.share.head_op(decode.result if decode else None)}
+        # The solver reads the targets only: the baseline's logits are read after it.
+        pending = FullRun(targets=targets, logits=torch.empty(0, 0))
+        args = (self.traced, self.blocks, pending, current, self.update)
+        return solve(*args, apply=self.apply, ops=ops, wait=wait)
 
     def close(self) -> None:
         self.hooks.close()
         if self.share is not None:
             self.share.close()
+        if self.worker is not None:
+            self.worker.shutdown()
 
 
 def generate(
@@ -281,10 +340,17 @@ def generate(
     apply = apply or "lowrank"
     device = input_device(model)  # the embedding's device, dispersed or not
     ids = torch.tensor([context_ids], dtype=torch.long, device=device)
-    stepper = _Stepper(model, traced, blocks, _TargetHooks(model, traced, blocks), update, apply)
+    hooks = _TargetHooks(model, traced, blocks)
+    stepper = _Stepper(model, traced, blocks, hooks, update, apply, device)
     steps: list[GenerateStep] = []
+    # A full collection rescans every object the process holds (the model, its graph: half a
+    # million), 0.2-0.5 s that fell in one step of ten; frozen, they are left out of it while
+    # the steps run (unless the caller froze objects of its own: then leave its setting).
+    freeze = gc.get_freeze_count() == 0
     try:
         timings = stepper.start(ids, prefill)
+        if freeze:
+            gc.freeze()
         history = list(context_ids)
         for step in range(max_new_tokens):
             start = time.perf_counter()
@@ -295,6 +361,8 @@ def generate(
                 on_step(record)
             history.append(record.baseline_token)  # teacher forcing: follow the baseline
     finally:
+        if freeze:
+            gc.unfreeze()
         stepper.close()
     timings["steps"] = sum(s.seconds for s in steps)
     return GenerateResult(

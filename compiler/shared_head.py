@@ -92,11 +92,9 @@ class HeadShare:
     no rows, so the decode step reads none of its weights (the logits come from
     :meth:`head_op`). ``close`` removes the hook."""
 
-    def __init__(self, module: torch.nn.Linear) -> None:
+    def __init__(self, module: torch.nn.Linear, worker: ThreadPoolExecutor | None) -> None:
         self.module = module
-        self.worker: ThreadPoolExecutor | None = None
-        if torch.get_num_threads() >= 2:  # two products at once within the thread budget
-            self.worker = ThreadPoolExecutor(1, thread_name_prefix="ctxc-head")
+        self.worker = worker  # for the second product (:func:`dual_linear`); not owned
         self.trim = False
         self.hidden: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
@@ -106,21 +104,22 @@ class HeadShare:
         self.hidden = args[0]  # [1, n, d]
         return (args[0][..., :0, :], *args[1:]) if self.trim else None
 
-    def head_op(self) -> Callable:
-        """The reduced run's head node: both heads at once; the baseline's logits in ``full``."""
-        hidden = self.hidden
-        assert hidden is not None
+    def head_op(self, wait: Callable[[], object] | None = None) -> Callable:
+        """The reduced run's head node: both heads at once; the baseline's logits in ``full``.
+        ``wait()`` returns once the decode step has called the head (it runs on a worker)."""
 
         def op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
-            mine, self.full = dual_linear(x, hidden[..., -1:, :], weight, bias, self.worker)
+            if wait is not None:
+                wait()
+            assert self.hidden is not None
+            hidden = self.hidden[..., -1:, :]  # [1, 1, d]
+            mine, self.full = dual_linear(x, hidden, weight, bias, self.worker)
             return mine
 
         return op
 
     def close(self) -> None:
         self.handle.remove()
-        if self.worker is not None:
-            self.worker.shutdown()
 
 
 def _plain_head(traced: TracedModel, blocks: BlockMap) -> bool:
@@ -141,16 +140,18 @@ def head_share(
     probe: torch.Tensor,
     cache_arg: str,
     cache_of: Callable,
+    worker: ThreadPoolExecutor | None,
 ) -> HeadShare | None:
     """A :class:`HeadShare` on ``model``'s head when a cached decode step of ``probe`` (int64
     [1, n >= 2]) gives bit for bit the logits :func:`dual_linear` computes from the head's
-    input; None (nothing left registered) when it does not or cannot."""
+    input (with ``worker``: both products at once, :func:`dual_linear`); None (nothing left
+    registered) when it does not or cannot."""
     if not _plain_head(traced, blocks) or probe.shape[1] < 2:
         return None
     module = model.get_submodule(blocks.head_module or "")
     if type(module) is not torch.nn.Linear or module.weight.device.type != "cpu":
         return None
-    share = HeadShare(module)
+    share = HeadShare(module, worker)
     try:
         with torch.no_grad():
             cache = cache_of(model(input_ids=probe[:, :-1], use_cache=True))

@@ -1,9 +1,10 @@
-"""A matrix delta as an action on its linear's output (``apply="lowrank"``, MATH.md 6).
+"""A delta as an action on a node's output (``apply="lowrank"``, MATH.md 6).
 
-The reduced run adds ``(x v) u^T`` to the linear's output in float32, beside the unchanged
-weights, instead of materialising ``W + u v^T`` (:func:`~ctxc.passes.delta_math.lowrank_action`).
-For a stacked expert bank, each bank row gets its own expert's factors. Analysis: the action
-reads the run's environment when it is applied and mutates nothing.
+The reduced run adds ``(x v) u^T`` to a linear's output in float32, beside the unchanged
+weights, instead of materialising ``W + u v^T`` (:func:`~ctxc.passes.delta_math.lowrank_action`);
+for a stacked expert bank, each bank row gets its own expert's factors. A vector delta of a post
+norm's scale adds ``f * alpha * ds`` to the scaled output, of its bias the vector itself.
+Analysis: an action reads the run's values when it is applied and mutates nothing.
 """
 
 from __future__ import annotations
@@ -13,10 +14,11 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from ctxc.passes.block_map import MlpBlock
 from ctxc.passes.delta_math import add_in_float32, lowrank_action
 from ctxc.patch import Delta
 
-__all__ = ["linear_action"]
+__all__ = ["linear_action", "vector_action"]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -61,3 +63,29 @@ def linear_action(
         return add_in_float32(out, add.reshape(out.shape))
 
     return linear_act
+
+
+def vector_action(
+    delta: Delta, block: MlpBlock, normalized: Callable[[MlpBlock], torch.Tensor]
+) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The node a post norm's scale or bias delta acts on, and the action.
+
+    Args:
+        delta: a vector delta [d] of the block's scale or bias.
+        block: the block whose post norm it changes.
+        normalized: ``normalized(block)`` -> the normalised output ``f`` the scale multiplies,
+            as the run now computes it.
+    """
+    vec = delta.vector
+    assert vec is not None
+    if block.output_control == "bias":
+        assert block.norm is not None and block.norm.bias_node is not None
+        return block.norm.bias_node, lambda out: add_in_float32(out, vec)
+    sc = block.scale
+    assert sc is not None
+
+    def scale_act(out: torch.Tensor) -> torch.Tensor:
+        f = normalized(block).float().reshape(out.shape)
+        return add_in_float32(out, f * (sc.alpha * vec))
+
+    return sc.node, scale_act

@@ -26,8 +26,8 @@ from ctxc.errors import SolveError
 from ctxc.passes import block_moves as moves
 from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.block_stats import BlockStats
-from ctxc.passes.delta_actions import linear_action
-from ctxc.passes.delta_math import add_in_float32, at_alignment_of
+from ctxc.passes.delta_actions import linear_action, vector_action
+from ctxc.passes.delta_math import at_alignment_of
 from ctxc.passes.graph_view import GraphView
 from ctxc.passes.plan import LORA_RULE, RULES, UPDATE_RULES, BlockPlan, checked_plan
 from ctxc.passes.reach_post_norm import reachable_outputs
@@ -312,19 +312,7 @@ class _Solver:
             ids_node = self.view.by_name[at.experts or ""] if delta.experts else None
             x_node = self.view.by_name[at.input]
             return at.node, linear_action(delta, self.run.env, x_node, ids_node)
-        assert delta.vector is not None
-        vec = delta.vector
-        if at.output_control == "bias":
-            assert at.norm is not None and at.norm.bias_node is not None
-            return at.norm.bias_node, lambda out: add_in_float32(out, vec)
-        sc = at.scale
-        assert sc is not None
-
-        def scale_act(out: torch.Tensor) -> torch.Tensor:
-            f = self._normalized(at).float().reshape(out.shape)
-            return add_in_float32(out, f * (sc.alpha * vec))
-
-        return sc.node, scale_act
+        return vector_action(delta, at, self._normalized)
 
 
 def solve(
@@ -338,6 +326,7 @@ def solve(
     apply: str = "baked",
     skip: Mapping[str, str] | None = None,
     ops: Mapping[str, Callable] | None = None,
+    wait: Callable[[str], None] | None = None,
 ) -> Solution:
     """Compute every block's patch in one reduced pass (pure: the model is not modified).
 
@@ -358,6 +347,8 @@ def solve(
         skip: block path -> reason, for blocks to leave unpatched (a condition they failed).
         ops: node name -> ``fn(*args, **kwargs)`` computing that node instead of its op
             (``ctxc generate`` computes the LM head with the baseline's, one weight read).
+        wait: ``wait(block path)`` returns once that block's targets are in ``full.targets``
+            (``ctxc generate`` records them on another thread while the solver runs).
 
     Returns:
         the :class:`Solution`.
@@ -385,6 +376,8 @@ def solve(
     stats = []
     with torch.no_grad():
         for i, (block, todo) in enumerate(zip(blocks.blocks, plans, strict=True)):
+            if wait is not None:
+                wait(block.path)
             if todo is None:
                 stats.append(solver.skip_block(block, skip.get(block.path, "")))
             else:
