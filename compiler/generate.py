@@ -28,7 +28,7 @@ from ctxc.passes.graph_view import GraphView
 from ctxc.passes.run_graph import BlockTargets, FullRun, record_targets
 from ctxc.passes.solve import Solution, solve
 from ctxc.pipeline import traced_blocks
-from ctxc.shared_head import HeadShare, head_share
+from ctxc.shared_head import head_split
 from ctxc.trace import TracedModel
 
 __all__ = ["GenerateResult", "GenerateStep", "generate"]
@@ -226,29 +226,26 @@ class _Stepper:
         self.cache_arg = _cache_arg(model)
         self.cached = False
         self.cache = None
-        self.share: HeadShare | None = None
+        self.head_op: Callable | None = None
         # With two or more torch threads on a CPU, the decode step runs on a worker thread
         # while the solver works on the blocks it has recorded (each step computes the same
         # ops on the same values, in the same threads' settings: only their order in time
-        # changes), and the two head products run at once (``shared_head``).
+        # changes), and the reduced run's LM head then runs on both threads (``shared_head``).
         self.worker: ThreadPoolExecutor | None = None
         if torch.get_num_threads() >= 2 and torch.device(device).type == "cpu":
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="ctxc-decode")
 
     def start(self, ids: torch.Tensor, prefill: dict | None) -> dict[str, float]:
-        """Probe what the hooks and the head can share, then prefill; the timings."""
+        """Probe the hooks and the split head, then prefill; the timings."""
         t0 = time.perf_counter()
         probe = ids[:, : min(8, ids.shape[1])]
         self.cached = _hooks_agree(self.model, self.traced, self.blocks, self.hooks, probe)
-        if self.cached and prefill is None:
-            args = (self.model, self.traced, self.blocks, probe, self.cache_arg, _cache_of)
-            self.share = head_share(*args, self.worker)
+        if self.cached:
+            self.head_op = head_split(self.traced, self.blocks, self.worker)
         probed = time.perf_counter() - t0
         t0 = time.perf_counter()
         text = prefill is None
         self.cache = _prefill(self.model, prefill or {"input_ids": ids[:, :-1]}, self.cached, text)
-        if self.share is not None:
-            self.share.trim = True  # the decode reads no head weights: the reduced run does
         return {"probe": probed, "prefill": time.perf_counter() - t0}
 
     def step(self, history: list[int], device) -> tuple[Solution, FullRun]:
@@ -272,12 +269,7 @@ class _Stepper:
                 self.hooks.live = None
             out = decode.result()
         self.cache = _cache_of(out)
-        if self.share is None:
-            logits = out.logits[0, -1:].float()
-        else:  # the baseline's logits came with the reduced run's head
-            assert self.share.full is not None
-            logits = self.share.full[0, -1:].float()
-        return solution, FullRun(targets=targets, logits=logits)
+        return solution, FullRun(targets=targets, logits=out.logits[0, -1:].float())
 
     def _decode(self, current: torch.Tensor):
         with torch.no_grad():  # grad mode is per thread
@@ -288,8 +280,8 @@ class _Stepper:
         ops = wait = None
         if decode is not None:
             wait = self.hooks.waiter(decode)
-        if self.share is not None and self.blocks.head:  # both heads in the reduced run's
-            ops = {self.blocks.head: self.share.head_op(decode.result if decode else None)}
+            if self.head_op is not None and self.blocks.head:  # on both threads, once free
+                ops = {self.blocks.head: self.head_op(decode.result)}
         # The solver reads the targets only: the baseline's logits are read after it.
         pending = FullRun(targets=targets, logits=torch.empty(0, 0))
         args = (self.traced, self.blocks, pending, current, self.update)
@@ -297,8 +289,6 @@ class _Stepper:
 
     def close(self) -> None:
         self.hooks.close()
-        if self.share is not None:
-            self.share.close()
         if self.worker is not None:
             self.worker.shutdown()
 
