@@ -1,8 +1,10 @@
 """Cost of one `ctxc generate` step against one cached decode step of the plain model.
 
 A step of the per-token protocol is one cached decode step of the baseline (which also records
-the solver's targets) plus one reduced pass that computes and applies every block's patch. This
-prints both means over the same steps, on a context of about 400 tokens, and their ratio.
+the solver's targets) plus one reduced pass that computes and applies every block's patch (with
+two or more threads, the two overlap: ``ctxc.generate``). This prints both means and medians
+over the same steps, on a context of about 400 tokens, and the ratio of the means. Run it on an
+otherwise idle machine: a 2-thread decode step slows several fold beside another busy process.
 
     python benchmarks/generate_cost.py [--context examples/medium.txt] [--steps 10] [--threads N]
 """
