@@ -37,10 +37,13 @@ class LinearSite:
         layout: ``"out_in"`` for ``nn.Linear`` ([out, in]); ``"in_out"`` for GPT-2's Conv1D.
         op: the op kind that computes it (``aten.linear``, ``aten.addmm``, ``aten.matmul``,
             ``aten.bmm`` for an expert bank).
-        experts: for a stacked expert bank (weight [E, ., .], rows gathered by expert id): fx
-            node of the per-row expert ids; None for an ordinary linear.
+        experts: for a stacked expert bank (weight [E, ., .]): fx node of the per-row expert
+            ids (rows gathered by expert id), or of the ``split_with_sizes`` whose chunk ``i``
+            expert ``i`` multiplies (JetMoE); None for an ordinary linear.
         repeat: bank rows per token (the top-k), when the bank's input repeats each token.
         source: fx node of the rows the input carries (through reshapes and the repeat).
+        tokens: fx node of each bank row's token, when the input gathers token rows by index
+            (JetMoE sorts rows by expert: ``z[tokens]``); None: ``repeat`` rows per token.
     """
 
     node: str
@@ -53,6 +56,7 @@ class LinearSite:
     experts: str | None = None
     repeat: int = 1
     source: str = ""
+    tokens: str | None = None
 
 
 @dataclass(frozen=True)
@@ -209,14 +213,17 @@ class ExpertOutput:
     Attributes:
         gate: fx node of the per-row routing weights ([rows] or [rows, 1]).
         combine: fx node of the per-token sum over the top-k rows ([tokens, d]).
-        top_k: rows per token.
+        top_k: rows per token (0 where the graph does not fix it).
         num_experts: experts in the bank.
+        tokens: fx node of each row's token, for a sum by ``index_add`` (JetMoE); None: the
+            rows are ``top_k`` consecutive ones per token, summed over a view.
     """
 
     gate: str
     combine: str
     top_k: int
     num_experts: int
+    tokens: str | None = None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,8 @@ __all__ = [
     "input_moves",
     "outer_move",
     "output_reads",
+    "row_experts",
+    "row_tokens",
     "scale_move",
     "shared_scale_move",
     "solver_nodes",
@@ -63,9 +65,9 @@ def input_moves(
 
 def bank_input_move(
     bank: torch.Tensor,
-    layout: str,
-    ids: torch.Tensor,
-    repeat: int,
+    site: LinearSite,
+    ids: torch.Tensor | Sequence[torch.Tensor],
+    tokens: torch.Tensor | None,
     z: torch.Tensor,
     z_target: torch.Tensor,
 ) -> ExpertFactors:
@@ -73,24 +75,48 @@ def bank_input_move(
 
     Args:
         bank: the bank's weights [E, ., .].
-        layout: ``out_in`` or ``in_out`` (each expert's slice).
-        ids: expert of each bank row [rows] (``repeat`` rows per token).
-        repeat: bank rows per token.
+        site: the bank's site (its layout, and ``repeat`` rows per query position).
+        ids: the value of ``site.experts``: each row's expert, or a split's chunks
+            (:func:`row_experts`).
+        tokens: the value of ``site.tokens`` (each row's query position), or None.
         z: the input reached [k, in].
         z_target: the full run's input [k, in].
 
     Returns:
         per active expert, ascending: ``(e, u [out, n_e], v [in, n_e])``.
     """
+    ids = row_experts(ids)  # [rows]
+    tokens = row_tokens(len(ids), site.repeat, tokens)  # [rows]
     out: ExpertFactors = []
     for e in sorted(set(ids.tolist())):
-        tokens = torch.unique((ids == e).nonzero().flatten() // repeat)
-        ze = z[tokens]  # [n_e, in]
+        mine = torch.unique(tokens[ids == e])
+        ze = z[mine]  # [n_e, in]
         pinv = right_inverse(ze, f"MLP input z of expert {e}")  # [in, n_e]
-        w = bank[e].T if layout == "in_out" else bank[e]  # [out, in]
-        u, v = input_move(w, ze, z_target[tokens], pinv)
+        w = bank[e].T if site.layout == "in_out" else bank[e]  # [out, in]
+        u, v = input_move(w, ze, z_target[mine], pinv)
         out.append((e, u, v))
     return out
+
+
+def row_experts(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each bank row's expert [rows], int64: the ids node's value, or from a split's chunks.
+
+    Args:
+        value: the per-row ids (any shape), or the chunks of ``split_with_sizes`` whose
+            chunk ``i`` expert ``i`` maps (:func:`~ctxc.passes.match_linears.match_split_bank`).
+    """
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).long()
+    sizes = torch.tensor([len(c) for c in value], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(value)), sizes)
+
+
+def row_tokens(rows: int, repeat: int, tokens: torch.Tensor | None) -> torch.Tensor:
+    """Each bank row's query position [rows], int64: ``tokens`` when the graph gathers token
+    rows by index (JetMoE), else ``repeat`` consecutive rows per position."""
+    if tokens is not None:
+        return tokens.reshape(-1).long()
+    return torch.arange(rows) // repeat
 
 
 def control_target(
@@ -206,33 +232,44 @@ def shared_scale_move(
 
 
 def experts_output_move(
-    d: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, h: torch.Tensor, top_k: int
+    d: torch.Tensor,
+    ids: torch.Tensor,
+    gates: torch.Tensor,
+    h: torch.Tensor,
+    top_k: int,
+    tokens: torch.Tensor | None = None,
 ) -> tuple[float, ExpertFactors]:
     """Every active expert's output map takes ``d / S`` (MATH.md 1, MoE).
 
     Args:
         d: wanted change of the experts' per-token sum [k, d].
-        ids: expert of each bank row [k * top_k].
-        gates: routing weight of each bank row [k * top_k], float32.
-        h: each bank row's activation [k * top_k, d_ff], float32.
-        top_k: rows per token.
+        ids: expert of each bank row [rows].
+        gates: routing weight of each bank row [rows], float32.
+        h: each bank row's activation [rows, d_ff], float32.
+        top_k: rows per token, consecutive (when ``tokens`` is None).
+        tokens: query position of each bank row [rows], for rows in any order (JetMoE sorts
+            them by expert and sums them by ``index_add``).
 
     Returns:
         the smallest ``|S|``, and per active expert ``(e, u [d, n_e], v [d_ff, n_e])``.
     """
-    gate_sum = gates.view(-1, top_k).sum(dim=1)  # [k]
+    if tokens is None:
+        gate_sum = gates.view(-1, top_k).sum(dim=1)  # [k]
+        tokens = torch.arange(gates.numel()) // top_k
+    else:
+        gate_sum = gates.new_zeros(d.shape[0]).index_add(0, tokens, gates)  # [k]
     min_gate_sum = float(gate_sum.abs().min())
     if bool((gate_sum == 0).any()):
         i = int((gate_sum == 0).nonzero()[0])
         raise ConditionError(
             f"gate sum S = 0 at query position {i} (routing weights "
-            f"{gates.view(-1, top_k)[i].tolist()}): the experts' output move divides by it"
+            f"{gates[tokens == i].tolist()}): the experts' output move divides by it"
         )
     out: ExpertFactors = []
     for e in sorted(set(ids.tolist())):
         rows = (ids == e).nonzero().flatten()  # bank rows routed to e
-        tokens = rows // top_k
-        wanted = d[tokens] / gate_sum[tokens, None]  # [n_e, d]
+        mine = tokens[rows]
+        wanted = d[mine] / gate_sum[mine, None]  # [n_e, d]
         he = h[rows]  # [n_e, d_ff]
         pinv = right_inverse(he, f"activation h of expert {e}")  # [d_ff, n_e]
         u, v = linear_output_move(wanted, he, pinv)
@@ -283,4 +320,5 @@ def output_reads(block: MlpBlock) -> set[str]:
     if block.experts is not None:
         assert block.outer.experts is not None
         keep.update({block.experts.gate, block.experts.combine, block.outer.experts})
+        keep.update(t for t in (block.experts.tokens, block.outer.tokens) if t)
     return keep

@@ -96,9 +96,10 @@ def _mixed_factor(
 def unmatched_weights(view: GraphView, sites: dict[fx.Node, LinearSite]) -> list[Rejection]:
     """Matrix products whose weight is a parameter read through another op (no matcher's).
 
-    JetMoE's experts apply ``select(bank, 0, i)`` to the rows ``split_with_sizes`` gives expert
-    ``i`` (sizes read from the router at run time): no linear matcher takes that weight, so no
-    MLP core is found. One entry per module, naming the op that reads the parameter.
+    A weight sliced from a bank in a way no matcher takes (``match_split_bank`` takes JetMoE's
+    ``select(bank, 0, i)`` on chunk ``i`` of a split; a slice chosen another way, or a loop
+    over the experts a routing hits, is none): no MLP core is found. One entry per module,
+    naming the op that reads the parameter.
 
     Args:
         view: the graph.

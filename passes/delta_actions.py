@@ -15,6 +15,7 @@ import torch
 from torch import fx
 
 from ctxc.passes.block_map import MlpBlock
+from ctxc.passes.block_moves import row_experts
 from ctxc.passes.delta_math import add_in_float32, lowrank_action
 from ctxc.patch import Delta
 
@@ -48,7 +49,7 @@ def linear_action(
 
         def bank_act(out: torch.Tensor) -> torch.Tensor:
             x = _rows(env[x_node]).float()  # [rows, in]
-            ids = env[ids_node].reshape(-1).tolist()
+            ids = row_experts(env[ids_node]).tolist()
             add = out.new_zeros(out.shape, dtype=torch.float32)  # [rows, out]
             for r, e in enumerate(ids):
                 if e in slot:

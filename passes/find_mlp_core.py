@@ -16,6 +16,7 @@ from torch import fx
 
 from ctxc.passes.block_map import LinearSite, Rejection
 from ctxc.passes.graph_view import GraphView, op_name
+from ctxc.passes.match_linears import routing_nodes
 
 __all__ = ["MlpCore", "common_module", "find_mlp_core"]
 
@@ -55,7 +56,7 @@ def find_mlp_core(
     """
     starts = [view.by_name[site.input]]
     if site.experts:
-        starts.append(view.by_name[site.experts])
+        starts += routing_nodes(view, site)
     own = view.by_name[site.node]
     seen: set[fx.Node] = set()
     frontier: dict[fx.Node, LinearSite] = {}
@@ -81,7 +82,7 @@ def find_mlp_core(
             source = src
             frontier[n] = inner
             if inner.experts:  # the bank's rows are chosen by the router: walk it too
-                stack.append(view.by_name[inner.experts])
+                stack += routing_nodes(view, inner)
             continue
         if n.op == "placeholder":
             return _miss(site, "walking up from its input reached the model input, no linear")

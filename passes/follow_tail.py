@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
+import sympy
 import torch
 from torch import fx
 
@@ -237,8 +238,8 @@ def _mul_step(
 
 def _is_row_gate(view: GraphView, gate: fx.Node, x: fx.Node) -> bool:
     """``gate`` scales each row of ``x`` by one number ([rows, 1] or [rows])."""
-    g, r = view.rows(gate), view.rows(x)
-    return g is not None and r is not None and g[0] == r[0] and g[1] == 1
+    g = view.rows(gate)
+    return g is not None and g[1] == 1 and view.same_rows(gate, x)
 
 
 def _residual_leaf(view: GraphView, side: fx.Node, z_anc: set[fx.Node]) -> fx.Node | None:
@@ -287,14 +288,14 @@ def _expert_combine(
         if len(users) != 1:
             return Rejection(where, "expert outputs feed several ops: no per-token sum found")
         u = users[0]
-        total = _per_token_sum(view, u)
+        total = _per_token_sum(view, u) or _index_sum(view, u, cur)
         if total is not None:
             if gate is None:
                 return Rejection(where, "expert rows are summed without routing weights")
-            node, top_k = total
+            node, top_k, tokens = total
             weight = next(n for n, p in view.param_of.items() if p == core.outer.weight)
             experts = int((view.shape(view.by_name[weight]) or (0,))[0] or 0)
-            return ExpertOutput(gate.name, node.name, top_k, experts), node
+            return ExpertOutput(gate.name, node.name, top_k, experts, tokens), node
         if u.target in VIEW_LIKE or view.keeps_rows(u):
             cur = u
             continue
@@ -319,8 +320,8 @@ def _expert_bias(view: GraphView, other: object) -> bool:
     return view.param_only(other) or view.param_gather(view.see_through(other)) is not None
 
 
-def _per_token_sum(view: GraphView, u: fx.Node) -> tuple[fx.Node, int] | None:
-    """``(sum, top_k)`` when ``u = view(rows, [T, top_k, d])`` is summed over its rows."""
+def _per_token_sum(view: GraphView, u: fx.Node) -> tuple[fx.Node, int, None] | None:
+    """``(sum, top_k, None)`` when ``u = view(rows, [T, top_k, d])`` is summed over its rows."""
     shape = view.shape(u)
     if u.target not in (aten.view.default, aten.reshape.default) or not shape or len(shape) != 3:
         return None
@@ -332,5 +333,30 @@ def _per_token_sum(view: GraphView, u: fx.Node) -> tuple[fx.Node, int] | None:
         and list(sums[0].args[1]) in ([1], [-2])
         and isinstance(top_k, int)
     ):
-        return sums[0], top_k
+        return sums[0], top_k, None
     return None
+
+
+_ZEROS = frozenset({aten.zeros.default, aten.new_zeros.default, aten.zeros_like.default})
+
+
+def _index_sum(view: GraphView, u: fx.Node, rows: fx.Node) -> tuple[fx.Node, int, str] | None:
+    """``(sum, top_k, tokens)`` when ``u = index_add(zeros, 0, tokens, rows)`` adds each row
+    into its token's (JetMoE); ``top_k`` is the rows per token where the shapes fix it, else 0."""
+    if u.target != aten.index_add.default or u.args[1] not in (0, -len(view.shape(u) or (0,))):
+        return None
+    base, tokens, src = u.args[0], u.args[2], u.args[3]
+    if src is not rows or not isinstance(base, fx.Node) or base.target not in _ZEROS:
+        return None
+    if not isinstance(tokens, fx.Node) or len(view.shape(tokens) or ()) != 1:
+        return None
+    return u, _ratio(tokens, u), tokens.name
+
+
+def _ratio(rows: fx.Node, tokens: fx.Node) -> int:
+    """``len(rows) / len(tokens)`` (first dimensions) when it is a whole number, else 0."""
+    a, b = rows.meta["val"].shape[0], tokens.meta["val"].shape[0]
+    ea = a.node.expr if isinstance(a, torch.SymInt) else sympy.Integer(a)
+    eb = b.node.expr if isinstance(b, torch.SymInt) else sympy.Integer(b)
+    q = sympy.simplify(ea / eb)
+    return int(q) if q.is_Integer and q > 0 else 0

@@ -7,6 +7,7 @@ answers them once, from the graph and its ``graph_signature``, never from node n
 
 from __future__ import annotations
 
+import math
 import weakref
 from functools import cached_property
 
@@ -14,6 +15,7 @@ import networkx as nx
 import sympy
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ctxc.trace import WRAPPED, TracedModel
 
@@ -277,6 +279,24 @@ class GraphView:
             count = count * (sympy.Integer(size) if isinstance(size, int) else size.node.expr)
         last = val.shape[-1]
         return str(sympy.simplify(count)), last if isinstance(last, int) else None
+
+    def same_rows(self, a: fx.Node, b: fx.Node) -> bool:
+        """Whether ``a`` and ``b`` have as many rows, symbolically or by the export's facts.
+
+        Rows counted by sizes read at run time (JetMoE's ``split_with_sizes`` by the router's
+        counts: ``u4 + u5 + u6 + u7``) equal the token rows (``2*s70``) only through the
+        runtime assertion the export recorded; the shape environment knows it as an axiom.
+        """
+        ra, rb = self.rows(a), self.rows(b)
+        if ra is None or rb is None:
+            return False
+        if ra[0] == rb[0]:
+            return True
+        va, vb = a.meta["val"], b.meta["val"]
+        try:
+            return bool(statically_known_true(math.prod(va.shape[:-1]) == math.prod(vb.shape[:-1])))
+        except Exception:  # a stored graph's values carry no shape environment
+            return False
 
     def keeps_rows(self, node: fx.Node) -> bool:
         """A reshape of its first argument that keeps every row: same rows, same last dim."""

@@ -32,7 +32,7 @@ from ctxc.passes.describe_block import (
 from ctxc.passes.find_mlp_core import MlpCore, find_mlp_core
 from ctxc.passes.follow_tail import Tail, follow_tail
 from ctxc.passes.graph_view import ELEMENTWISE, GraphView
-from ctxc.passes.match_linears import find_linear_sites
+from ctxc.passes.match_linears import find_linear_sites, routing_nodes
 from ctxc.passes.match_norms import is_norm_output, trailing_norm
 from ctxc.trace import TracedModel
 
@@ -120,7 +120,8 @@ def _assemble(
     chooses: set[fx.Node] = set()
     for site in inner:
         if site.experts:
-            chooses |= view.ancestors(view.by_name[site.experts])
+            for node in routing_nodes(view, site):
+                chooses |= view.ancestors(node) | {node}
     routers = tuple(s.node for s in inner if not s.experts and view.by_name[s.node] in chooses)
     others = tuple(t.core.outer for t in tails[1:] if t.core.z is z and t.core.outer not in inner)
     mixers = [n for n in view.ancestors(y) & view.descendants(main.v) if view.is_token_mixing(n)]

@@ -3,13 +3,15 @@
 A linear map multiplies an activation by a parameter matrix. Models write it as
 ``aten.linear`` (``nn.Linear``), as ``addmm(bias, x, W)`` with the weight stored [in, out]
 (GPT-2's Conv1D), as ``x @ W.T`` followed by a separate bias add (Falcon's ``FalconLinear``),
-or as a stacked expert bank ``bmm(W[ids], x[..., None])`` (MoE experts with ``batched_mm``).
+or as a stacked expert bank ``bmm(W[ids], x[..., None])`` (MoE experts with ``batched_mm``), or
+as one ``linear`` per slice of a bank over the chunks of a split (JetMoE's parallel experts).
 Each matcher recognises one of these at the node that does the product and returns a
 :class:`LinearSite`, or None when the node is not of its kind (no match is not a failure).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import torch
@@ -26,7 +28,9 @@ __all__ = [
     "match_conv1d",
     "match_expert_bank",
     "match_linear",
+    "match_split_bank",
     "match_transposed_matmul",
+    "routing_nodes",
 ]
 
 aten = torch.ops.aten
@@ -159,12 +163,115 @@ def match_expert_bank(view: GraphView, node: fx.Node) -> LinearSite | None:
     )
 
 
+def match_split_bank(view: GraphView, node: fx.Node) -> LinearSite | None:
+    """``cat([linear(chunk_i, select(W, 0, i)) for i])``, ``chunk_i`` the i-th of
+    ``split_with_sizes(x, sizes)``: expert ``i`` of a bank ``W`` [E, out, in] maps the rows
+    routed to it (JetMoE's ``JetMoeParallelExperts``; the sizes are the router's counts).
+
+    Args:
+        view: the graph.
+        node: the candidate ``cat``.
+
+    Returns:
+        its site (``experts`` the split, whose chunk lengths give each row's expert; ``tokens``
+        the index when ``x = z[tokens]`` gathers token rows), or None when the cat is not one
+        linear per bank slice over the split's chunks in order.
+    """
+    if node.target != aten.cat.default or node.args[1:] not in ((), (0,)):
+        return None
+    parts = node.args[0]
+    found = [_slice_linear(view, p) for p in parts] if isinstance(parts, list | tuple) else []
+    if not found or any(f is None for f in found):
+        return None
+    split, param = found[0][0], found[0][1]  # type: ignore[index]
+    chunks = split.meta.get("val")
+    experts = (view.shape(param) or (None,))[0]
+    in_order = all(f == (split, param, i) for i, f in enumerate(found))
+    if not in_order or experts != len(found) or len(chunks or ()) != experts:
+        return None
+    x = split.args[0]
+    if not isinstance(x, fx.Node) or x not in view.input_dependent:
+        return None
+    tokens = _token_gather(view, x)
+    return LinearSite(
+        node=node.name,
+        input=x.name,
+        weight=view.param_name(param),
+        bias=None,
+        module=view.module_path(split),
+        layout="out_in",
+        op="aten.linear",
+        experts=split.name,
+        source=view.row_source(x.args[0] if tokens else x).name,
+        tokens=tokens.name if tokens else None,
+    )
+
+
+def routing_nodes(view: GraphView, site: LinearSite) -> list[fx.Node]:
+    """The nodes whose values choose a bank's rows: its ids (or its split's sizes) and tokens.
+
+    Args:
+        view: the graph.
+        site: an expert bank's site (``site.experts`` set).
+
+    Returns:
+        the nodes, for walks up to the router: never the bank's own input rows.
+    """
+    assert site.experts is not None
+    ids = view.by_name[site.experts]
+    if ids.target == aten.split_with_sizes.default:
+        sizes = ids.args[1] if isinstance(ids.args[1], list | tuple) else ()
+        found = [s for s in sizes if isinstance(s, fx.Node)]
+    else:
+        found = [ids]
+    return found + ([view.by_name[site.tokens]] if site.tokens else [])
+
+
 LINEAR_MATCHERS: tuple[LinearMatcher, ...] = (
     match_linear,
     match_conv1d,
     match_transposed_matmul,
     match_expert_bank,
+    match_split_bank,
 )
+
+
+def _slice_linear(view: GraphView, node: object) -> tuple[fx.Node, fx.Node, int] | None:
+    """``(split, W, i)`` when ``node = linear(split[i], select(W, 0, i))``, no bias, W 3-D."""
+    if not isinstance(node, fx.Node) or node.target != aten.linear.default:
+        return None
+    if len(node.args) > 2 and node.args[2] is not None:
+        return None
+    x, w = node.args[0], node.args[1]
+    if not (isinstance(x, fx.Node) and isinstance(w, fx.Node)):
+        return None
+    if x.target is not operator.getitem or w.target != aten.select.int:
+        return None
+    split, i = x.args
+    param = view.param_root(w.args[0]) if isinstance(w.args[0], fx.Node) else None
+    if param is None or not isinstance(split, fx.Node) or w.args[1:] != (0, i):
+        return None
+    if split.target != aten.split_with_sizes.default or split.args[2:] not in ((), (0,)):
+        return None
+    return split, param, i
+
+
+def _token_gather(view: GraphView, x: fx.Node) -> fx.Node | None:
+    """The index ``t`` when ``x = rows[t]`` gathers whole rows of an activation by a 1-D index."""
+    if x.target != aten.index.Tensor:
+        return None
+    base, index = x.args[0], x.args[1]
+    if not isinstance(base, fx.Node) or not view.is_float_activation(base):
+        return None
+    if not isinstance(index, list | tuple) or len(index) != 1:
+        return None
+    t = index[0]
+    ok = (
+        isinstance(t, fx.Node)
+        and len(view.shape(t) or ()) == 1
+        and len(view.shape(base) or ()) == 2
+    )
+    return t if ok else None
 
 
 def _matrix_product(

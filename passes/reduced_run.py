@@ -152,7 +152,7 @@ class ReducedRun(PlacingInterpreter):
     def _keep(self, node: fx.Node, value: torch.Tensor, plain: bool) -> None:
         """Copy ``value``; when it is the op's own output (``plain``: no action), remember the
         inputs it came from, each with its version (:meth:`_plain_kept`)."""
-        self.kept[node] = value.detach().clone()
+        self.kept[node] = _copy(value)
         self._sources[node] = self._inputs_now(node) if plain else None
 
     def _inputs_now(self, node: fx.Node) -> tuple:
@@ -262,3 +262,10 @@ class ReducedRun(PlacingInterpreter):
         if key not in self._dependents:
             self._dependents[key] = self.view.descendants_upto(root, self.view.index[upto])
         return self._dependents[key]
+
+
+def _copy(value):
+    """A detached copy of a tensor, or of each tensor of a tuple (a split's chunks)."""
+    if isinstance(value, list | tuple):
+        return type(value)(v.detach().clone() for v in value)
+    return value.detach().clone()

@@ -7,10 +7,9 @@ linears run (the expert banks of an MoE: once the router has chosen the experts)
 output ``y`` it computes the output move from the state actually reached: the tail ops between
 the output-controlled value and ``y`` are inverted to turn the target ``y_C`` into the value that
 part must produce; the patched parameter is put in place and the nodes already computed from it
-are computed again, so ``y`` is what the patched model gives. Each block's patch is thus baked,
-in the model's dtype, before the next block's input is computed: the pass computes exactly what
-the emitted model computes (MATH.md 8), and errors of lower blocks are absorbed because every
-target is the full run's block output (self-correcting).
+are computed again, so ``y`` is what the patched model gives. Each patch is baked in the model's
+dtype before the next block's input is computed: the pass computes what the emitted model does
+(MATH.md 8), and targets are the full run's block outputs: self-correcting.
 """
 
 from __future__ import annotations
@@ -150,15 +149,15 @@ class _Solver:
     def _move_banks(self, block: MlpBlock, z: torch.Tensor, z_target: torch.Tensor) -> None:
         """Input move of the expert banks, each once the router has chosen its experts."""
         banks: dict[str, list[LinearSite]] = {}
-        for site in block.inner:
-            if site.experts:
-                banks.setdefault(site.experts, []).append(site)
+        for site in (s for s in block.inner if s.experts):
+            banks.setdefault(site.experts, []).append(site)
         for ids_name in sorted(banks, key=lambda n: self.view.index[self.view.by_name[n]]):
             ids_node = self.advance_to(ids_name)
-            ids = self.run.env[ids_node].reshape(-1).long()  # [rows]: expert of each bank row
+            chosen = self.run.env[ids_node]  # each row's expert, or a split's chunks
             for site in banks[ids_name]:
                 bank = self.run.param(self.param_node[site.weight])  # [E, ., .]
-                found = moves.bank_input_move(bank, site.layout, ids, site.repeat, z, z_target)
+                given = self.value(site.tokens) if site.tokens else None  # JetMoE: z[tokens]
+                found = moves.bank_input_move(bank, site, chosen, given, z, z_target)
                 self._put(moves.bank_delta(site, block.path, found), ids_node, site)
 
     def _miss(self, block: MlpBlock, y: fx.Node) -> float:
@@ -228,10 +227,11 @@ class _Solver:
         ex, site = block.experts, block.outer
         assert ex is not None and site.experts is not None
         d = t - _rows(self.value(ex.combine)).float()  # [k, d]
-        ids = self.value(site.experts).reshape(-1).long()  # [k * top_k]
-        gates = self.value(ex.gate).reshape(-1).float()  # [k * top_k]
-        h = _rows(self.value(site.input)).float()  # [k * top_k, d_ff]
-        gate_sum, found = moves.experts_output_move(d, ids, gates, h, ex.top_k)
+        ids = moves.row_experts(self.value(site.experts))  # [rows]
+        gates = self.value(ex.gate).reshape(-1).float()  # [rows]
+        h = _rows(self.value(site.input)).float()  # [rows, d_ff]
+        tokens = self.value(ex.tokens).reshape(-1).long() if ex.tokens else None  # [rows]
+        gate_sum, found = moves.experts_output_move(d, ids, gates, h, ex.top_k, tokens)
         self._put(moves.bank_delta(site, block.path, found), y, site)
         return gate_sum
 

@@ -139,8 +139,14 @@ SHAPES: dict[str, tuple[str, str, dict]] = {
         "Qwen3MoeForCausalLM",
         dict(_TWO, num_experts=4, head_dim=16, norm_topk_prob=True, **_MOE),
     ),
+    # experts as one linear per bank slice over split rows, summed by index_add (issue 9)
+    "jetmoe": (
+        "JetMoeConfig",
+        "JetMoeForCausalLM",
+        dict(_TWO, num_local_experts=4, num_experts_per_tok=2, kv_channels=16, **_WIDE),
+    ),
 }
-MOE = frozenset({"mixtral", "qwen2_moe", "qwen3_moe"})
+MOE = frozenset({"mixtral", "qwen2_moe", "qwen3_moe", "jetmoe"})
 ALL = tuple(sorted(FAMILIES) + sorted(SHAPES))
 
 

@@ -82,7 +82,7 @@ def test_every_rule_reproduces_the_full_context_logits(name: str) -> None:
     assert not changed, f"compile left the model modified: {changed[:3]}"
 
 
-@pytest.mark.parametrize("name", ["gpt2", "falcon", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gpt2", "falcon", "mixtral", "qwen2_moe", "jetmoe"])
 def test_multi_token_query_is_exact(name: str) -> None:
     # Rank-k moves: the linear and expert output moves match k positions at once (MATH.md 7).
     model = shared(name)
@@ -92,7 +92,7 @@ def test_multi_token_query_is_exact(name: str) -> None:
     assert rep.emitted.top1_match, f"{name}: {_fig(rep)}"
 
 
-@pytest.mark.parametrize("name", ["falcon", "olmo2", "qwen2_moe", "opt_post"])
+@pytest.mark.parametrize("name", ["falcon", "olmo2", "qwen2_moe", "opt_post", "jetmoe"])
 def test_low_rank_actions_give_the_baked_logits(name: str) -> None:
     # apply="lowrank" (deltas as float32 actions beside the weights) through in-place adds,
     # post norms, expert banks and trailing norms.

@@ -25,7 +25,9 @@ from ctxc.passes.match_linears import (
     match_conv1d,
     match_expert_bank,
     match_linear,
+    match_split_bank,
     match_transposed_matmul,
+    routing_nodes,
 )
 from ctxc.trace import trace
 
@@ -110,6 +112,26 @@ class _Bank(torch.nn.Module):
         return torch.bmm(self.weight[ids], rows.unsqueeze(-1)).squeeze(-1).reshape(x.shape)
 
 
+class _SplitBank(torch.nn.Module):
+    """Two experts, JetMoE's way: rows sorted by expert, split by the counts, one linear per
+    slice ``select(W, 0, e)``, summed back by ``index_add``. ``swap``: chunk i meets slice 1 - i."""
+
+    def __init__(self, width: int = 8, swap: bool = False) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, width, width))
+        self.swap = swap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        ids = (rows[:, 0] > 0).long()
+        sizes = torch.zeros(rows.shape[0], 2).scatter(1, ids[:, None], 1).long().sum(0).tolist()
+        order = ids.sort(0)[1]
+        chunks = rows[order].split(sizes, dim=0)
+        picks = (1, 0) if self.swap else (0, 1)
+        out = torch.cat([F.linear(c, self.weight[e]) for c, e in zip(chunks, picks, strict=True)])
+        return torch.zeros_like(rows).index_add(0, order, out).reshape(x.shape)
+
+
 def _sites(layer: torch.nn.Module) -> list[tuple[LinearSite, GraphView]]:
     view = GraphView(trace(_Lm(layer)))
     return [(s, view) for s in find_linear_sites(view).values() if s.module == "layer"]
@@ -131,6 +153,29 @@ def test_each_linear_matcher_finds_its_site(layer, matcher, op, layout, bias) ->
     assert bool(site.experts) == (matcher is match_expert_bank)
     product = next(n for n in view.nodes if op_name(n) == op)
     assert [m for m in LINEAR_MATCHERS if m(view, product) is not None] == [matcher]
+
+
+def test_split_bank_is_one_site_with_its_routing() -> None:
+    # One site for the bank (its per-slice linears are none of their own), at the cat.
+    ((site, view),) = _sites(_SplitBank())
+    cat = view.by_name[site.node]
+    split, tokens = view.by_name[site.experts], view.by_name[site.tokens]
+    assert (site.weight, site.op, site.layout, op_name(cat)) == (
+        "layer.weight",
+        "aten.linear",
+        "out_in",
+        "aten.cat",
+    )
+    gathered = view.by_name[site.input]  # the rows z[tokens], tokens the sort's indices
+    assert op_name(split) == "aten.split_with_sizes" and split.args[0] is gathered
+    assert op_name(gathered) == "aten.index.Tensor" and gathered.args[1] == [tokens]
+    assert [m for m in LINEAR_MATCHERS if m(view, cat) is not None] == [match_split_bank]
+    assert routing_nodes(view, site) == [*split.args[1], tokens]
+
+
+def test_split_bank_pairing_chunks_with_other_slices_is_no_site() -> None:
+    # Chunk i must meet slice i: the chunk lengths then say each row's expert.
+    assert _sites(_SplitBank(swap=True)) == []
 
 
 # -- where the search stops when there is no block ------------------------------------------------

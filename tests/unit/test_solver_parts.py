@@ -9,6 +9,7 @@ import torch
 from tiny_models import VOCAB, shared
 
 import ctxc
+from ctxc.passes import block_moves as moves
 from ctxc.passes.classify import classify
 from ctxc.passes.delta_math import add_in_float32, lowrank_dense
 from ctxc.passes.graph_view import GraphView
@@ -82,3 +83,26 @@ def test_figures_that_do_not_apply_are_none_and_null() -> None:
     assert all(b["max_gain"] is None for b in blocks)
     rep = ctxc.compile(shared("gemma3"), context_ids=IDS).report
     assert all(isinstance(b.max_scale_change, float) for b in rep.blocks)
+
+
+def test_rows_in_any_order_give_the_moves_of_consecutive_rows() -> None:
+    # JetMoE sorts rows by expert and names each row's token (index_add); the moves must be
+    # those of the same rows kept top_k per token (Mixtral's view + sum).
+    gen = torch.Generator().manual_seed(0)
+    k, top_k, d_ff, d = 3, 2, 6, 5
+    ids = torch.tensor([0, 2, 1, 2, 0, 1])  # [k * top_k]
+    gates = torch.rand(k * top_k, generator=gen)
+    h, want = torch.randn(k * top_k, d_ff, generator=gen), torch.randn(k, d, generator=gen)
+    order = ids.sort(stable=True)[1]  # rows sorted by expert
+    s0, base = moves.experts_output_move(want, ids, gates, h, top_k)
+    s1, got = moves.experts_output_move(
+        want, ids[order], gates[order], h[order], 0, tokens=order // top_k
+    )
+    assert s0 == pytest.approx(s1, abs=1e-6)
+    for (e0, u0, v0), (e1, u1, v1) in zip(base, got, strict=True):
+        diff = (u0 @ v0.T - u1 @ v1.T).abs()
+        assert e0 == e1 and float(diff.max()) <= 1e-5, (
+            f"expert {e0}: max {float(diff.max()):.3g} mean {float(diff.mean()):.3g}"
+        )
+    chunks = [torch.zeros(3, 1), torch.zeros(0, 1), torch.zeros(2, 1)]
+    assert moves.row_experts(chunks).tolist() == [0, 0, 0, 2, 2]
