@@ -1,10 +1,12 @@
 """Cost of one `ctxc generate` step against one cached decode step of the plain model.
 
 A step of the per-token protocol is one cached decode step of the baseline (which also records
-the solver's targets) plus one reduced pass that computes and applies every block's patch. This
-prints both means over the same steps, on a context of about 400 tokens, and their ratio.
+the solver's targets) plus one reduced pass that computes and applies every block's patch (with
+two or more threads, the two overlap: ``ctxc.generate``). This prints both means and medians
+over the same steps, on a context of about 400 tokens, and the ratio of the means. Run it on an
+otherwise idle machine: a 2-thread decode step slows several fold beside another busy process.
 
-    python benchmarks/generate_cost.py [--context examples/medium.txt] [--steps 10]
+    python benchmarks/generate_cost.py [--context examples/medium.txt] [--steps 10] [--threads N]
 """
 
 from __future__ import annotations
@@ -45,13 +47,17 @@ def main() -> None:
     parser.add_argument("--context", default=str(ROOT / "examples" / "medium.txt"))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     hf_logging.disable_progress_bar()
     model, tok = ctxc.load_model(args.model, args.dtype)
     ids = tok(Path(args.context).read_text()).input_ids
-    # Export, probe and warm-up outside the measurement; the warm-up's solve also registers
-    # the solver's stops, so the measured steps run the compiled stretches (compile_segments).
-    generate(model, ids, 1)
+    # Export, probe and warm-up outside the measurement. The warm-up's first solve registers
+    # the solver's stops and its second compiles the stretches between them (compile_segments,
+    # a one-off 0.2 s on Gemma 3 270M), so every measured step runs them: the steady state.
+    generate(model, ids, 2)
     decode = cached_decode_seconds(model, ids, args.steps)
     result = generate(model, ids, args.steps)
     step = [s.seconds for s in result.steps]

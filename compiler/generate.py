@@ -9,9 +9,13 @@ so a step costs one cached decode step plus one reduced pass, not a new prefill.
 
 from __future__ import annotations
 
+import gc
 import inspect
+import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -24,6 +28,7 @@ from ctxc.passes.graph_view import GraphView
 from ctxc.passes.run_graph import BlockTargets, FullRun, record_targets
 from ctxc.passes.solve import Solution, solve
 from ctxc.pipeline import traced_blocks
+from ctxc.shared_head import head_split
 from ctxc.trace import TracedModel
 
 __all__ = ["GenerateResult", "GenerateStep", "generate"]
@@ -107,6 +112,10 @@ class _TargetHooks:
         view = GraphView(traced)
         self.blocks = blocks
         self.values: dict[tuple[str, str], torch.Tensor] = {}
+        # While a decode step runs on another thread: each block's targets as soon as its
+        # output is recorded, for a solver that waits on ``changed`` (:meth:`waiter`).
+        self.live: dict[str, BlockTargets] | None = None
+        self.changed = threading.Condition()
         self.handles = []
         for b in blocks.blocks:
             z_mod = model.get_submodule(b.path)
@@ -128,8 +137,32 @@ class _TargetHooks:
         def hook(module, args, output):
             y = output[0] if isinstance(output, tuple | list) else output
             self.values[(path, "y")] = y[0, -1:].detach().clone()  # [1, d]
+            if self.live is not None:
+                with self.changed:
+                    z = self.values[(path, "z")]
+                    self.live[path] = BlockTargets(z=z, y=self.values[(path, "y")])
+                    self.changed.notify_all()
 
         return hook
+
+    def waiter(self, decode: Future) -> Callable[[str], None]:
+        """``wait(path)``: returns once the running ``decode`` recorded that block's targets in
+        :attr:`live`; raises the decode's error if it failed first."""
+        decode.add_done_callback(lambda _: self._notify())
+
+        def wait(path: str) -> None:
+            with self.changed:
+                while self.live is not None and path not in self.live:
+                    if decode.done():
+                        decode.result()  # its error, if any
+                        raise CtxcError(f"the decode step recorded no targets for {path}")
+                    self.changed.wait(0.1)
+
+        return wait
+
+    def _notify(self) -> None:
+        with self.changed:
+            self.changed.notify_all()
 
     def targets(self) -> dict[str, BlockTargets]:
         return {
@@ -183,6 +216,83 @@ def _record(step: int, solution: Solution, full: FullRun, start: float) -> Gener
     )
 
 
+class _Stepper:
+    """One protocol step at a time: the baseline's step (its cached decode, or a graph full
+    run), then the reduced pass that compiles and applies the patch for the current token."""
+
+    def __init__(self, model, traced, blocks, hooks, update: str, apply: str, device) -> None:
+        self.model, self.traced, self.blocks, self.hooks = model, traced, blocks, hooks
+        self.update, self.apply = update, apply
+        self.cache_arg = _cache_arg(model)
+        self.cached = False
+        self.cache = None
+        self.head_op: Callable | None = None
+        # With two or more torch threads on a CPU, the decode step runs on a worker thread
+        # while the solver works on the blocks it has recorded (each step computes the same
+        # ops on the same values, in the same threads' settings: only their order in time
+        # changes), and the reduced run's LM head then runs on both threads (``shared_head``).
+        self.worker: ThreadPoolExecutor | None = None
+        if torch.get_num_threads() >= 2 and torch.device(device).type == "cpu":
+            self.worker = ThreadPoolExecutor(1, thread_name_prefix="ctxc-decode")
+
+    def start(self, ids: torch.Tensor, prefill: dict | None) -> dict[str, float]:
+        """Probe the hooks and the split head, then prefill; the timings."""
+        t0 = time.perf_counter()
+        probe = ids[:, : min(8, ids.shape[1])]
+        self.cached = _hooks_agree(self.model, self.traced, self.blocks, self.hooks, probe)
+        if self.cached:
+            self.head_op = head_split(self.traced, self.blocks, self.worker)
+        probed = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        text = prefill is None
+        self.cache = _prefill(self.model, prefill or {"input_ids": ids[:, :-1]}, self.cached, text)
+        return {"probe": probed, "prefill": time.perf_counter() - t0}
+
+    def step(self, history: list[int], device) -> tuple[Solution, FullRun]:
+        """The patched and the baseline's runs for the last token of ``history``."""
+        current = torch.tensor([[history[-1]]], dtype=torch.long, device=device)
+        if not self.cached:  # the hooks cannot stand in for the graph: a full run per step
+            full_ids = torch.tensor([history], dtype=torch.long, device=device)
+            full = record_targets(self.traced, self.blocks, full_ids, 1)
+            return self._solve(current, full.targets, None), full
+        if self.worker is None:
+            out = self._decode(current)
+            targets = self.hooks.targets()
+            solution = self._solve(current, targets, None)
+        else:  # the decode on the worker, the solver here as its blocks' targets arrive
+            targets = self.hooks.live = {}
+            decode = self.worker.submit(self._decode, current)
+            try:
+                solution = self._solve(current, targets, decode)
+            finally:
+                futures.wait([decode])  # never leave it running, whatever happened here
+                self.hooks.live = None
+            out = decode.result()
+        self.cache = _cache_of(out)
+        return solution, FullRun(targets=targets, logits=out.logits[0, -1:].float())
+
+    def _decode(self, current: torch.Tensor):
+        with torch.no_grad():  # grad mode is per thread
+            return self.model(input_ids=current, **{self.cache_arg: self.cache}, use_cache=True)
+
+    def _solve(self, current: torch.Tensor, targets: dict, decode: Future | None) -> Solution:
+        """The reduced pass on ``current``; with ``decode`` running, waiting for its targets."""
+        ops = wait = None
+        if decode is not None:
+            wait = self.hooks.waiter(decode)
+            if self.head_op is not None and self.blocks.head:  # on both threads, once free
+                ops = {self.blocks.head: self.head_op(decode.result)}
+        # The solver reads the targets only: the baseline's logits are read after it.
+        pending = FullRun(targets=targets, logits=torch.empty(0, 0))
+        args = (self.traced, self.blocks, pending, current, self.update)
+        return solve(*args, apply=self.apply, ops=ops, wait=wait)
+
+    def close(self) -> None:
+        self.hooks.close()
+        if self.worker is not None:
+            self.worker.shutdown()
+
+
 def generate(
     model: torch.nn.Module,
     context_ids: list[int],
@@ -221,36 +331,29 @@ def generate(
     device = input_device(model)  # the embedding's device, dispersed or not
     ids = torch.tensor([context_ids], dtype=torch.long, device=device)
     hooks = _TargetHooks(model, traced, blocks)
-    timings: dict[str, float] = {}
+    stepper = _Stepper(model, traced, blocks, hooks, update, apply, device)
     steps: list[GenerateStep] = []
+    # A full collection rescans every object the process holds (the model, its graph: half a
+    # million), 0.2-0.5 s that fell in one step of ten; frozen, they are left out of it while
+    # the steps run (unless the caller froze objects of its own: then leave its setting).
+    freeze = gc.get_freeze_count() == 0
     try:
-        t0 = time.perf_counter()
-        cached = _hooks_agree(model, traced, blocks, hooks, ids[:, : min(8, ids.shape[1])])
-        timings["probe"] = time.perf_counter() - t0
+        timings = stepper.start(ids, prefill)
+        if freeze:
+            gc.freeze()
         history = list(context_ids)
-        cache_arg = _cache_arg(model)
-        t0 = time.perf_counter()
-        cache = _prefill(model, prefill or {"input_ids": ids[:, :-1]}, cached, prefill is None)
-        timings["prefill"] = time.perf_counter() - t0
         for step in range(max_new_tokens):
             start = time.perf_counter()
-            current = torch.tensor([[history[-1]]], dtype=torch.long, device=device)
-            if cached:
-                with torch.no_grad():
-                    out = model(input_ids=current, **{cache_arg: cache}, use_cache=True)
-                cache = _cache_of(out)
-                full = FullRun(targets=hooks.targets(), logits=out.logits[0, -1:].float())
-            else:  # the hooks cannot stand in for the graph: a full run per step
-                full_ids = torch.tensor([history], dtype=torch.long, device=device)
-                full = record_targets(traced, blocks, full_ids, 1)
-            solution = solve(traced, blocks, full, current, update, apply=apply)
+            solution, full = stepper.step(history, device)
             record = _record(step, solution, full, start)
             steps.append(record)
             if on_step is not None:
                 on_step(record)
             history.append(record.baseline_token)  # teacher forcing: follow the baseline
     finally:
-        hooks.close()
+        if freeze:
+            gc.unfreeze()
+        stepper.close()
     timings["steps"] = sum(s.seconds for s in steps)
     return GenerateResult(
         steps=tuple(steps),
@@ -258,6 +361,8 @@ def generate(
         update=update,
         dtype=str(dtype).removeprefix("torch."),
         apply=apply,
-        targets_from="cached decode (module hooks)" if cached else "graph full run per step",
+        targets_from=(
+            "cached decode (module hooks)" if stepper.cached else "graph full run per step"
+        ),
         timings={k: round(v, 4) for k, v in timings.items()},
     )

@@ -308,9 +308,10 @@ def output_reads(block: MlpBlock) -> set[str]:
     """The nodes whose values the output move reads at ``y``.
 
     The reduced run keeps them as computed: later in-place ops may change them (Falcon adds the
-    attention output into the MLP output with ``add_``).
+    attention output into the MLP output with ``add_``). The outer linear's output is among them:
+    the solver reads the output it reached there instead of computing it again.
     """
-    keep = {block.activation, block.control}
+    keep = {block.activation, block.control, block.outer.node}
     keep.update(s.side for s in block.tail if s.side is not None)
     if block.norm is not None:
         keep.add(block.norm.input)

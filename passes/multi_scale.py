@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxc.passes.block_map import MlpBlock
+from ctxc.passes.scale_start import bisect_start
 from ctxc.passes.update_rules import SCALE_FLOOR, ConditionError, ScaleMove
 
 __all__ = [
@@ -180,7 +181,9 @@ def _solve_dual(
     ratio = objective == "ratio"
 
     def q_of(gap: torch.Tensor) -> torch.Tensor:
-        return 1.0 / gap if ratio else a2 / gap.pow(2)  # [n]: q_i = 1 / s'_i^2
+        # ``gap.reciprocal()`` is ``1.0 / gap`` bit for bit (Tensor.__rdiv__ multiplies the
+        # reciprocal by 1.0), one op fewer.
+        return gap.reciprocal() if ratio else a2 / gap.pow(2)  # [n]: q_i = 1 / s'_i^2
 
     def dual(lam_: torch.Tensor) -> tuple[float, torch.Tensor]:
         gap = a2 - pi.T @ lam_  # [n]: a_i^2 - mu_i, > 0 on the domain
@@ -189,7 +192,7 @@ def _solve_dual(
         pen = (c * (gap / a2).log()).sum() if ratio else -(c * a2 / gap).sum()
         return float(b @ lam_ + pen), gap
 
-    lam = _start(tt, b, a2, q_of)
+    lam = bisect_start(tt, b, a2, q_of)
     g, gap = dual(lam)
     vec = torch.eye(k, dtype=torch.float64, device=b.device)  # [k, k]
     rel, it = math.inf, 0
@@ -226,34 +229,6 @@ def _solve_dual(
     if rel > 1e-7:  # float32's resolution: the normalised outputs are float32
         _refuse(tt, b, lam, vec, rel, it, d)
     return lam, it
-
-
-def _start(tt: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, q_of) -> torch.Tensor:
-    """Each position's own multiplier, as if it were alone (``mu_i = lambda_j`` everywhere): a
-    point of the dual's domain (``mu_i`` averages them) near the optimum; 1-D bisections.
-
-    Args:
-        tt: squared targets [k, n]; b: right-hand sides [k]; a2: floored squared scales [n];
-        q_of: ``gap [.., n] -> q``, increasing in ``lambda``.
-
-    Returns:
-        ``lambda`` [k], float64.
-    """
-    big = tt > 0  # [k, n]
-    inf = torch.full_like(tt, math.inf)
-    top = torch.where(big, a2.expand_as(tt), inf).amin(dim=1)  # [k]: pole of each position
-    hi = top.clone()
-    lo = top - 1.0
-    for _ in range(200):  # widen until the left end is under the target (q falls as gap grows)
-        under = (tt * q_of(a2 - lo[:, None])).sum(dim=1) <= b  # [k]
-        if bool(under.all()):
-            break
-        lo = torch.where(under, lo, top - 4.0 * (top - lo))
-    for _ in range(120):
-        mid = 0.5 * (lo + hi)  # [k]
-        over = (tt * q_of(a2 - mid[:, None])).sum(dim=1) > b  # [k]
-        hi, lo = torch.where(over, mid, hi), torch.where(over, lo, mid)
-    return lo  # F(lo) <= b: inside the domain
 
 
 def _refuse(

@@ -10,7 +10,7 @@ It mutates only its own environment, never the graph or the model.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import fx
@@ -38,22 +38,35 @@ class ReducedRun(PlacingInterpreter):
         stops: names of the nodes the driver may stop at, read or add actions to (names of no
             node are ignored): the stretches between them run compiled (:mod:`compile_segments`)
             when these stops come a second time.
+        ops: node -> ``fn(*args, **kwargs)`` that computes its value instead of its op (the
+            caller computes it together with another run's: ``ctxc generate`` reads the LM
+            head's weights once for both its runs); they are stops too.
     """
 
     def __init__(
-        self, view: GraphView, keep: Iterable[fx.Node], inputs: tuple, stops: Iterable = ()
+        self,
+        view: GraphView,
+        keep: Iterable[fx.Node],
+        inputs: tuple,
+        stops: Iterable = (),
+        ops: Mapping[fx.Node, Callable] | None = None,
     ) -> None:
         placer = view.traced.placer(inputs[view.traced.input_index])
         super().__init__(view.traced.graph_module, placer, garbage_collect_values=False)
         self.view = view
         self.keep = frozenset(keep)
         self.kept: dict[fx.Node, torch.Tensor] = {}
+        # kept node -> the input values (and their versions) its op output came from, or None
+        # when the kept copy has actions added (:meth:`_plain_kept`).
+        self._sources: dict[fx.Node, tuple | None] = {}
         # node -> actions added to its value (apply="lowrank").
         self.actions: dict[fx.Node, list[Action]] = {}
         # offloaded parameter -> (its lazy original, how to patch it again): for release().
         self.rebakes: dict[fx.Node, tuple[LazyWeight, Callable]] = {}
+        self.ops = dict(ops or {})
         self.args_iter = iter(self.graph.process_inputs(*inputs))
-        stops = frozenset((*(view.by_name[n] for n in stops if n in view.by_name), *self.keep))
+        named = (view.by_name[n] for n in stops if n in view.by_name)
+        stops = frozenset((*named, *self.keep, *self.ops))
         # A dispersed model's ops run through its placer, node by node: no compiled stretches.
         plain = stops and placer is None
         self.segments = (compile_segments(self.module, stops) if plain else None) or {}
@@ -113,25 +126,51 @@ class ReducedRun(PlacingInterpreter):
         # Interpreter.run_node without its error-context manager, inlined (:meth:`_compute`):
         # this loop runs at every generated token of `ctxc generate`, where per-node cost shows.
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        value = getattr(self, node.op)(node.target, args, kwargs)
+        op = self.ops.get(node)
+        value = op(*args, **kwargs) if op else getattr(self, node.op)(node.target, args, kwargs)
         acts = self.actions.get(node)
         if acts:
             for act in acts:
                 value = act(value)
         if node in self.keep:
-            self.kept[node] = _copy(value)
+            self._keep(node, value, not acts)
         self.env[node] = value
         if node.op == "output":
             self.result = self.graph.process_outputs(self.env[node])
 
     def _compute(self, node: fx.Node):
         args, kwargs = self.fetch_args_kwargs_from_env(node)
-        value = getattr(self, node.op)(node.target, args, kwargs)
-        for act in self.actions.get(node, ()):
+        op = self.ops.get(node)
+        value = op(*args, **kwargs) if op else getattr(self, node.op)(node.target, args, kwargs)
+        acts = self.actions.get(node, ())
+        for act in acts:
             value = act(value)
         if node in self.keep:
-            self.kept[node] = _copy(value)
+            self._keep(node, value, not acts)
         return value
+
+    def _keep(self, node: fx.Node, value: torch.Tensor, plain: bool) -> None:
+        """Copy ``value``; when it is the op's own output (``plain``: no action), remember the
+        inputs it came from, each with its version (:meth:`_plain_kept`)."""
+        self.kept[node] = _copy(value)
+        self._sources[node] = self._inputs_now(node) if plain else None
+
+    def _inputs_now(self, node: fx.Node) -> tuple:
+        values = (self.env[n] for n in node.all_input_nodes)
+        return tuple((v, v._version if isinstance(v, torch.Tensor) else None) for v in values)
+
+    def _plain_kept(self, node: fx.Node) -> torch.Tensor | None:
+        """The kept copy of ``node``'s op output when the op would give it again: no action
+        since, and the same input tensors, none changed in place (a tensor's version counts
+        its in-place changes); else None."""
+        then, kept = self._sources.get(node), self.kept.get(node)
+        if then is None or kept is None or self.actions.get(node):
+            return None
+        now = self._inputs_now(node)
+        same = len(now) == len(then) and all(
+            a is b and va == vb for (a, va), (b, vb) in zip(now, then, strict=True)
+        )
+        return kept if same else None
 
     # -- reading and changing ----------------------------------------------------------------
 
@@ -190,10 +229,17 @@ class ReducedRun(PlacingInterpreter):
 
     def add_action(self, node: fx.Node, act: Action, upto: fx.Node) -> None:
         """Add ``act`` to ``node``'s value from now on; if it is computed, recompute after it."""
+        raw = self._plain_kept(node) if node in self.env else None
         self.actions.setdefault(node, []).append(act)
         if node in self.env:
-            # Compute the node afresh: a later in-place op may have changed the stored value.
-            self.env[node] = self._compute(node)
+            if raw is not None:
+                # Its op on the same inputs gives the kept copy again, bit for bit: add the action
+                # to that (an outer linear's weights are not read a second time).
+                value = act(raw)
+                self._keep(node, value, False)
+                self.env[node] = value
+            else:  # afresh: a later in-place op may have changed the stored value
+                self.env[node] = self._compute(node)
             self.recompute_from(node, upto)
 
     def recompute_from(self, root: fx.Node, upto: fx.Node) -> None:

@@ -25,7 +25,8 @@ from ctxc.errors import SolveError
 from ctxc.passes import block_moves as moves
 from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.block_stats import BlockStats
-from ctxc.passes.delta_math import add_in_float32, at_alignment_of, lowrank_action
+from ctxc.passes.delta_actions import linear_action, vector_action
+from ctxc.passes.delta_math import at_alignment_of
 from ctxc.passes.graph_view import GraphView
 from ctxc.passes.plan import LORA_RULE, RULES, UPDATE_RULES, BlockPlan, checked_plan
 from ctxc.passes.reach_post_norm import reachable_outputs
@@ -36,6 +37,8 @@ from ctxc.patch import Delta
 from ctxc.trace import TracedModel
 
 __all__ = ["RULES", "UPDATE_RULES", "Solution", "solve"]
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -72,12 +75,14 @@ class _Solver:
         apply: str,
         keep: set[str],
         stops: set[str],  # node names the run stops at, reads or acts on
+        ops: Mapping[str, Callable],  # node name -> what computes it instead of its op
     ) -> None:
         self.full, self.apply = full, apply
         self.view = view = GraphView.of(traced)
         self.param_node, self.deltas = view.param_node, dict[str, Delta]()
         inputs, kept = traced.placeholder_values(query_ids), (view.by_name[n] for n in keep)
-        self.run = ReducedRun(view, kept, inputs, stops)
+        ops_at = {view.by_name[n]: fn for n, fn in ops.items()}
+        self.run = ReducedRun(view, kept, inputs, stops, ops_at)
 
     def value(self, name: str) -> torch.Tensor:
         """A node's value as computed (its kept copy, when it has one)."""
@@ -250,7 +255,19 @@ class _Solver:
     def _outer_now(self, block: MlpBlock, h: torch.Tensor) -> torch.Tensor:
         """The outer linear's output [k, d] in float32, from its input ``h`` [k, d_ff]."""
         site = block.outer
-        u_now = h.float() @ self._weight(site).float().T  # [k, d]
+        node = self.view.by_name[site.node]
+        w = self._weight(site)  # [out, in]
+        if (
+            node.target is aten.linear.default
+            and len(node.args) == 2
+            and h.dtype == w.dtype == torch.float32
+            and not self.run.actions.get(node)
+            and node in self.run.kept
+        ):
+            # The run computed it: aten.linear without a bias is matmul(x, W^T), the same mm
+            # as ``h @ W^T`` below, bit for bit; its weights need not be read again.
+            return _rows(self.run.kept[node])
+        u_now = h.float() @ w.float().T  # [k, d]
         if site.bias is not None:
             u_now = u_now + self.run.param(self.param_node[site.bias]).float()
         return u_now
@@ -291,45 +308,11 @@ class _Solver:
 
     def _action(self, delta: Delta, at: LinearSite | MlpBlock) -> tuple[str, Action]:
         """The node a delta acts on and the action, computed in float32 beside the weights."""
-        env = self.run.env
         if isinstance(at, LinearSite):
+            ids_node = self.view.by_name[at.experts or ""] if delta.experts else None
             x_node = self.view.by_name[at.input]
-            u, v = delta.u, delta.v
-            assert u is not None and v is not None
-            if delta.experts:
-                ids_node = self.view.by_name[at.experts or ""]
-                slot = {e: i for i, e in enumerate(delta.experts)}
-
-                def bank_act(out: torch.Tensor) -> torch.Tensor:
-                    x = _rows(env[x_node]).float()  # [rows, in]
-                    ids = moves.row_experts(env[ids_node]).tolist()
-                    add = out.new_zeros(out.shape, dtype=torch.float32)  # [rows, out]
-                    for r, e in enumerate(ids):
-                        if e in slot:
-                            add[r] = lowrank_action(x[r], u[slot[e]], v[slot[e]])  # [out]
-                    return add_in_float32(out, add)
-
-                return at.node, bank_act
-
-            def linear_act(out: torch.Tensor) -> torch.Tensor:
-                x = _rows(env[x_node]).float()  # [k, in]
-                add = lowrank_action(x, u, v)  # [k, out]
-                return add_in_float32(out, add.reshape(out.shape))
-
-            return at.node, linear_act
-        assert delta.vector is not None
-        vec = delta.vector
-        if at.output_control == "bias":
-            assert at.norm is not None and at.norm.bias_node is not None
-            return at.norm.bias_node, lambda out: add_in_float32(out, vec)
-        sc = at.scale
-        assert sc is not None
-
-        def scale_act(out: torch.Tensor) -> torch.Tensor:
-            f = self._normalized(at).float().reshape(out.shape)
-            return add_in_float32(out, f * (sc.alpha * vec))
-
-        return sc.node, scale_act
+            return at.node, linear_action(delta, self.run.env, x_node, ids_node)
+        return vector_action(delta, at, self._normalized)
 
 
 def solve(
@@ -342,6 +325,8 @@ def solve(
     on_block: Callable[[int, int, str], None] | None = None,
     apply: str = "baked",
     skip: Mapping[str, str] | None = None,
+    ops: Mapping[str, Callable] | None = None,
+    wait: Callable[[str], None] | None = None,
 ) -> Solution:
     """Compute every block's patch in one reduced pass (pure: the model is not modified).
 
@@ -360,6 +345,10 @@ def solve(
             linear's output, beside the unchanged weights: MATH.md 6, bfloat16 rounds a baked
             patch away).
         skip: block path -> reason, for blocks to leave unpatched (a condition they failed).
+        ops: node name -> ``fn(*args, **kwargs)`` computing that node instead of its op
+            (``ctxc generate`` computes the LM head with the baseline's, one weight read).
+        wait: ``wait(block path)`` returns once that block's targets are in ``full.targets``
+            (``ctxc generate`` records them on another thread while the solver runs).
 
     Returns:
         the :class:`Solution`.
@@ -382,10 +371,13 @@ def solve(
     ]
     patched = [b for b, p in zip(blocks.blocks, plans, strict=True) if p is not None]
     keep = set().union(*(moves.output_reads(b) for b in patched))
-    solver = _Solver(traced, full, query_ids, apply, keep, moves.solver_nodes(*blocks.blocks))
+    stops = moves.solver_nodes(*blocks.blocks)
+    solver = _Solver(traced, full, query_ids, apply, keep, stops, ops or {})
     stats = []
     with torch.no_grad():
         for i, (block, todo) in enumerate(zip(blocks.blocks, plans, strict=True)):
+            if wait is not None:
+                wait(block.path)
             if todo is None:
                 stats.append(solver.skip_block(block, skip.get(block.path, "")))
             else:
