@@ -30,6 +30,7 @@ from ctxc.fingerprint import fingerprint
 from ctxc.models import check_length
 from ctxc.passes.fit_moves import FitOptions
 from ctxc.passes.fit_solve import FitSolution, fit_solve
+from ctxc.passes.run_graph import BlockTargets
 from ctxc.patch import Patch, PatchMeta
 from ctxc.pipeline import traced_blocks
 
@@ -47,27 +48,36 @@ class BakeOptions:
         sample_tokens: tokens per sampled continuation.
         rank: rank budget per matrix; None: no budget.
         method: ``fit`` or ``distill``.
-        ridge: relative ridge of the matrix fits (:class:`~ctxc.passes.fit_moves.FitOptions`).
-        scale_ridge: relative ridge of the post-norm scale fit.
+        ridge: relative ridge of the matrix fits (:class:`~ctxc.passes.fit_moves.FitOptions`);
+            1.0 was best held out among 0.05-5 (docs/thought_patches.md, levers).
+        scale_ridge: relative ridge of the post-norm scale fit (0.1: best among 0.01-1).
         seed: the sampling (and training) seed.
         distill_steps: optimiser steps of ``distill``.
+        distill_seconds: a wall-time budget for ``distill`` instead of ``distill_steps`` (the
+            training loop's time; the report gives the steps reached). None: the step count.
         distill_lr: its learning rate.
         distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
         fit_prefix: the prefix positions (BOS, matched to the context's last token) are
-            constraints too; False: they are run but not fitted.
+            constraints too; False (default): they are run but not fitted. The BOS position is
+            the same in every query (K identical rows of a very large norm): fitted, it
+            dominated the least squares and held-out KL on fresh samples was 1.05 against
+            0.43 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
+        input_moves: fit the inner linears' input moves too; False: the output move only.
     """
 
     samples: int = 32
     sample_tokens: int = 32
     rank: int | None = None
     method: str = "fit"
-    ridge: float = 0.05
-    scale_ridge: float = 1.0
+    ridge: float = 1.0
+    scale_ridge: float = 0.1
     seed: int = 0
     distill_steps: int = 200
+    distill_seconds: float | None = None
     distill_lr: float = 1e-3
     distill_from_fit: bool = False
-    fit_prefix: bool = True
+    fit_prefix: bool = False
+    input_moves: bool = True
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,8 @@ def bake(
     options: BakeOptions | None = None,
     context_ids: list[int] | None = None,
     data: FitData | None = None,
+    targets: dict[str, BlockTargets] | None = None,
+    teacher: list | None = None,
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
 ) -> BakeResult:
@@ -158,6 +170,9 @@ def bake(
         options: :class:`BakeOptions`.
         context_ids: the context's ids instead of text.
         data: ready fit data (context, prefix, query ids) instead of the above.
+        targets: :func:`~ctxc.bake_data.record_fit_targets` of ``data``, when already recorded
+            (reused between ranks and methods; rows of a longer set's leading queries serve).
+        teacher: :func:`~ctxc.bake_distill.teacher_top` of ``data``, likewise (``distill``).
         on_stage: progress callback with a stage name.
         on_block: progress callback ``(done, total, block)`` of the fit.
 
@@ -181,26 +196,18 @@ def bake(
         stage("sampling")
         data = bake_data(model, tokenizer, ids, queries, o.samples, o.sample_tokens, o.seed)
     timings["data"] = round(time.perf_counter() - clock, 3)
-    traced, blocks = traced_blocks(model)
-    if traced.frontend == "static":
-        raise CtxcError("bake needs one export for every query length; this model has none")
-    if not blocks.blocks or blocks.rejections:
-        raise UnpatchableError(
-            "bake needs every block patchable: " + "; ".join(str(r) for r in blocks.rejections)
-            if blocks.rejections
-            else "no MLP block found"
-        )
-    check_rank(o.rank, model, blocks)
-    fit = None
+    traced, blocks = _fit_blocks(model, o)
+    fit, extra = None, {}
     if o.method == "fit" or o.distill_from_fit:
-        clock = time.perf_counter()
-        stage("full runs")
-        targets = record_fit_targets(traced, blocks, data)
-        timings["targets"] = round(time.perf_counter() - clock, 3)
+        if targets is None:
+            clock = time.perf_counter()
+            stage("full runs")
+            targets = record_fit_targets(traced, blocks, data)
+            timings["targets"] = round(time.perf_counter() - clock, 3)
         stage("fitting")
         clock = time.perf_counter()
         queries_t = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
-        opts = FitOptions(o.ridge, o.rank, o.scale_ridge)
+        opts = FitOptions(o.ridge, o.rank, o.scale_ridge, o.input_moves)
         rows = None if o.fit_prefix else _query_rows(data)
         fit = fit_solve(traced, blocks, targets, queries_t, opts, on_block, rows)
         timings["fit"] = round(time.perf_counter() - clock, 3)
@@ -211,10 +218,28 @@ def bake(
 
         stage("distilling")
         clock = time.perf_counter()
-        patch = distill(model, blocks, data, o, meta, start=patch)
+        run = distill(model, blocks, data, o, meta, start=patch, teacher=teacher)
         timings["distill"] = round(time.perf_counter() - clock, 3)
+        patch = run.patch
+        extra["distill"] = {"rank": run.rank, "steps": run.steps, "seconds": run.seconds}
+        extra["distill"]["last_loss"] = run.loss
     assert patch is not None
-    return BakeResult(patch, data, fit, _report(o, data, fit, timings))
+    return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra})
+
+
+def _fit_blocks(model: torch.nn.Module, o: BakeOptions):
+    """The traced model and its blocks, refused in one line when bake cannot fit them."""
+    traced, blocks = traced_blocks(model)
+    if traced.frontend == "static":
+        raise CtxcError("bake needs one export for every query length; this model has none")
+    if not blocks.blocks or blocks.rejections:
+        raise UnpatchableError(
+            "bake needs every block patchable: " + "; ".join(str(r) for r in blocks.rejections)
+            if blocks.rejections
+            else "no MLP block found"
+        )
+    check_rank(o.rank, model, blocks)
+    return traced, blocks
 
 
 def _query_rows(data: FitData) -> torch.Tensor:

@@ -6,22 +6,44 @@ student) at every position of the fit data (the fit's constraints), over the tea
 ``TOP`` tokens (the rest of the vocabulary carries under 1e-3 of the mass on the contexts
 measured; storing all 262k logits per position would not fit). Seeded; AdamW. The trained
 factors become a :class:`~ctxc.patch.Patch` (``dW = (alpha / r) B A``), so every backend takes
-it. The model is left as it was (the LoRA layers are unloaded).
+it. The model is left as it was (the LoRA layers are unloaded). Training runs for a step count
+or, given a time budget (``options.distill_seconds``), until that wall time is spent; the
+:class:`DistillRun` says how many steps it reached.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from ctxc.bake_data import FitData
 from ctxc.patch import Delta, Patch, PatchMeta
 
-__all__ = ["TOP", "distill", "teacher_top"]
+__all__ = ["TOP", "DistillRun", "distill", "teacher_top"]
 
 TOP = 256  # teacher tokens kept per position
-_DEFAULT_RANK = 64  # a LoRA needs a rank: "full" distils at this one
+
+
+@dataclass(frozen=True)
+class DistillRun:
+    """What :func:`distill` trained.
+
+    Attributes:
+        patch: the distilled :class:`Patch`.
+        rank: the LoRA's rank.
+        steps: optimiser steps taken.
+        seconds: wall time of the training loop (the teacher's runs not included).
+        loss: the last step's loss (mean KL per position over the teacher's top tokens).
+    """
+
+    patch: Patch
+    rank: int
+    steps: int
+    seconds: float
+    loss: float
 
 
 def teacher_top(model: torch.nn.Module, data: FitData) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -55,27 +77,30 @@ def distill(
     meta: PatchMeta,
     start: Patch | None = None,
     on_step: Callable[[int, int, str], None] | None = None,
-) -> Patch:
+    teacher: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> DistillRun:
     """Train the LoRA and return it as a patch (the model is restored afterwards).
 
     Args:
         model: the unpatched model.
         blocks: its block map (which linears get a LoRA).
         data: the fit data.
-        options: the :class:`~ctxc.bake.BakeOptions` (rank, steps, lr, seed).
+        options: the :class:`~ctxc.bake.BakeOptions` (rank, steps or seconds, lr, seed); rank
+            None: full rank (each matrix's smallest side, the largest of them).
         meta: the patch's metadata.
         start: the fit's patch to start from: its matrices initialise the LoRA (truncated to
             the rank), its vector deltas stay applied during training and join the result.
-        on_step: progress callback ``(step, steps, "distill")``.
+        on_step: progress callback ``(step, steps, "distill")`` (steps 0 under a time budget).
+        teacher: :func:`teacher_top` of ``data``, when already computed.
 
     Returns:
-        the distilled :class:`Patch`.
+        the :class:`DistillRun`.
     """
     from peft import LoraConfig, get_peft_model
 
-    rank = options.rank or _DEFAULT_RANK
     targets = _lora_targets(blocks)
-    teacher = teacher_top(model, data)
+    rank = options.rank or max(min(model.get_submodule(m).weight.shape) for m in targets)
+    teacher = teacher if teacher is not None else teacher_top(model, data)
     vectors = {n: d for n, d in (start.deltas if start else {}).items() if d.vector is not None}
     fixed = Patch(vectors, meta) if vectors else None
     torch.manual_seed(options.seed)
@@ -86,7 +111,7 @@ def distill(
     try:
         if start is not None:
             _init_from(peft_model, start, targets, rank)
-        _train(peft_model, data, teacher, options, on_step)
+        steps, seconds, loss = _train(peft_model, data, teacher, options, on_step)
         deltas = _deltas(peft_model, targets, rank)
     finally:
         peft_model.unload()
@@ -94,7 +119,7 @@ def distill(
             fixed.remove(model)
     deltas.update(vectors)
     ordered = {n: deltas[n] for n in _param_order(model, deltas)}
-    return Patch(ordered, meta)
+    return DistillRun(Patch(ordered, meta), rank, steps, seconds, loss)
 
 
 def _param_order(model: torch.nn.Module, deltas: dict) -> list[str]:
@@ -124,13 +149,17 @@ def _init_from(peft_model, start: Patch, targets: dict[str, str], rank: int) -> 
             module.lora_A["default"].weight[:r] = root[:, None] * vh[:r]  # [r, in]
 
 
-def _train(peft_model, data: FitData, teacher, options, on_step) -> None:
+def _train(peft_model, data: FitData, teacher, options, on_step) -> tuple[int, float, float]:
+    """The training loop; (steps taken, seconds, last loss)."""
     params = [p for p in peft_model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=options.distill_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(options.seed)
     n, batch = len(data.queries), min(4, len(data.queries))
-    steps = options.distill_steps
-    for step in range(steps):
+    budget = options.distill_seconds
+    steps = 0 if budget is not None else options.distill_steps
+    clock, step, last = time.perf_counter(), 0, float("nan")
+    # A time budget checks the clock before each step: at least one step, then until spent.
+    while (step < steps) if budget is None else (step == 0 or time.perf_counter() - clock < budget):
         picks = torch.randperm(n, generator=gen)[:batch].tolist()
         loss = torch.zeros(())
         count = 0
@@ -145,8 +174,10 @@ def _train(peft_model, data: FitData, teacher, options, on_step) -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
+        step, last = step + 1, float(loss)
         if on_step is not None:
-            on_step(step + 1, steps, "distill")
+            on_step(step, steps, "distill")
+    return step, time.perf_counter() - clock, last
 
 
 def _deltas(peft_model, targets: dict[str, str], rank: int) -> dict[str, Delta]:

@@ -44,9 +44,12 @@ def bake_cmd(
     sample_tokens: int = typer.Option(32, "--sample-tokens", help="Tokens per sample."),
     rank: str = typer.Option("64", "--rank", help="Rank budget per matrix, or 'full'."),
     method: Method = typer.Option(Method.fit, "--method", help="fit (closed form) or distill."),
-    ridge: float = typer.Option(0.05, "--ridge", help="Relative ridge of the matrix fits."),
+    ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
     seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
     steps: int = typer.Option(200, "--steps", help="distill: optimiser steps."),
+    seconds: float = typer.Option(
+        None, "--seconds", help="distill: train for this wall time instead of --steps."
+    ),
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
     eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out samples (seed + 1)."),
@@ -69,6 +72,8 @@ def bake_cmd(
         raise CtxcError("--samples 0 and no --queries: nothing to fit the patch on")
     if eval_samples < 0 or steps < 1:
         raise CtxcError("--eval-samples must be at least 0 and --steps at least 1")
+    if seconds is not None and not seconds > 0:
+        raise CtxcError(f"--seconds must be positive (got {seconds})")
     if method is Method.distill and importlib.util.find_spec("peft") is None:
         raise CtxcError("--method distill needs peft: pip install 'ctxc[peft]'")
     kinds = parse_emit(emit)
@@ -84,6 +89,7 @@ def bake_cmd(
             ridge=ridge,
             seed=seed,
             distill_steps=steps,
+            distill_seconds=seconds,
             distill_from_fit=from_fit,
         )
         with stage_progress("baking", "fitting") as (on_stage, on_block):

@@ -41,6 +41,11 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
         assert 0.0 <= p["top1"] <= 1.0 and p["kl"] >= 0.0
     fit = figures["fit"]
     assert fit["patched"]["kl"] < fit["control"]["kl"], fit
+    # Per block: each move's relative residual, the output residual, the effective rank.
+    blocks = report["blocks"]
+    assert blocks, report.keys()
+    for b in blocks:
+        assert b["move_residuals"] and b["residual_rms"] >= 0 and b["effective_rank"] > 0, b
     assert "KL" in proc.stdout
     again = run_cli(
         "eval-bake", str(out), "--model", str(tiny_model_dir), "--queries", str(held),
