@@ -49,7 +49,9 @@ def test_shared_reference_and_teacher_forced_count_match_direct_runs(family: str
     free-generation count as running every input whole and generating on both sides."""
     model = shared(family)
     data = _data(50, [3, 7, 5])
-    patch = bake(model, data=data, options=BakeOptions(rank=2, ridge=1e-3)).patch
+    patch = bake(
+        model, data=data, options=BakeOptions(rank=2, ridge=1e-3, scale_ridge=1e-3, fit_prefix=True)
+    ).patch
     ref = reference(model, data, gen_tokens=6)
     got = evaluate_against(model, patch, ref, batch=2)
     kl, agree, matched = _direct(model, patch, data, 6)
