@@ -11,7 +11,7 @@ from ctxc.offload import is_dispersed
 from ctxc.patch import Patch
 from ctxc.patched_forward import patched_values
 
-__all__ = ["emit_torch", "shard_kwargs"]
+__all__ = ["emit_torch", "save_tokenizer", "shard_kwargs"]
 
 
 def shard_kwargs(model: torch.nn.Module) -> dict:
@@ -76,8 +76,46 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
         finally:
             config.use_cache = use_cache
     if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
+        save_tokenizer(tokenizer, out)
     return out
+
+
+def save_tokenizer(tokenizer, out: Path) -> None:
+    """Write ``tokenizer`` into ``out``: its files copied, where it says it is unchanged.
+
+    ``ctxc``'s command line loads a tokenizer from a folder and never changes it, and marks it
+    with ``ctxc_files`` (that folder): copying the folder's tokenizer files gives the tokenizer
+    as it was published and takes milliseconds, where ``save_pretrained`` re-serialises it
+    (0.5 s for Gemma 3's 33 MB ``tokenizer.json``). Anything else is saved by Transformers.
+    """
+    import shutil
+
+    names = _tokenizer_files(tokenizer)
+    if names is None:
+        tokenizer.save_pretrained(str(out))
+        return
+    for name in names:
+        shutil.copyfile(tokenizer.ctxc_files / name, out / name)
+
+
+def _tokenizer_files(tokenizer) -> list[str] | None:
+    """The files of a marked tokenizer's folder that Transformers reads, or None to save it."""
+    from transformers import tokenization_utils_base as tub
+
+    source = getattr(tokenizer, "ctxc_files", None)
+    if source is None or hasattr(tokenizer, "image_processor"):  # a processor: more files
+        return None
+    names = {
+        tub.TOKENIZER_CONFIG_FILE,
+        tub.SPECIAL_TOKENS_MAP_FILE,
+        tub.ADDED_TOKENS_FILE,
+        tub.FULL_TOKENIZER_FILE,
+        tub.CHAT_TEMPLATE_FILE,
+        "chat_template.json",  # the older name, still read
+        *getattr(tokenizer, "vocab_files_names", {}).values(),
+    }
+    present = sorted(n for n in names if (Path(source) / n).is_file())
+    return present if tub.TOKENIZER_CONFIG_FILE in present else None
 
 
 def _save_config(model, out: Path) -> None:

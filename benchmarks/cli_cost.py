@@ -9,6 +9,8 @@ Every figure is the wall time of a new process, as a user runs it:
   ``torch.export`` and stores the entry);
 * ``ctxc warm``: the same command again (the export comes from the cache);
 
+plain and warm ``--repeats`` times each, interleaved, their medians compared;
+
 for each example text, then the many-contexts check: ``--contexts`` with N contexts in one
 process against N separate ``ctxc compile`` processes (warm), each output folder compared with
 the separate compile's (patch bytes, and every report figure but the timings).
@@ -18,7 +20,7 @@ cache (no conversion is repeated) and starts with no export entry. The many-cont
 write ``--emit peft`` (small adapters) by default: ``--emit torch`` writes a 1 GB model folder
 per context.
 
-    python benchmarks/cli_cost.py [--model SPEC] [--contexts 20] [--emit-batch peft]
+    python benchmarks/cli_cost.py [--model SPEC] [--contexts 20] [--repeats 3] [--emit-batch peft]
         [--examples FILE ...] [--skip-examples] [--skip-batch] [--keep DIR] [--json FILE]
 """
 
@@ -28,6 +30,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -51,7 +54,13 @@ print(ids.shape[1], int(logits[0, -1].argmax()))
 
 
 def run(cmd: list[str], env: dict) -> float:
-    """Wall seconds of ``cmd`` as a new process; its failure is fatal to the benchmark."""
+    """Wall seconds of ``cmd`` as a new process; its failure is fatal to the benchmark.
+
+    Dirty pages are written back first (``hyperfine --prepare sync``): a compile writes a 1 GB
+    ``model/`` folder, and without it the next timed process is throttled by the kernel's
+    write-back of the previous one's files (warm runs measured 0.5-2 s slower that way).
+    """
+    os.sync()
     start = time.perf_counter()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - start
@@ -73,6 +82,13 @@ def ctxc_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "ctxc.cli", "compile", *args]
 
 
+def compile_into(out: Path, cmd: list[str], env: dict) -> float:
+    """Wall seconds of the compile ``cmd`` into ``out``, a new folder each time (as a user
+    compiling a context writes one): removing the last run's 1 GB model/ is not timed."""
+    shutil.rmtree(out, ignore_errors=True)
+    return run(cmd, env)
+
+
 def examples(args, env: dict, work: Path, folder: Path) -> list[dict]:
     """Plain, cold and warm timings per example text."""
     rows = []
@@ -81,11 +97,14 @@ def examples(args, env: dict, work: Path, folder: Path) -> list[dict]:
         e = {**env, "CTXC_CACHE": str(cache)}
         model = ["--model", args.model] if args.model else []
         out = work / f"out-{text.stem}"
-        cmd = ctxc_cmd("--context", str(text), *model, "--out", str(out), "--force")
+        cmd = ctxc_cmd("--context", str(text), *model, "--out", str(out))
         plain = [sys.executable, "-c", PLAIN, str(folder), str(text)]
-        row = {"example": text.name, "plain": run(plain, e)}
-        row["ctxc cold"] = run(cmd, e)
-        row["ctxc warm"] = run(cmd, e)
+        row = {"example": text.name, "ctxc cold": compile_into(out, cmd, e)}
+        # Interleaved, so that a slow spell of the machine falls on both sides.
+        runs = [(run(plain, e), compile_into(out, cmd, e)) for _ in range(args.repeats)]
+        row["plain runs"], row["warm runs"] = ([round(x[i], 2) for x in runs] for i in (0, 1))
+        row["plain"] = statistics.median(row["plain runs"])
+        row["ctxc warm"] = statistics.median(row["warm runs"])
         report = json.loads((out / "report.json").read_text())
         row["tokens"] = len(report["context_ids"]) + len(report["query_ids"])
         row["emitted max diff"] = report["max_abs_logit_diff"]
@@ -175,6 +194,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="model spec (default: bundled Gemma)")
     parser.add_argument("--contexts", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=3, help="plain and warm runs (median)")
     parser.add_argument("--examples", type=Path, nargs="+", default=EXAMPLES)
     parser.add_argument("--emit-batch", default="peft", help="--emit of the many-contexts runs")
     parser.add_argument("--skip-examples", action="store_true")

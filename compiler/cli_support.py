@@ -128,6 +128,11 @@ def load(model: str | None, dtype: str, placement=None):
     from ctxc.export_cache import enable
 
     enable(net)  # every command is a new process: reuse the export on disk (issue 11)
+    source = str(getattr(tokenizer, "name_or_path", "") or "")
+    if source and Path(source).is_dir():
+        # Loaded from this folder and never changed by the command line: an emitted model
+        # copies its tokenizer files (backends/torch_model.py: save_tokenizer).
+        tokenizer.ctxc_files = Path(source)
     return net, tokenizer
 
 

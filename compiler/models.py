@@ -24,6 +24,7 @@ __all__ = [
     "bundled_model_dir",
     "cache_dir",
     "check_length",
+    "converted_dir",
     "load_model",
     "max_positions",
     "resolve_dtype",
@@ -269,9 +270,7 @@ def _bundled_gguf(stage: Callable[[str], None] | None = None) -> Path:
 def _converted(gguf: Path, stage: Callable[[str], None] | None = None) -> Path:
     """A plain Transformers directory converted from ``gguf`` (cached by path, size, mtime)."""
     stage = stage or _silent
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    directory = cache_dir() / "converted" / f"{gguf.stem}-{key}"
+    directory = converted_dir(gguf)
     if (directory / "config.json").is_file():
         return directory
     stage(
@@ -289,6 +288,19 @@ def _converted(gguf: Path, stage: Callable[[str], None] | None = None) -> Path:
                 return directory
             raise
     return directory
+
+
+def converted_dir(gguf: Path) -> Path:
+    """Where ``gguf``'s conversion lives: keyed by its real path (links resolved), size, mtime.
+
+    The same file reached through a linked folder (a private ``CTXC_CACHE`` that links the
+    shared ``gguf/``) maps to the same entry: the key held the path as given, and each such
+    cache converted the file again, 1 GB per copy.
+    """
+    real = gguf.resolve()
+    stat = real.stat()
+    key = hashlib.sha256(f"{real}|{stat.st_size}|{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    return cache_dir() / "converted" / f"{gguf.stem}-{key}"
 
 
 def _convert_gguf(gguf: Path, out: Path, stage: Callable[[str], None]) -> None:

@@ -39,6 +39,11 @@ def test_compile_writes_patch_report_and_a_plain_transformers_model(tiny_model_d
         "timings",
     ):
         assert key in report, key
+    # The tokenizer files are the loaded folder's, copied (backends/torch_model.py).
+    published = sorted(p.name for p in tiny_model_dir.iterdir() if p.name.startswith("tokenizer"))
+    assert published, sorted(p.name for p in tiny_model_dir.iterdir())
+    for name in published:
+        assert (out / "model" / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
     # The emitted model, loaded by plain Transformers and fed the query alone.
     tok = AutoTokenizer.from_pretrained(str(out / "model"))
     model = AutoModelForCausalLM.from_pretrained(str(out / "model"), dtype=torch.float32).eval()

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 from helpers import random_ids
 from safetensors.torch import load_file
@@ -62,3 +64,40 @@ def test_patched_values_are_the_applied_logits_and_restore_on_error() -> None:
         pass
     assert param.data_ptr() == address, "the parameter's own tensor is back"
     assert torch.equal(param.detach(), own), f"max {(param.detach() - own).abs().max():.3g}"
+
+
+def test_a_marked_tokenizer_is_copied_and_any_other_is_saved(tmp_path) -> None:
+    from tiny_models import tiny_tokenizer
+    from transformers import AutoTokenizer
+
+    from ctxc.backends.torch_model import save_tokenizer
+
+    source = tmp_path / "source"
+    tiny_tokenizer().save_pretrained(str(source))
+    # Compact JSON: Transformers writes its own (indented), so a copy is told from a save.
+    full = source / "tokenizer.json"
+    full.write_text(json.dumps(json.loads(full.read_text()), separators=(",", ":")))
+    tok = AutoTokenizer.from_pretrained(str(source))
+    names = sorted(p.name for p in source.iterdir())
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    save_tokenizer(tok, saved)  # unmarked: Transformers writes it
+    assert (saved / "tokenizer.json").read_bytes() != full.read_bytes()
+
+    tok.ctxc_files = source
+    copied = tmp_path / "copied"
+    copied.mkdir()
+    save_tokenizer(tok, copied)
+    assert sorted(p.name for p in copied.iterdir()) == names
+    same = [n for n in names if (copied / n).read_bytes() == (source / n).read_bytes()]
+    assert same == names, f"copied {same} of {names}"
+    again = AutoTokenizer.from_pretrained(str(copied))
+    text = "w1 w2 w3 hello"
+    assert again(text).input_ids == tok(text).input_ids
+
+    (source / "tokenizer_config.json").unlink()  # not a tokenizer folder any more: saved
+    fallback = tmp_path / "fallback"
+    fallback.mkdir()
+    save_tokenizer(tok, fallback)
+    assert (fallback / "tokenizer_config.json").is_file()
