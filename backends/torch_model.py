@@ -35,11 +35,14 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     The patched weights are those :meth:`Patch.apply` writes (the weights the solver computed
     with, bit for bit), swapped in for the save by :func:`~ctxc.patched_forward.patched_values`
     and out again: ``model`` is left as it was, and its own tensors (memory-mapped from its
-    checkpoint) are never written or cloned. A model dispersed by accelerate is baked with
-    :meth:`Patch.apply` (its store entries are pointed at the patched values) and saved shard by
-    shard, each shard about one block, by :func:`write_shards`: no weight is gathered whole
-    (``save_pretrained`` would read Gemma 3's 670 MB embedding into memory), the unchanged ones
-    are copied from their files in chunks.
+    checkpoint) are never written or cloned. In memory, the one file ``save_pretrained`` would
+    write (the same bytes for a model loaded from such a file: the header padded so that each
+    patched weight sits where the solver read it) is written by two threads
+    (:func:`write_shards`; the page-cache copy costs a core per 0.5 GB/s). A model dispersed
+    by accelerate is baked with :meth:`Patch.apply` (its store entries are pointed at the
+    patched values) and saved shard by shard, each shard about one block, by
+    :func:`write_shards`: no weight is gathered whole (``save_pretrained`` would read Gemma 3's
+    670 MB embedding into memory), the unchanged ones are copied from their files in chunks.
 
     Args:
         model: the model the patch was computed on.
@@ -56,6 +59,10 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     dispersed = is_dispersed(model)
     # Where the solver read each patched weight, before the patch points the store elsewhere.
     wanted = source_alignments(model, patch.deltas) if dispersed else None
+    # In memory, where the solver read each patched weight: the saved file puts them there
+    # again when reloaded (memory-mapped), as save_pretrained's layout did for a model loaded
+    # from one.
+    in_memory = source_alignments(model, patch.deltas) if not dispersed else None
     # A dispersed model's store entries are pointed at the patched values (Patch.apply); in
     # memory, the values are only read by the save: where they sit does not matter.
     patched = (
@@ -67,7 +74,11 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
         try:
             config.use_cache = True  # ctxc turns the cache off for export; users generate with it
             if not dispersed:
-                model.save_pretrained(str(out))
+                # One file, as save_pretrained writes it, by two writers (write_shards).
+                if write_shards(model, out, _ONE_FILE, in_memory, workers=2):
+                    _save_config(model, out)
+                else:
+                    model.save_pretrained(str(out))
             elif write_shards(model, out, shard_kwargs(model)["max_shard_size"], wanted):
                 _save_config(model, out)
             else:  # a checkpoint layout of its own (MoE experts): Transformers reverts it
@@ -116,6 +127,9 @@ def _tokenizer_files(tokenizer) -> list[str] | None:
     }
     present = sorted(n for n in names if (Path(source) / n).is_file())
     return present if tub.TOKENIZER_CONFIG_FILE in present else None
+
+
+_ONE_FILE = 1 << 62  # max_shard_size: never split
 
 
 def _save_config(model, out: Path) -> None:

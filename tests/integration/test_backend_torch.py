@@ -101,3 +101,26 @@ def test_a_marked_tokenizer_is_copied_and_any_other_is_saved(tmp_path) -> None:
     fallback.mkdir()
     save_tokenizer(tok, fallback)
     assert (fallback / "tokenizer_config.json").is_file()
+
+
+def test_two_writers_write_the_bytes_of_one(tmp_path, monkeypatch) -> None:
+    from ctxc.backends import torch_shards
+
+    model = build("gemma3")
+    monkeypatch.setattr(torch_shards, "_CHUNK", 256)  # many pieces per tensor, split anywhere
+    one, two = tmp_path / "one", tmp_path / "two"
+    for folder, workers in ((one, 1), (two, 2)):
+        folder.mkdir()
+        assert torch_shards.write_shards(model, folder, 1 << 62, {}, workers=workers)
+    assert sorted(p.name for p in two.iterdir()) == ["model.safetensors"]
+    a, b = (f.joinpath("model.safetensors").read_bytes() for f in (one, two))
+    assert a == b, f"{len(a)} vs {len(b)} bytes; first difference at {_first_difference(a, b)}"
+    saved = _saved(two)
+    state = model.state_dict()
+    differ = [k for k, v in saved.items() if not torch.equal(v, state[k])]
+    assert not differ, f"{len(differ)} of {len(saved)} tensors differ, e.g. {differ[:2]}"
+
+
+def _first_difference(a: bytes, b: bytes) -> int:
+    pairs = enumerate(zip(a, b, strict=False))
+    return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
