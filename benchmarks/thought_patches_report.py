@@ -1,7 +1,8 @@
 """The table and the plot of ``benchmarks/thought_patches.py``'s JSON (issue 13).
 
     python benchmarks/thought_patches_report.py docs/thought_patches.json \\
-        --md docs/thought_patches_table.md --plot docs/thought_patches.png
+        --md docs/thought_patches_table.md --plot docs/thought_patches.png \\
+        [--levers docs/thought_patch_levers.json]
 
 The Markdown holds, per context, one line per patch with its held-out figures on fresh samples and
 on hand-written questions, beside the unpatched model's, and the goal check of issue 13 (on fresh
@@ -45,7 +46,8 @@ def label(row: dict) -> str:
 def _key(row: dict) -> tuple:
     order = {"unpatched": 0, "mean-exact": 1, "fit": 2, "distill": 3}
     rank = {"8": 0, "64": 1, "full": 2}.get(str(row["R"]), -1)
-    return (order[row["method"]], row["K"], rank, row.get("budget", ""))
+    factor = float(row.get("budget", "0x").split("x")[0])  # distill's "1x fit", "10x fit"
+    return (order[row["method"]], row["K"], rank, factor)
 
 
 def table(rows: list[dict], context: str) -> list[str]:
@@ -110,6 +112,32 @@ def fit_blocks(fits: list[dict], context: str) -> str:
     )
 
 
+def levers(path: str) -> list[str]:
+    """Markdown lines for ``benchmarks/thought_patch_levers.py``'s JSON: a line per setting."""
+    data = json.loads(Path(path).read_text())
+    pairs: dict[str, dict] = {}
+    for r in data["rows"]:
+        pairs.setdefault(r.get("setting", "unpatched"), {})[r["held_out"]] = r
+    a = data["args"]
+    out = [
+        f"{data['rows'][0]['context']}, K={a['samples']}, R={a['rank']}; held out: "
+        f"{a['held']} fresh samples, {a['qs']} questions, {a['gen']} greedy tokens; every other "
+        "lever at its default (ridge 1.0, scale ridge 0.1, BOS not fitted, input moves on).",
+        "",
+        "| setting | samples: KL | top-1 | matched | questions: KL | top-1 | matched | s |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for setting, got in pairs.items():
+        cells = [
+            f"{got[k]['kl']:.3f} | {got[k]['top1']:.1%} | {got[k]['matched']:.2f}"
+            if k in got
+            else "- | - | -"
+            for k in KINDS
+        ]
+        out.append(f"| {setting} | {' | '.join(cells)} | {next(iter(got.values()))['seconds']} |")
+    return out
+
+
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
 
@@ -157,6 +185,7 @@ def main() -> None:
     p.add_argument("json", nargs="+")
     p.add_argument("--md", default=None, help="write the Markdown here (default: print)")
     p.add_argument("--plot", default=None, help="write the plot here")
+    p.add_argument("--levers", default=None, help="thought_patch_levers.py's JSON: its table")
     args = p.parse_args()
     rows, fits = load_rows(args.json)
     lines = []
@@ -164,6 +193,8 @@ def main() -> None:
         lines += [f"### {context}", "", *table(rows, context), "", goal(rows, context)]
         extra = fit_blocks(fits, context)
         lines += ["", extra, ""] if extra else [""]
+    if args.levers:
+        lines += ["### levers", "", *levers(args.levers), ""]
     text = "\n".join(lines)
     if args.md:
         Path(args.md).write_text(text)

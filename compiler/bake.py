@@ -49,7 +49,8 @@ class BakeOptions:
         rank: rank budget per matrix; None: no budget.
         method: ``fit`` or ``distill``.
         ridge: relative ridge of the matrix fits (:class:`~ctxc.passes.fit_moves.FitOptions`);
-            1.0 was best held out among 0.05-5 (docs/thought_patches.md, levers).
+            among 0.05-5, 1.0 was best held out on the hand-written questions and within
+            0.02 of 5 on fresh samples (docs/thought_patches.md, levers).
         scale_ridge: relative ridge of the post-norm scale fit (0.1: best among 0.01-1).
         seed: the sampling (and training) seed.
         distill_steps: optimiser steps of ``distill``.
@@ -60,8 +61,8 @@ class BakeOptions:
         fit_prefix: the prefix positions (BOS, matched to the context's last token) are
             constraints too; False (default): they are run but not fitted. The BOS position is
             the same in every query (K identical rows of a very large norm): fitted, it
-            dominated the least squares and held-out KL on fresh samples was 1.05 against
-            0.43 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
+            dominated the least squares and held-out KL on fresh samples was 0.71 against
+            0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
         input_moves: fit the inner linears' input moves too; False: the output move only.
     """
 
