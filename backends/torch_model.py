@@ -57,12 +57,10 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
     config = model.config
     use_cache = config.use_cache
     dispersed = is_dispersed(model)
-    # Where the solver read each patched weight, before the patch points the store elsewhere.
-    wanted = source_alignments(model, patch.deltas) if dispersed else None
-    # In memory, where the solver read each patched weight: the saved file puts them there
-    # again when reloaded (memory-mapped), as save_pretrained's layout did for a model loaded
-    # from one.
-    in_memory = source_alignments(model, patch.deltas) if not dispersed else None
+    # Where the solver read each patched weight, before the patch points the store elsewhere:
+    # the saved file puts them there again when reloaded (memory-mapped), as save_pretrained's
+    # layout did for a model loaded from one.
+    wanted = source_alignments(model, patch.deltas)
     # A dispersed model's store entries are pointed at the patched values (Patch.apply); in
     # memory, the values are only read by the save: where they sit does not matter.
     patched = (
@@ -75,7 +73,7 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
             config.use_cache = True  # ctxc turns the cache off for export; users generate with it
             if not dispersed:
                 # One file, as save_pretrained writes it, by two writers (write_shards).
-                if write_shards(model, out, _ONE_FILE, in_memory, workers=2):
+                if write_shards(model, out, _ONE_FILE, wanted, workers=2):
                     _save_config(model, out)
                 else:
                     model.save_pretrained(str(out))

@@ -63,21 +63,19 @@ def table(rows: list[dict], context: str) -> list[str]:
     for key in sorted(pairs):
         got = pairs[key]
         first = next(iter(got.values()))
-        cells = []
-        for kind in KINDS:
-            r = got.get(kind)
-            cells += (
-                [f"{r['kl']:.3f}", f"{r['top1']:.1%}", f"{r['matched']:.2f}"]
-                if r
-                else ["-", "-", "-"]
-            )
         k = first["K"] or "-"
-        out.append(
-            f"| {label(first)} | {k} | {first['R']} | "
-            + " | ".join(cells)
-            + f" | {first['seconds']} |"
-        )
+        out.append(f"| {label(first)} | {k} | {first['R']} | {_cells(got)} | {first['seconds']} |")
     return out
+
+
+def _cells(got: dict) -> str:
+    """KL, top-1 and matched tokens of each held-out kind, as table cells."""
+    return " | ".join(
+        f"{got[k]['kl']:.3f} | {got[k]['top1']:.1%} | {got[k]['matched']:.2f}"
+        if k in got
+        else "- | - | -"
+        for k in KINDS
+    )
 
 
 def goal(rows: list[dict], context: str) -> str:
@@ -128,13 +126,7 @@ def levers(path: str) -> list[str]:
         "|---|---|---|---|---|---|---|---|",
     ]
     for setting, got in pairs.items():
-        cells = [
-            f"{got[k]['kl']:.3f} | {got[k]['top1']:.1%} | {got[k]['matched']:.2f}"
-            if k in got
-            else "- | - | -"
-            for k in KINDS
-        ]
-        out.append(f"| {setting} | {' | '.join(cells)} | {next(iter(got.values()))['seconds']} |")
+        out.append(f"| {setting} | {_cells(got)} | {next(iter(got.values()))['seconds']} |")
     return out
 
 
