@@ -24,7 +24,13 @@ from ctxc.errors import CtxcError
 from ctxc.fingerprint import fingerprint
 from ctxc.offload import put_param, read_param, restore_param
 from ctxc.passes.delta_math import add_in_float32, lowrank_dense
-from ctxc.patch_checks import canonical, check_factors, check_fits, check_tensor
+from ctxc.patch_checks import (
+    canonical,
+    check_factors,
+    check_fits,
+    check_tensor,
+    tensors_digest,
+)
 
 __all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta"]
 
@@ -104,6 +110,9 @@ class PatchMeta:
     ctxc_version: str
     model: str = ""
     start_layer: int = 0
+    # The solver pass's max |logit diff| from the full context: what an artefact of this
+    # patch is expected to reproduce (ctxc.checks.gate). None: not recorded (older patches).
+    solver_max_abs_logit_diff: float | None = None
 
 
 @dataclass
@@ -242,7 +251,10 @@ class Patch:
             "ctxc_version": m.ctxc_version,
             "model": m.model,
             "start_layer": str(m.start_layer),
+            "tensors_sha256": tensors_digest(tensors),
         }
+        if m.solver_max_abs_logit_diff is not None:
+            metadata["solver_max_abs_logit_diff"] = repr(float(m.solver_max_abs_logit_diff))
         # Written by Python, not safetensors' save_file: that creates the file 0600, ignoring the
         # umask, and writes the metadata in hash-map order, which differs between runs.
         path.write_bytes(canonical(save(tensors, metadata=metadata)))
@@ -259,7 +271,8 @@ class Patch:
         Raises:
             CtxcError: the file is missing, is not a ctxc patch, or fails a check: a
                 non-finite value, inconsistent factor shapes, a rank out of bounds, a malformed
-                fingerprint; the one-line message names the tensor.
+                fingerprint (the one-line message names the tensor), or tensors that differ
+                from the digest stored with them (the message names the file).
         """
         path = Path(path)
         if path.is_dir():
@@ -287,6 +300,12 @@ class Patch:
             ) from None
         except CtxcError as exc:
             raise CtxcError(f"patch {path}: {exc}") from None
+        stored = md.get("tensors_sha256")  # absent in patches written before it existed
+        if stored is not None and stored != tensors_digest(tensors):
+            raise CtxcError(
+                f"patch {path}: its tensors do not match the digest ctxc stored "
+                "(the file was changed after it was written)"
+            )
         if model is not None:
             patch.check(model)
         return patch
@@ -347,4 +366,7 @@ def _meta(md: dict[str, str]) -> PatchMeta:
         ctxc_version=md["ctxc_version"],
         model=md.get("model", ""),
         start_layer=int(md.get("start_layer", "0")),
+        solver_max_abs_logit_diff=(
+            float(md["solver_max_abs_logit_diff"]) if "solver_max_abs_logit_diff" in md else None
+        ),
     )

@@ -1,7 +1,8 @@
-"""Checks of a patch's tensors, and the canonical byte form of a patch file."""
+"""Checks of a patch's tensors, their digest, and the canonical byte form of a patch file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from typing import TYPE_CHECKING
@@ -13,7 +14,14 @@ from ctxc.errors import CtxcError
 if TYPE_CHECKING:
     from ctxc.patch import Delta
 
-__all__ = ["canonical", "check_factors", "check_fits", "check_tensor"]
+__all__ = [
+    "canonical",
+    "check_factors",
+    "check_fits",
+    "check_tensor",
+    "stored_digest",
+    "tensors_digest",
+]
 
 
 def check_tensor(key: str, t: torch.Tensor) -> None:
@@ -80,3 +88,32 @@ def canonical(data: bytes) -> bytes:
     text = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
     return struct.pack("<Q", len(text)) + text + data[8 + n :]
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 of a patch file's tensors: each name, dtype, shape and bytes, in name order.
+
+    Stored in the file's metadata (``tensors_sha256``) and checked on load: a value changed
+    after ctxc wrote it (a bit flip, an edit) is refused, however finite it is.
+    """
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        head = [name, str(t.dtype).removeprefix("torch."), list(t.shape)]
+        h.update(json.dumps(head).encode() + b"\0")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def stored_digest(path) -> str | None:
+    """The ``tensors_sha256`` a patch file's header holds (None: none), without loading it.
+
+    Raises:
+        OSError, ValueError: an unreadable file or header.
+    """
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 << 20:
+            raise ValueError(f"{path}: safetensors header of {n} bytes")
+        header = json.loads(f.read(n))
+    return header.get("__metadata__", {}).get("tensors_sha256")

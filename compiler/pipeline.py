@@ -17,7 +17,7 @@ from ctxc.fingerprint import fingerprint
 from ctxc.frontend import Frontend
 from ctxc.image_run import image_figures, multimodal_full_graph
 from ctxc.images import ImageContext
-from ctxc.metrics import fidelity
+from ctxc.metrics import Fidelity, fidelity
 from ctxc.models import check_length
 from ctxc.offload import input_device
 from ctxc.passes.block_map import BlockMap, Rejection
@@ -238,7 +238,8 @@ def _compile_ids(
     control = run_logits(traced, query)
     lap("control_run")
 
-    meta = _meta(model, traced, ctx_ids, q_ids, o.update, o.start_layer)
+    solver = fidelity(solution.logits, full.logits)
+    meta = _meta(model, traced, ctx_ids, q_ids, o.update, o.start_layer, solver)
     patch = Patch(solution.deltas, meta)
     lap("fingerprint")
     emitted, eager = solution.logits, None
@@ -254,7 +255,7 @@ def _compile_ids(
         start_layer=o.start_layer,
         context_ids=ctx_ids,
         query_ids=q_ids,
-        patched=fidelity(solution.logits, full.logits),
+        patched=solver,
         emitted=fidelity(emitted, full.logits),
         control=fidelity(control, full.logits),
         blocks=solution.stats,
@@ -284,8 +285,11 @@ def _check_blocks(blocks: BlockMap, skip_unpatchable: bool, start_layer: int) ->
         raise CtxcError(f"start layer {start_layer} is outside 0..{len(blocks.blocks) - 1}")
 
 
-def _meta(model, traced: TracedModel, ctx_ids, q_ids, update: str, start_layer: int) -> PatchMeta:
-    """The patch's metadata: what it was computed on and from."""
+def _meta(
+    model, traced: TracedModel, ctx_ids, q_ids, update: str, start_layer: int, solver: Fidelity
+) -> PatchMeta:
+    """The patch's metadata: what it was computed on and from, and the solver's figure (an
+    artefact exported later is held to it: ``ctxc.checks.gate``)."""
     return PatchMeta(
         fingerprint=fingerprint(model),
         context_ids=ctx_ids,
@@ -295,6 +299,7 @@ def _meta(model, traced: TracedModel, ctx_ids, q_ids, update: str, start_layer: 
         ctxc_version=__version__,
         model=str(getattr(model, "ctxc_name", getattr(model, "name_or_path", ""))),
         start_layer=start_layer,
+        solver_max_abs_logit_diff=solver.max_abs_logit_diff,
     )
 
 
