@@ -3,7 +3,7 @@
 The written file is opened by a plain onnxruntime CPU session, its signature is checked against
 the contract (``input_ids`` int64 [1, dynamic length] -> ``logits``), and it is run at two input
 lengths: the exporter silently fixes the length when it rejects a dynamic spec, so one length
-proves nothing. A difference above :data:`ONNX_ATOL` raises.
+proves nothing. A difference above :data:`ONNX_ATOL` fails the check (:func:`ctxc.checks.enforce`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from ctxc.backends.onnx_export import root_cause
 from ctxc.backends.onnx_files import file_size
+from ctxc.checks import enforce
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
 
@@ -152,6 +153,7 @@ def check_lengths(
     ids: Sequence[torch.Tensor],
     expected: Sequence[torch.Tensor],
     atol: float = ONNX_ATOL,
+    artefact: str = "model.onnx",
 ) -> tuple[tuple[LengthCheck, ...], torch.Tensor]:
     """Run an exported model at each input length and compare with the torch patched model.
 
@@ -160,13 +162,14 @@ def check_lengths(
         ids: the inputs, each [1, n] int64, lengths distinct.
         expected: the torch patched model's logits [n, vocab] for each input.
         atol: the bound on ``max |diff|``, absolute.
+        artefact: the checked file's name, for the message.
 
     Returns:
         the checks, and onnxruntime's logits at the first input [n, vocab].
 
     Raises:
-        CtxcError: a run fails (a length the export fixed), gives the wrong shape, non-finite
-            values, or a difference above ``atol``.
+        CtxcError: a run fails (a length the export fixed) or gives the wrong shape.
+        CheckFailed: non-finite values, or a difference above ``atol``.
     """
     checks = []
     first: torch.Tensor | None = None
@@ -179,13 +182,13 @@ def check_lengths(
                 f"onnxruntime could not run the export at {n} tokens: {root_cause(exc)}"
             ) from None
         check, logits = _compare(n, got, want)
-        # NaN compares false: "not <=" also catches non-finite logits.
-        if not check.max_abs_diff <= atol:
-            raise CtxcError(
-                f"onnxruntime disagrees with the torch patched model at {n} tokens: "
-                f"max |diff| {check.max_abs_diff:.3g} (mean {check.mean_abs_diff:.3g}, "
-                f"{check.max_rel_diff:.3g} of the largest logit) exceeds {atol:.3g}"
-            )
+        enforce(  # NaN fails too: non-finite logits
+            artefact,
+            f"onnxruntime vs the torch patched model at {n} tokens: max |diff|",
+            check.max_abs_diff,
+            atol,
+            f"mean {check.mean_abs_diff:.3g}, {check.max_rel_diff:.3g} of the largest logit",
+        )
         checks.append(check)
         if first is None:
             first = logits
@@ -228,7 +231,11 @@ def verify_export(
     check_signature(session)
     fed = feeds(session)
     checks, first = check_lengths(
-        lambda x: session.run(["logits"], {**fed, "input_ids": x})[0], ids, expected, atol
+        lambda x: session.run(["logits"], {**fed, "input_ids": x})[0],
+        ids,
+        expected,
+        atol,
+        path.name,
     )
     return OnnxFigures(
         file=path.name,

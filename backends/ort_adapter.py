@@ -255,7 +255,9 @@ def emit_ort_adapter(
     session = ort_session(Path(onnx))
     record = write_adapter(patch, session, path)
     adapter = load_adapter(path, session)
-    checks, first = check_lengths(lambda x: run_adapter(session, adapter, x), ids, expected, atol)
+    checks, first = check_lengths(
+        lambda x: run_adapter(session, adapter, x), ids, expected, atol, ADAPTER_FILE
+    )
     shown = Path(onnx).name if Path(onnx).parent == out else str(onnx)
     figures = AdapterFigures(
         file=path.name,

@@ -28,6 +28,7 @@ import torch
 from ctxc.backends import backend
 from ctxc.backends.peft_write import fill_adapter, flags_kept, shared_copy
 from ctxc.backends.verify import check_ids, reference_logits, torch_logits
+from ctxc.checks import enforce
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
 from ctxc.offload import input_device
@@ -291,12 +292,13 @@ def emit_peft(
     as_loaded, merged = _loaded_logits(model, patch, path, query)
     tol = rtol * max(1.0, float(baked.abs().max()))
     merged_vs_baked = float((merged - baked).abs().max())
-    if not merged_vs_baked <= tol:
-        raise CtxcError(
-            f"the merged PEFT adapter does not reproduce the patched model: max |diff| "
-            f"{merged_vs_baked:.3g} (mean {float((merged - baked).abs().mean()):.3g}) "
-            f"exceeds {tol:.3g}"
-        )
+    enforce(
+        f"{dirname}/",
+        "merged vs the torch patched model: max |diff|",
+        merged_vs_baked,
+        tol,
+        f"mean {float((merged - baked).abs().mean()):.3g}",
+    )
     figures = PeftFigures(
         dir=dirname,
         lora_modules=len(plan.lora),

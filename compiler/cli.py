@@ -19,6 +19,7 @@ from pathlib import Path
 import typer
 
 from ctxc._version import __version__
+from ctxc.checks import ArtefactError
 from ctxc.cli_bake import bake_cmd, eval_bake_cmd
 from ctxc.cli_devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
 from ctxc.cli_images import generate_inputs, image_options, processor_of, refuse_image_patch
@@ -120,6 +121,9 @@ def compile_cmd(
     image: list[Path] = typer.Option(
         None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
     ),
+    resume: bool = typer.Option(
+        False, "--resume", help="With --contexts: keep the lines an earlier run wrote in --out."
+    ),
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
     from ctxc.cli_batch import Options, compile_batch, compile_into
@@ -138,7 +142,10 @@ def compile_cmd(
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
-        raise typer.Exit(compile_batch(contexts, out_dir, model, dtype.value, force, opts))
+        rc = compile_batch(contexts, out_dir, model, dtype.value, force, opts, resume)
+        raise typer.Exit(rc)
+    if resume:
+        raise CtxcError("--resume applies to --contexts")
     text = read_context(context) if context is not None else ""
     if query is not None and not query.strip():
         raise CtxcError("the query is empty")
@@ -188,8 +195,6 @@ def export_cmd(
     where = placement_for(device, device_map, max_memory, kinds)
     patch = Patch.load(patch_file)  # validated: finite values, factor shapes, ranks
     with output_folder(out_dir, force, "export") as tmp:
-        from ctxc.backends.torch_model import emit_torch
-
         net, tokenizer = load(model, patch.meta.dtype, where)
         patch.check(net)  # fingerprint and shapes, without applying
         from ctxc.backends import precheck
@@ -199,28 +204,27 @@ def export_cmd(
         pause_point("writing")
         report: dict = {"patch": str(patch_file), "model": patch.meta.model}
         full = None
-        if "torch" in kinds:
-            from ctxc.backends.verify import reference_logits
-
-            with err.status("writing the model folder and reloading it"):
-                emit_torch(net, tokenizer, patch, tmp)
-                full = reference_logits(net, patch)
-                reloaded = reload_fidelity(tmp, patch, patch.meta.dtype, full, net)
-            report["torch"] = {
-                "emitted": reloaded.to_dict(),
-                "emitted_measured_on": "the folder reloaded with "
-                "AutoModelForCausalLM.from_pretrained",
-            }
-        figures = emit_checked(
-            net,
-            patch,
-            tmp,
-            kinds,
-            patchable,
-            full=full,
-            tokenizer=tokenizer,
-            gguf_type=gguf_type.value,
-        )
+        try:
+            if "torch" in kinds:
+                full, reloaded = _export_torch(net, tokenizer, patch, tmp)
+                report["torch"] = {
+                    "emitted": reloaded.to_dict(),
+                    "emitted_measured_on": "the folder reloaded with "
+                    "AutoModelForCausalLM.from_pretrained",
+                }
+            figures = emit_checked(
+                net,
+                patch,
+                tmp,
+                kinds,
+                patchable,
+                full=full,
+                tokenizer=tokenizer,
+                gguf_type=gguf_type.value,
+            )
+        except ArtefactError as exc:  # what passed is kept (cli_output: DIR.failed)
+            _failed_report(tmp, report, exc)
+            raise
         report.update({kind: f.to_dict() for kind, f in figures.items()})
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if "torch" in kinds:
@@ -233,6 +237,30 @@ def export_cmd(
     for f in figures.values():
         out.print(f.summary(), highlight=False)
     out.print(f"wrote {out_dir}/")
+
+
+def _export_torch(net, tokenizer, patch, tmp: Path):
+    """The model folder as ``tmp`` itself, reloaded and checked: (full logits, its Fidelity)."""
+    from ctxc.backends.torch_model import emit_torch
+    from ctxc.backends.verify import reference_logits
+    from ctxc.checks import gate, staged
+
+    status = err.status("writing the model folder and reloading it")
+    with status, staged(tmp, "torch", "model folder") as sub:
+        emit_torch(net, tokenizer, patch, sub)
+        full = reference_logits(net, patch)
+        reloaded = reload_fidelity(sub, patch, patch.meta.dtype, full, net)
+        gate("torch", "model folder", reloaded, patch.meta, full)
+    return full, reloaded
+
+
+def _failed_report(tmp: Path, report: dict, exc) -> None:
+    """report.json of an export whose artefact failed, when an artefact passed before it."""
+    if "torch" not in report and not exc.passed:
+        return  # nothing passed: nothing is kept
+    report.update({kind: f.to_dict() for kind, f in exc.passed.items()})
+    report["failed"] = {"artefact": exc.artefact, "error": str(exc)}
+    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 @app.command("inspect")

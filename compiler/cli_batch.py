@@ -13,7 +13,8 @@ import re
 from pathlib import Path
 
 from ctxc._version import __version__
-from ctxc.cli_output import MARKER, output_folder
+from ctxc.checks import ArtefactError
+from ctxc.cli_output import MARKER
 from ctxc.cli_support import emit_checked, err, out, reload_fidelity, written
 from ctxc.errors import CtxcError
 from ctxc.interrupts import pause_point
@@ -41,14 +42,15 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
 
     Returns:
         (the report as written, the emitted artefacts' figures).
+
+    Raises:
+        ArtefactError: an artefact failed; ``tmp`` then holds the patch, the artefacts that
+            passed and report.json with the failure under ``"failed"``.
     """
     import ctxc
     from ctxc.backends import precheck
-    from ctxc.backends.torch_model import emit_torch
-    from ctxc.vlm import auto_model_class
 
     precheck(net, opts.kinds)
-    torch_out = "torch" in opts.kinds
     result = ctxc.compile(
         net,
         tokenizer,
@@ -61,21 +63,38 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         # With model/ written, its reload measures the same weights at the same addresses
         # (README: 3.1e-6 both ways): the in-memory run would be a second forward pass and a
         # second materialisation of every patched weight for the same figure.
-        verify=not torch_out,
+        verify="torch" not in opts.kinds,
         **hooks,
     )
     result.patch.save(tmp / "patch.safetensors")
     pause_point("writing")
-    report = result.report
-    measured = "the patched model in memory (no model/ written)"
-    if torch_out:
-        with err.status("writing model/ and reloading it"):
-            emit_torch(net, tokenizer, result.patch, tmp / "model")
-            full = result.full_logits
-            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full, net)
-        report = dataclasses.replace(report, emitted=reloaded)
-        measured = f"model/ reloaded with {auto_model_class(net.config).__name__}.from_pretrained"
-    figures = emit_checked(
+    state = {"report": result.report, "figures": {}}
+    state["measured"] = "the patched model in memory (no model/ written)"
+    try:
+        _emit_all(net, tokenizer, tmp, result, opts, state)
+    except ArtefactError as exc:
+        _write_report(tmp, state, {**exc.passed, **state["figures"]}, exc)
+        raise
+    _write_report(tmp, state, state["figures"])
+    return state["report"], state["figures"]
+
+
+def _emit_all(net, tokenizer, tmp: Path, result, opts: Options, state: dict) -> None:
+    """model/ (reloaded and gated), then the checked artefacts; ``state`` gathers figures."""
+    from ctxc.backends.torch_model import emit_torch
+    from ctxc.checks import gate, staged
+    from ctxc.vlm import auto_model_class
+
+    if "torch" in opts.kinds:
+        with err.status("writing model/ and reloading it"), staged(tmp, "torch", "model/") as sub:
+            emit_torch(net, tokenizer, result.patch, sub / "model")
+            full, dtype = result.full_logits, state["report"].dtype
+            reloaded = reload_fidelity(sub / "model", result.patch, dtype, full, net)
+            gate("torch", "model/", reloaded, result.patch.meta, full)
+        state["report"] = dataclasses.replace(state["report"], emitted=reloaded)
+        name = auto_model_class(net.config).__name__
+        state["measured"] = f"model/ reloaded with {name}.from_pretrained"
+    state["figures"] = emit_checked(
         net,
         result.patch,
         tmp,
@@ -85,11 +104,16 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         gguf_type=opts.gguf_type,
         baked=result.patched_logits,
     )
-    data = report.to_dict()
-    data["emitted_measured_on"] = measured
+
+
+def _write_report(tmp: Path, state: dict, figures: dict, failed=None) -> None:
+    """report.json: the compile's figures, the artefacts' and, when one failed, the failure."""
+    data = state["report"].to_dict()
+    data["emitted_measured_on"] = state["measured"]
     data.update({kind: f.to_dict() for kind, f in figures.items()})
+    if failed is not None:
+        data["failed"] = {"artefact": failed.artefact, "error": str(failed)}
     (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
-    return report, figures
 
 
 def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
@@ -134,49 +158,89 @@ def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
         return None, "'query' must be a non-empty string"
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         return None, f"bad name {name!r} (letters, digits, '.', '_', '-')"
-    if name in ("index.json", MARKER):
-        return None, f"bad name {name!r} (reserved)"
+    if name in ("index.json", MARKER) or name.startswith(".") or name.endswith(".failed"):
+        return None, f"bad name {name!r} (reserved: index.json, a leading '.', '.failed')"
     return {"context": context, "query": query, "name": name}, None
 
 
-def compile_batch(contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: Options):
-    """Compile every line of ``contexts`` into ``out_dir``/<name>/; write index.json.
+def compile_batch(
+    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: Options, resume=False
+):
+    """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
+
+    ``index.json`` is rewritten after every line (the lines not reached: ``"not run"``); an
+    interrupt keeps the finished lines. ``resume``: keep the lines an earlier run wrote
+    (``compiler/cli_batch_out.py``).
 
     Returns:
         the exit status: 0 when every line succeeded, 1 when some failed.
     """
+    from ctxc.cli_batch_out import batch_folder
+
     lines = read_lines(contexts)
-    index = []
-    with output_folder(out_dir, force, "compile") as tmp:
+    rows = [
+        {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
+        for n, entry, _ in lines
+    ]
+    with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
         from ctxc.cli_support import load
+        from ctxc.fingerprint import fingerprint
 
         net, tokenizer = load(model, dtype, opts.placement)
-        with _progress() as bar:
-            task = bar.add_task("contexts", total=len(lines))
-            for n, entry, problem in lines:
-                if entry is not None:
-                    problem, figures = _one(net, tokenizer, tmp, entry, opts)
-                row = {"line": n, "name": entry["name"] if entry else None}
-                if problem is None:
-                    row.update(status="ok", **figures, folder=entry["name"])
-                else:
-                    row.update(status="error", error=problem)
-                    err.print(f"ctxc: error: line {n}: {problem}", **_PLAIN)
-                index.append(row)
-                bar.update(task, advance=1)
-        (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-    failed = sum(row["status"] == "error" for row in index)
-    done = len(index) - failed
+        folder.check_model(fingerprint(net))
+        folder.write_index(rows)
+        try:
+            _run_lines(net, tokenizer, folder, lines, rows, opts)
+        finally:  # an interrupt too: the finished lines are listed, the rest "not run"
+            folder.write_index(rows)
+    failed = sum(row["status"] == "error" for row in rows)
+    done = len(rows) - failed
     if failed:
         err.print(
-            f"compiled {done} of {len(index)} contexts; {failed} failed "
+            f"compiled {done} of {len(rows)} contexts; {failed} failed "
             f"(see {out_dir / 'index.json'})",
             **_PLAIN,
         )
         return 1
     kinds = ", ".join(written(opts.kinds))
-    out.print(f"compiled {done} of {len(index)} contexts into {out_dir}/ ({kinds})", **_PLAIN)
+    out.print(f"compiled {done} of {len(rows)} contexts into {out_dir}/ ({kinds})", **_PLAIN)
     return 0
+
+
+def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: Options) -> None:
+    """Compile each line (or keep it, resuming), updating ``rows`` and index.json after each."""
+    with _progress() as bar:
+        task = bar.add_task("contexts", total=len(lines))
+        for i, (n, entry, problem) in enumerate(lines):
+            if entry is not None:
+                problem, figures = _one(net, tokenizer, folder, entry, opts)
+            row = {"line": n, "name": entry["name"] if entry else None}
+            if problem is None:
+                row.update(status="ok", **figures, folder=entry["name"])
+            else:
+                row.update(status="error", error=problem)
+                err.print(f"ctxc: error: line {n}: {problem}", **_PLAIN)
+            rows[i] = row
+            folder.write_index(rows)
+            bar.update(task, advance=1)
+            pause_point(f"line {n} done")
+
+
+def _options(opts: Options, dtype: str) -> dict:
+    """What must match for a --resume to keep earlier lines (the model: its fingerprint)."""
+    where = opts.placement
+    return {
+        "ctxc_version": __version__,
+        "dtype": dtype,
+        "update": opts.update,
+        "start_layer": opts.start_layer,
+        "skip_unpatchable": opts.skip_unpatchable,
+        "emit": list(opts.kinds),
+        "gguf_type": opts.gguf_type,
+        "device": getattr(where, "device", None),
+        "device_map": getattr(where, "device_map", None),
+        "max_memory": None if where is None else repr(where.max_memory),
+    }
 
 
 _PLAIN = {"highlight": False, "markup": False, "soft_wrap": True}
@@ -213,27 +277,42 @@ def _progress():
     )
 
 
-def _one(net, tokenizer, tmp: Path, entry: dict, opts: Options):
-    """(error or None, headline figures) for one context, written to tmp/<name>/."""
-    import shutil
+def _one(net, tokenizer, folder, entry: dict, opts: Options):
+    """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
 
-    folder = tmp / entry["name"]
-    folder.mkdir()
+    A line already written by an earlier run (``--resume``) is kept; an artefact that fails
+    keeps the rest in DIR/<name>.failed/; an unexpected error is recorded for this line only.
+    """
+    import os
+
+    from ctxc.cli_batch_out import headline, input_digest
+
+    digest = input_digest(entry)
+    kept = folder.finished(entry["name"], digest)
+    if kept is not None:
+        return None, kept
+    staging = folder.staging(entry["name"])
     try:
-        report, _ = compile_into(
-            net, tokenizer, folder, entry["context"], entry["query"], opts, on_stage=pause_point
+        compile_into(
+            net, tokenizer, staging, entry["context"], entry["query"], opts, on_stage=pause_point
         )
+        folder.commit(staging, entry["name"], digest)
+    except ArtefactError as exc:
+        where = folder.keep_failed(staging, entry["name"], exc.artefact)
+        return f"{_line(exc)}; the patch and what passed are kept in {where}/", None
     except CtxcError as exc:
-        shutil.rmtree(folder, ignore_errors=True)
-        return " ".join(str(exc).split()), None
-    entries = sorted(p.name for p in folder.iterdir())
-    marker = {"written_by": f"ctxc {__version__}", "command": "compile", "entries": entries}
-    (folder / MARKER).write_text(json.dumps(marker, indent=2) + "\n")
-    e, c = report.emitted, report.control
-    figures = {
-        "max_abs_logit_diff": e.max_abs_logit_diff,
-        "total_variation": e.total_variation,
-        "top1_match": e.top1_match,
-        "control": {"max_abs_logit_diff": c.max_abs_logit_diff},
-    }
-    return None, figures
+        folder.discard(staging)
+        return _line(exc), None
+    except Exception as exc:  # a bug on one line: recorded, and the other lines still run
+        folder.discard(staging)
+        if os.environ.get("CTXC_DEBUG"):
+            raise
+        return f"internal error: {type(exc).__name__}: {_line(exc)}", None
+    except BaseException:
+        folder.discard(staging)
+        raise
+    return None, headline(json.loads((folder.final / entry["name"] / "report.json").read_text()))
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

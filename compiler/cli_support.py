@@ -141,12 +141,18 @@ def emit_checked(
 ):
     """Write the artefacts of ``kinds`` other than ``torch`` into ``tmp``; their figures by kind.
 
-    Each emitter checks its artefact against the torch patched model and raises a CtxcError
-    when the check fails, which removes the staging folder. ``full``: the full-context logits
-    at the query positions when the caller has them (``ctxc compile`` does). ``extra``: the
-    keyword arguments some emitters take (``tokenizer``, ``gguf_type``: ``Backend.takes``).
+    Each emitter checks its artefact against the torch patched model, and its fidelity to the
+    full context is held to the patch's solver figure (``ctxc.checks.gate``); each writes into
+    a folder of its own, moved into ``tmp`` only once it passed. ``full``: the full-context
+    logits at the query positions when the caller has them (``ctxc compile`` does). ``extra``:
+    the keyword arguments some emitters take (``tokenizer``, ``gguf_type``: ``Backend.takes``).
+
+    Raises:
+        ArtefactError: an artefact failed (nothing of it is left in ``tmp``); its ``passed``
+            holds the figures of those written before it.
     """
     from ctxc.backends import backend
+    from ctxc.checks import gate, staged
 
     checked = [backend(k) for k in kinds if k != "torch"]
     if not checked:
@@ -157,9 +163,11 @@ def emit_checked(
         full = reference_logits(net, patch)
     figures: dict = {}
     for b in checked:
-        with err.status(b.status):
+        with err.status(b.status), staged(tmp, b.name, b.writes, figures) as sub:
             given = {k: extra[k] for k in b.takes if extra.get(k) is not None}
-            _, figures[b.name] = b.load(patchable)(net, patch, tmp, full=full, **given)
+            _, found = b.load(patchable)(net, patch, sub, full=full, **given)
+            gate(b.name, b.writes, found, patch.meta, full, extra.get("gguf_type"))
+        figures[b.name] = found
     return figures
 
 

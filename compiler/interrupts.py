@@ -60,10 +60,21 @@ def pause_point(stage: str) -> None:
     """Test hook: with ``CTXC_TEST_PAUSE_AT=stage``, say so on stderr and wait to be signalled.
 
     The interrupt tests use it to send SIGINT at a known stage (loading, converting, solving,
-    writing) instead of guessing with timers.
+    writing, placing, ``line N done``) instead of guessing with timers; SIGUSR1 lets the run
+    go on (the race tests hold two runs at ``placing`` and release them together). Without a
+    signal it goes on after 120 s.
     """
     if os.environ.get("CTXC_TEST_PAUSE_AT") != stage:
         return
-    sys.stderr.write(f"ctxc-test: paused at {stage}\n")
-    sys.stderr.flush()
-    time.sleep(120)
+    # A Python handler, not a blocked signal: the signal may land on any of torch's threads,
+    # and Python runs its handler on the main thread, here.
+    went_on: list[int] = []
+    old = signal.signal(signal.SIGUSR1, lambda signum, _frame: went_on.append(signum))
+    try:
+        sys.stderr.write(f"ctxc-test: paused at {stage}\n")
+        sys.stderr.flush()
+        deadline = time.monotonic() + 120
+        while not went_on and time.monotonic() < deadline:
+            time.sleep(0.05)  # SIGINT and SIGTERM raise KeyboardInterrupt here
+    finally:
+        signal.signal(signal.SIGUSR1, old)

@@ -17,7 +17,7 @@ PACKAGES = {
     "ctxc.backends": ROOT / "backends",
     "ctxc": ROOT / "compiler",
 }
-MAX_FILE_LINES = 400
+MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 
@@ -85,7 +85,7 @@ def test_no_private_imports(module: str, path: Path) -> None:
 
 @pytest.mark.parametrize(("module", "path"), SOURCES, ids=[m for m, _ in SOURCES])
 def test_sizes(module: str, path: Path) -> None:
-    """No file over 400 lines, no function over 80."""
+    """No file over 600 lines, no function over 80."""
     text = path.read_text()
     lines = len(text.splitlines())
     assert lines <= MAX_FILE_LINES, f"{module}: {lines} lines (at most {MAX_FILE_LINES})"
