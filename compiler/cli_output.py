@@ -88,6 +88,14 @@ def foreign(folder: Path) -> str:
     return next((n for n in names if n not in listed and not _staging_name(n)), names[0])
 
 
+def _is_batch(folder: Path) -> bool:
+    """Whether ``folder``'s marker is a ``--contexts`` run's."""
+    try:
+        return "batch" in json.loads((folder / MARKER).read_text())
+    except (OSError, ValueError, TypeError):
+        return False
+
+
 def is_busy(folder: Path) -> bool:
     """Whether a ``--contexts`` run holds ``folder`` (an ``flock`` on the folder itself)."""
     try:
@@ -155,8 +163,9 @@ def check_out(path: Path, force: bool) -> Path:
         if is_busy(final):
             raise CtxcError(f"output folder {path} is being written by another ctxc run")
         if not force:
+            more = "; --resume keeps its finished lines" if _is_batch(final) else ""
             raise CtxcError(
-                f"output folder {path} holds an earlier ctxc output (--force replaces it)"
+                f"output folder {path} holds an earlier ctxc output (--force replaces it{more})"
             )
     if final.is_dir() and not os.access(final, os.W_OK | os.X_OK):
         raise CtxcError(f"output folder {path} is not writable")

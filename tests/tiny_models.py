@@ -15,6 +15,7 @@ __all__ = [
     "MOE",
     "SHAPES",
     "VOCAB",
+    "bpe_tokenizer",
     "build",
     "build_any",
     "shared",
@@ -200,6 +201,20 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     core.post_processor = TemplateProcessing(
         single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)]
     )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+    )
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """A BPE tokenizer over the tiny vocabulary (the GGUF writer stores BPE vocabularies)."""
+    words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]
+    core = Tokenizer(models.BPE({w: i for i, w in enumerate(words)}, [], unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,
         bos_token="<bos>",

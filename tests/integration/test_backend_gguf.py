@@ -8,9 +8,8 @@ import pytest
 import torch
 from helpers import diff_msg, max_diff, random_ids, run_cli
 from safetensors.torch import load_file, save_file
-from tiny_models import VOCAB, shared
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from tiny_models import bpe_tokenizer, shared
+from transformers import AutoModelForCausalLM
 
 import ctxc
 from ctxc.backends.gguf_lora import emit_gguf_lora
@@ -18,20 +17,6 @@ from ctxc.backends.gguf_model import emit_gguf
 from ctxc.backends.lora_adapter import emit_lora
 from ctxc.backends.lora_rules import check_vllm_adapter
 from ctxc.errors import CtxcError
-
-
-def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A BPE tokenizer over the tiny vocabulary (the GGUF writer stores BPE vocabularies)."""
-    words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]
-    core = Tokenizer(models.BPE({w: i for i, w in enumerate(words)}, [], unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        unk_token="<unk>",
-        pad_token="<pad>",
-    )
 
 
 def test_lora_rule_is_exact_on_llama_and_moves_linear_weights_only() -> None:
