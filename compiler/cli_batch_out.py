@@ -229,7 +229,14 @@ def batch_folder(path: Path, force: bool, resume: bool, options: dict) -> Iterat
     final = check_out(path, force or resume)
     created = missing_parents(final)
     with deferred_signals():
-        fd, earlier, old = _take(final, path, force, resume, options)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)  # the lock file goes there
+            fd, earlier, old = _take(final, path, force, resume, options)
+        except BaseException as exc:
+            remove_parents(created)
+            if isinstance(exc, OSError):
+                raise CtxcError(f"cannot write the output folder {path}: {exc.strerror}") from None
+            raise
     folder = BatchFolder(final, path, options, earlier)
     try:
         if old is not None:
