@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ctxc._version import __version__
 from ctxc.cli_output import MARKER, output_folder
+from ctxc.cli_progress import progress, stage
 from ctxc.cli_support import emit_checked, err, out, reload_fidelity, written
 from ctxc.errors import CtxcError
 from ctxc.interrupts import pause_point
@@ -69,10 +70,10 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
     report = result.report
     measured = "the patched model in memory (no model/ written)"
     if torch_out:
-        with err.status("writing model/ and reloading it"):
-            emit_torch(net, tokenizer, result.patch, tmp / "model")
-            full = result.full_logits
-            reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full, net)
+        stage("writing model/ and reloading it")
+        emit_torch(net, tokenizer, result.patch, tmp / "model")
+        full = result.full_logits
+        reloaded = reload_fidelity(tmp / "model", result.patch, report.dtype, full, net)
         report = dataclasses.replace(report, emitted=reloaded)
         measured = f"model/ reloaded with {auto_model_class(net.config).__name__}.from_pretrained"
     figures = emit_checked(
@@ -94,6 +95,8 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
 
 def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
     """(line number, parsed entry or None, error or None) for every non-blank line of ``path``."""
+    if path.is_dir():
+        raise CtxcError(f"--contexts takes a JSON Lines file; {path} is a folder")
     if not path.is_file():
         raise CtxcError(f"contexts file not found: {path}")
     try:
@@ -130,8 +133,8 @@ def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
     name = obj.get("name", f"{n:0{width}d}")
     if not isinstance(context, str) or not context.strip():
         return None, "missing or empty 'context' (a non-empty string)"
-    if query is not None and (not isinstance(query, str) or not query.strip()):
-        return None, "'query' must be a non-empty string"
+    if query is not None and (not isinstance(query, str) or query == ""):
+        return None, "'query' must be a non-empty string"  # " " is a query: real tokens
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         return None, f"bad name {name!r} (letters, digits, '.', '_', '-')"
     if name in ("index.json", MARKER):
@@ -183,34 +186,8 @@ _PLAIN = {"highlight": False, "markup": False, "soft_wrap": True}
 
 
 def _progress():
-    """Contexts done of all, and the rate, on stderr (silent when stderr is not a terminal)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-    from rich.text import Text
-
-    class Rate(ProgressColumn):
-        def render(self, task) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text("" if speed is None else f"{speed:.2f} contexts/s")
-
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        Rate(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not err.is_terminal,
-    )
+    """Contexts done of all and the rate, on the command's progress trail (cli_progress.py)."""
+    return progress(rate="contexts/s")
 
 
 def _one(net, tokenizer, tmp: Path, entry: dict, opts: Options):
