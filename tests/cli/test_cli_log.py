@@ -18,6 +18,9 @@ from pathlib import Path
 import pytest
 from helpers import TRAIL_LINE, run_cli
 from rich.console import Console
+from tiny_models import VOCAB, build
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
 
 from ctxc import cli_progress
 from ctxc.cli_progress import Counter, Trail, command_trail, finish, stage_progress
@@ -28,8 +31,8 @@ CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 NOISE = re.compile(r"^[WIE]\d{4} |\d+%\||it/s\]|Warning:|onnxruntime|\[transformers\]|torchvision")
 
 
-def _ctxc(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "COLUMNS": "40", "HF_HUB_OFFLINE": "1"}
+def _ctxc(*args: str, cwd: Path, **more_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "COLUMNS": "40", "HF_HUB_OFFLINE": "1", **more_env}
     env.pop("CTXC_TEST_PAUSE_AT", None)
     for key in ("TQDM_DISABLE", "TRANSFORMERS_VERBOSITY", "TORCH_LOGS"):
         env.pop(key, None)  # the command sets what it needs itself
@@ -113,6 +116,41 @@ def test_onnx_export_into_a_log_has_no_third_party_noise_unless_verbose(tiny_mod
     assert loud.returncode == 0, loud.stderr
     noise = [line for line in loud.stderr.splitlines() if NOISE.search(line)]
     assert any("torchvision" in line for line in noise), loud.stderr[-2000:]
+
+
+def _merging_tokenizer() -> PreTrainedTokenizerFast:
+    """A BPE tokenizer with merges (``w`` + ``1`` -> ``w1``): a GGUF of it reads back into a
+    Transformers tokenizer (one without merges needs scores the GGUF writer does not store)."""
+    words = ["<pad>", "<bos>", "<eos>", "<unk>", "w", *"0123456789"]
+    words += [f"w{d}" for d in range(1, 10)]
+    words += [f"x{i}" for i in range(VOCAB - len(words))]
+    merges = [("w", str(d)) for d in range(1, 10)]
+    core = Tokenizer(models.BPE({w: i for i, w in enumerate(words)}, merges, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    special = {"bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", **special)
+
+
+def test_gguf_conversion_draws_no_bars_unless_verbose(work):
+    """A .gguf --model is converted once: Transformers draws its de-quantising and loading bars
+    (plain tqdm) meanwhile. Off unless -v."""
+    folder = work / "llama"
+    build("llama").save_pretrained(str(folder))
+    _merging_tokenizer().save_pretrained(str(folder))
+    args = ["--model", str(folder), "--context", "context.txt"]
+    run = run_cli("compile", *args, "--update", "lora", "--emit", "gguf", "--out", "g", cwd=work)
+    assert run.returncode == 0, run.stderr
+    gguf = ["compile", "--model", "g/model.gguf", "--context", "context.txt"]
+    quiet, loud = (
+        _ctxc(*gguf, "--out", f"o{i}", *flag, cwd=work, CTXC_CACHE=str(work / f"c{i}"))
+        for i, flag in enumerate([(), ("-v",)])
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    trail = _trail_only(quiet.stderr)
+    assert "ctxc: conversion 1/3: reading and de-quantising the GGUF tensors" in trail, trail
+    assert loud.returncode == 0, loud.stderr
+    for bar in ("de-quantizing GGUF tensors", "Loading weights"):
+        assert bar in loud.stderr, loud.stderr[-2000:]
 
 
 def test_plain_trail_is_a_line_per_stage_and_per_tenth() -> None:
