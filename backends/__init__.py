@@ -136,7 +136,13 @@ def parse_backends(spec: str, flag: str = "--emit") -> list[str]:
     Raises:
         CtxcError: an unknown or empty list, or a missing extra (before any model is loaded).
     """
-    names = [k.strip() for k in spec.split(",") if k.strip()]
+    items = [k.strip() for k in spec.split(",")]
+    if spec.strip() and "" in items:  # onnx,,peft or onnx, : a slip, not a shorter list
+        raise CtxcError(
+            f"invalid value for '{flag}': {spec!r} has an empty item; expected a comma list of "
+            f"{', '.join(BACKENDS)}"
+        )
+    names = [k for k in items if k]
     unknown = [k for k in names if k not in BACKENDS]
     if unknown or not names:
         got = repr(unknown[0]) if unknown else "nothing"

@@ -20,13 +20,13 @@ import json
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from ctxc.backends import backend
-from ctxc.backends.peft_write import fill_adapter, flags_kept, shared_copy
+from ctxc.backends.peft_write import fill_adapter, flags_kept, shared_copy, write_card
 from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.checks import enforce
 from ctxc.errors import CtxcError
@@ -84,6 +84,8 @@ class PeftFigures:
         tolerance: the bound ``merged_vs_baked`` met.
         note: what the adapter format does not reproduce exactly, and why.
         seconds: wall time of writing and checking.
+        saved_whole: the classes of the ``modules_to_save`` modules, with their counts
+            (``{"Gemma3RMSNorm": 18}``: the post-norm scales).
     """
 
     dir: str
@@ -99,21 +101,34 @@ class PeftFigures:
     tolerance: float
     note: str
     seconds: float
+    saved_whole: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """The JSON form written under ``"peft"`` in ``report.json``."""
         return asdict(self)
 
     def summary(self) -> str:
-        """One line for a terminal."""
+        """One line for a terminal or a log: what the adapter holds, and its figures."""
         a, m = self.lora, self.merged
         return (
-            f"peft: {self.dir}/ ({self.lora_modules} LoRA modules, {self.lora_parameters} LoRA "
-            f"parameters, r={self.r}, {len(self.modules_to_save)} modules_to_save); vs full "
-            "context max "
+            f"peft: {self.dir}/ holds {self.holds()}; vs full context max "
             f"{a.max_abs_logit_diff:.3g} as loaded, {m.max_abs_logit_diff:.3g} merged, top-1 "
             f"{'match' if a.top1_match and m.top1_match else 'MISMATCH'}"
         )
+
+    def holds(self) -> str:
+        """``54 LoRA pairs (r=1) and 18 modules stored whole (modules_to_save: 18
+        Gemma3RMSNorm)``: the adapter's content in words."""
+        parts = [f"{self.lora_modules} LoRA pairs (r={self.r})"]
+        if self.lora_parameters:
+            parts.append(f"{self.lora_parameters} expert banks as LoRA target_parameters")
+        if self.modules_to_save:
+            kinds = ", ".join(f"{n} {k}" for k, n in self.saved_whole.items())
+            parts.append(
+                f"{len(self.modules_to_save)} modules stored whole with their patched values "
+                f"(modules_to_save{': ' + kinds if kinds else ''})"
+            )
+        return " and ".join(parts)
 
 
 def require_peft() -> None:
@@ -217,7 +232,7 @@ def _lora_config(model: torch.nn.Module, patch: Patch, plan: AdapterPlan):
         fan_in_fan_out=plan.fan_in_fan_out,
         task_type="CAUSAL_LM",
         inference_mode=True,
-        base_model_name_or_path=patch.meta.model or str(getattr(model, "name_or_path", "")),
+        base_model_name_or_path=_base_model(model, patch),
     )
 
 
@@ -234,6 +249,9 @@ def _write(model: torch.nn.Module, patch: Patch, plan: AdapterPlan, path: Path) 
         fill_adapter(peft_model.base_model.model, model, patch, plan)
         peft_model.save_pretrained(str(path))
     config = json.loads((path / "adapter_config.json").read_text())
+    # PEFT writes the loaded folder's path (the private cache of a converted GGUF): the name the
+    # user gave instead, as they load the model (an alias, a folder, a .gguf file).
+    config["base_model_name_or_path"] = _base_model(model, patch)
     if isinstance(config.get("target_modules"), list):
         config["target_modules"] = sorted(config["target_modules"])
         (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
@@ -313,8 +331,18 @@ def emit_peft(
         tolerance=tol,
         note=_note(patch, plan),
         seconds=round(time.perf_counter() - clock, 3),
+        saved_whole=dict(
+            Counter(type(model.get_submodule(m)).__name__ for m in plan.modules_to_save)
+        ),
     )
+    write_card(path, patch, figures, _base_model(model, patch))
     return path, figures
+
+
+def _base_model(model: torch.nn.Module, patch: Patch) -> str:
+    """The base model as the user named it: ``--model``'s alias, or its folder or .gguf file,
+    absolute (``compiler/models.py``); the loaded folder only for a model ctxc did not load."""
+    return patch.meta.model or str(getattr(model, "name_or_path", ""))
 
 
 def _loaded_logits(model: torch.nn.Module, patch: Patch, path: Path, query: list) -> tuple:

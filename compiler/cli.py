@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import warnings
 from enum import Enum
 from pathlib import Path
 
@@ -24,19 +23,19 @@ from ctxc.cli_bake import bake_cmd, eval_bake_cmd
 from ctxc.cli_devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
 from ctxc.cli_images import generate_inputs, image_options, processor_of, refuse_image_patch
 from ctxc.cli_output import output_folder
-from ctxc.cli_support import (
-    emit_checked,
+from ctxc.cli_progress import (
+    VERBOSE,
+    command_trail,
     err,
-    load,
-    out,
-    parse_emit,
+    finish,
     progress,
-    read_context,
-    reload_fidelity,
+    quiet_defaults,
+    say,
+    stage,
     stage_progress,
-    written,
 )
-from ctxc.cli_usage import is_click, usage_message
+from ctxc.cli_support import emit_checked, load, parse_emit, read_context, reload_fidelity, written
+from ctxc.cli_usage import hide_flag_types, is_click, usage_message
 from ctxc.errors import CtxcError
 from ctxc.interrupts import install_handlers, pause_point, received
 
@@ -50,6 +49,7 @@ app = typer.Typer(
 )
 app.command("bake")(bake_cmd)  # thought patches (issue 13): compiler/cli_bake.py
 app.command("eval-bake")(eval_bake_cmd)
+hide_flag_types()  # --force, not --force <bool>, in --help
 
 
 class Update(str, Enum):
@@ -79,7 +79,7 @@ class Format(str, Enum):
 
 def _version(value: bool) -> None:
     if value:
-        out.print(f"ctxc {__version__}", highlight=False)
+        say(f"ctxc {__version__}")
         raise typer.Exit(0)
 
 
@@ -88,6 +88,7 @@ def _root(
     version: bool = typer.Option(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
+    verbose: bool = VERBOSE,
 ) -> None:
     """Compile a context into exact low-rank patches of a transformer's MLP weights."""
 
@@ -119,11 +120,12 @@ def compile_cmd(
     max_memory: str = MAX_MEMORY,
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
     image: list[Path] = typer.Option(
-        None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
+        None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
     ),
     resume: bool = typer.Option(
         False, "--resume", help="With --contexts: keep the lines an earlier run wrote in --out."
     ),
+    verbose: bool = VERBOSE,
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
     from ctxc.cli_batch import Options, compile_batch, compile_into
@@ -147,7 +149,7 @@ def compile_cmd(
     if resume:
         raise CtxcError("--resume applies to --contexts")
     text = read_context(context) if context is not None else ""
-    if query is not None and not query.strip():
+    if query == "":  # " " or "\n" is a query: real tokens (compiler/tokens.py)
         raise CtxcError("the query is empty")
     if image:
         opts = image_options(opts, image)  # every image read now, before the model loads
@@ -159,10 +161,10 @@ def compile_cmd(
             report, figures = compile_into(
                 net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
             )
-    out.print(report.summary())
+    say(report.summary(tokenizer.decode if hasattr(tokenizer, "decode") else None))
     for f in figures.values():
-        out.print(f.summary(), highlight=False)
-    out.print(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
+        say(f.summary())
+    say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
 
 
 @app.command("export")
@@ -185,6 +187,7 @@ def export_cmd(
     device_map: str = DEVICE_MAP,
     max_memory: str = MAX_MEMORY,
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    verbose: bool = VERBOSE,
 ) -> None:
     """Emit an artefact from a saved patch."""
     from ctxc.patch import Patch
@@ -202,7 +205,7 @@ def export_cmd(
         refuse_image_patch(net, patch)
         precheck(net, kinds)
         pause_point("writing")
-        report: dict = {"patch": str(patch_file), "model": patch.meta.model}
+        report: dict = {"patch": str(patch_file.resolve()), "model": patch.meta.model}
         full = None
         try:
             if "torch" in kinds:
@@ -228,15 +231,14 @@ def export_cmd(
         report.update({kind: f.to_dict() for kind, f in figures.items()})
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     if "torch" in kinds:
-        out.print(
+        say(
             f"model folder, reloaded, fed the query alone: max |logit diff| "
             f"{reloaded.max_abs_logit_diff:.3g}, top-1 "
-            f"{'match' if reloaded.top1_match else 'MISMATCH'}",
-            highlight=False,
+            f"{'match' if reloaded.top1_match else 'MISMATCH'}"
         )
     for f in figures.values():
-        out.print(f.summary(), highlight=False)
-    out.print(f"wrote {out_dir}/")
+        say(f.summary())
+    say(f"wrote {out_dir}/")
 
 
 def _export_torch(net, tokenizer, patch, tmp: Path):
@@ -245,8 +247,8 @@ def _export_torch(net, tokenizer, patch, tmp: Path):
     from ctxc.backends.verify import reference_logits
     from ctxc.checks import gate, staged
 
-    status = err.status("writing the model folder and reloading it")
-    with status, staged(tmp, "torch", "model folder") as sub:
+    stage("writing the model folder and reloading it")
+    with staged(tmp, "torch", "model folder") as sub:
         emit_torch(net, tokenizer, patch, sub)
         full = reference_logits(net, patch)
         reloaded = reload_fidelity(sub, patch, patch.meta.dtype, full, net)
@@ -272,16 +274,19 @@ def inspect_cmd(
     device: str = DEVICE,
     device_map: str = DEVICE_MAP,
     max_memory: str = MAX_MEMORY,
+    verbose: bool = VERBOSE,
 ) -> None:
     """Report every residual MLP block: its shape, parts and roles, what ctxc patches per
     update rule, or why a block cannot be patched."""
     net, _ = load(model, "float32", placement_for(device, device_map, max_memory))
     from ctxc.inspect_model import inspect_model
 
+    stage("tracing the model")
     info = inspect_model(net)
     if fmt is Format.text:
-        out.print(info.to_text(), highlight=False, markup=False, soft_wrap=True)
+        say(info.to_text())
     else:  # plain bytes on stdout: no console wrapping or markup in machine-read formats
+        finish()  # the progress trail ends before the bytes go out
         sys.stdout.write(info.to_json() if fmt is Format.json else info.to_html())
         sys.stdout.flush()
 
@@ -299,8 +304,9 @@ def generate_cmd(
     max_memory: str = MAX_MEMORY,
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
     image: list[Path] = typer.Option(
-        None, "--image", help="Image file (PNG, JPEG) in the context; repeat for more."
+        None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
     ),
+    verbose: bool = VERBOSE,
 ) -> None:
     """The paper's protocol: recompile the patch at every token against greedy generation."""
     if context is None and not image:
@@ -325,7 +331,7 @@ def generate_cmd(
             ids, prefill = list(tokenizer(text).input_ids), None
         check_length(net, len(ids) + max_new_tokens, f"context + {max_new_tokens} new tokens")
         with progress() as bar:
-            task = bar.add_task("generating", total=max_new_tokens)
+            task = bar.add_task("generating", total=max_new_tokens, unit="tokens")
             result = generate(
                 net,
                 ids,
@@ -337,9 +343,9 @@ def generate_cmd(
         tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
         write_json(result, tmp / "generate.json", tokens)
         plotted = plot_steps(result, tmp / "generate.png")
-    out.print(steps_table(result, tokenizer.decode))
+    say(steps_table(result, tokenizer.decode))
     summary = result.to_dict()["summary"]
-    out.print(
+    say(
         f"top-1 match {summary['top1_match_rate']:.1%} over {summary['steps']} steps; "
         f"max |logit diff| {summary['max_abs_logit_diff']:.3g}; "
         f"mean step {result.timings['steps'] / max(1, len(result.steps)):.3f} s "
@@ -352,7 +358,7 @@ def generate_cmd(
             markup=False,
             soft_wrap=True,
         )
-    out.print(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
+    say(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -364,8 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     Returns:
         the exit status (see the module docstring).
     """
-    warnings.filterwarnings("ignore")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    quiet_defaults()  # third-party warnings and bars off; -v/--verbose turns them back on
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     restore = install_handlers()
     try:
@@ -376,14 +381,16 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(argv: list[str] | None) -> int:
     try:
-        rc = app(args=argv, standalone_mode=False, prog_name="ctxc")
+        with command_trail():  # the progress display ends before any error line is printed
+            rc = app(args=argv, standalone_mode=False, prog_name="ctxc")
+            finish(ok=not rc)  # typer returns 130 after Ctrl-C: no "done" then
     except KeyboardInterrupt:
         rc = 130
     except CtxcError as exc:
         return _error(str(exc))
     except Exception as exc:
         if is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
-            out.print(exc.format_message(), highlight=False, markup=False, soft_wrap=True)
+            say(exc.format_message())
             return 0
         if is_click(exc, "ClickException"):
             return _error(

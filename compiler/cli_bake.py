@@ -13,7 +13,8 @@ from pathlib import Path
 import typer
 
 from ctxc.cli_output import output_folder
-from ctxc.cli_support import emit_checked, err, load, out, parse_emit, read_context, stage_progress
+from ctxc.cli_progress import VERBOSE, say, stage, stage_progress
+from ctxc.cli_support import emit_checked, load, parse_emit, read_context
 from ctxc.errors import CtxcError
 
 __all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
@@ -57,6 +58,7 @@ def bake_cmd(
     emit: str = typer.Option("torch", "--emit", help="Comma list: torch, onnx, peft."),
     out_dir: Path = typer.Option(Path("ctxc-bake"), "--out", help="Output folder."),
     force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    verbose: bool = VERBOSE,
 ) -> None:
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
     from ctxc.bake_data import read_queries
@@ -102,8 +104,8 @@ def bake_cmd(
         report["artefacts"] = _emit(net, tokenizer, result.patch, tmp, kinds)
         (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     for line in _summary(report["figures"]):
-        out.print(line, highlight=False)
-    out.print(f"wrote {out_dir}/")
+        say(line)
+    say(f"wrote {out_dir}/")
 
 
 def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -> dict:
@@ -123,9 +125,9 @@ def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -
     figures = {}
     for name, d in sets.items():
         gen = 0 if name == "fit" else 32
-        with err.status(f"evaluating on {name} ({len(d.queries)} queries)"):
-            patched, control = evaluate_many(net, [result.patch, None], d, gen)
-            figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
+        stage(f"evaluating on {name}, {len(d.queries)} queries")
+        patched, control = evaluate_many(net, [result.patch, None], d, gen)
+        figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
     return figures
 
 
@@ -135,8 +137,8 @@ def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
     if "torch" in kinds:
         from ctxc.backends.torch_model import emit_torch
 
-        with err.status("writing model/"):
-            emit_torch(net, tokenizer, patch, tmp / "model")
+        stage("writing model/")
+        emit_torch(net, tokenizer, patch, tmp / "model")
         figures["torch"] = {"written": "model/"}
     found = emit_checked(net, patch, tmp, kinds, tokenizer=tokenizer)
     figures.update({k: f.to_dict() for k, f in found.items()})
@@ -164,6 +166,7 @@ def eval_bake_cmd(
     seed: int = typer.Option(1, "--seed", help="Seed of the held-out samples."),
     gen_tokens: int = typer.Option(32, "--gen-tokens", help="Greedy tokens per query."),
     model: str = typer.Option(None, "--model", help="The model the patch was baked on."),
+    verbose: bool = VERBOSE,
 ) -> None:
     """Measure a baked patch on held-out queries against the model fed the context."""
     from ctxc.bake_data import read_queries
@@ -183,9 +186,9 @@ def eval_bake_cmd(
     net, tokenizer = load(model, patch.meta.dtype)
     patch.check(net)
     data = bake_data(net, tokenizer, patch.meta.context_ids, texts, max(samples, 0), 32, seed)
-    with err.status(f"evaluating on {len(data.queries)} queries"):
-        patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
-        figures = {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
+    stage(f"evaluating on {len(data.queries)} queries")
+    patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
+    figures = {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
     for line in _summary(figures):
-        out.print(line, highlight=False)
-    out.print(json.dumps(figures), highlight=False, soft_wrap=True)
+        say(line)
+    say(json.dumps(figures))

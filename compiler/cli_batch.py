@@ -15,6 +15,7 @@ from pathlib import Path
 from ctxc._version import __version__
 from ctxc.checks import ArtefactError
 from ctxc.cli_output import MARKER
+from ctxc.cli_progress import progress, stage
 from ctxc.cli_support import emit_checked, err, out, reload_fidelity, written
 from ctxc.errors import CtxcError
 from ctxc.interrupts import pause_point
@@ -87,7 +88,8 @@ def _emit_all(net, tokenizer, tmp: Path, result, opts: Options, state: dict) -> 
 
     if "torch" in opts.kinds:
         state["measured"] = "the solver's pass (model/ failed its check)"  # until it passed
-        with err.status("writing model/ and reloading it"), staged(tmp, "torch", "model/") as sub:
+        stage("writing model/ and reloading it")
+        with staged(tmp, "torch", "model/") as sub:
             emit_torch(net, tokenizer, result.patch, sub / "model")
             full, dtype = result.full_logits, state["report"].dtype
             reloaded = reload_fidelity(sub / "model", result.patch, dtype, full, net)
@@ -119,6 +121,8 @@ def _write_report(tmp: Path, state: dict, figures: dict, failed=None) -> None:
 
 def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
     """(line number, parsed entry or None, error or None) for every non-blank line of ``path``."""
+    if path.is_dir():
+        raise CtxcError(f"--contexts takes a JSON Lines file; {path} is a folder")
     if not path.is_file():
         raise CtxcError(f"contexts file not found: {path}")
     try:
@@ -155,8 +159,8 @@ def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
     name = obj.get("name", f"{n:0{width}d}")
     if not isinstance(context, str) or not context.strip():
         return None, "missing or empty 'context' (a non-empty string)"
-    if query is not None and (not isinstance(query, str) or not query.strip()):
-        return None, "'query' must be a non-empty string"
+    if query is not None and (not isinstance(query, str) or query == ""):
+        return None, "'query' must be a non-empty string"  # " " is a query: real tokens
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
         return None, f"bad name {name!r} (letters, digits, '.', '_', '-')"
     if name in ("index.json", MARKER) or name.startswith(".") or name.endswith(".failed"):
@@ -248,34 +252,8 @@ _PLAIN = {"highlight": False, "markup": False, "soft_wrap": True}
 
 
 def _progress():
-    """Contexts done of all, and the rate, on stderr (silent when stderr is not a terminal)."""
-    from rich.progress import (
-        BarColumn,
-        MofNCompleteColumn,
-        Progress,
-        ProgressColumn,
-        SpinnerColumn,
-        TextColumn,
-        TimeElapsedColumn,
-    )
-    from rich.text import Text
-
-    class Rate(ProgressColumn):
-        def render(self, task) -> Text:
-            speed = task.finished_speed or task.speed
-            return Text("" if speed is None else f"{speed:.2f} contexts/s")
-
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        Rate(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not err.is_terminal,
-    )
+    """Contexts done of all and the rate, on the command's progress trail (cli_progress.py)."""
+    return progress(rate="contexts/s")
 
 
 def _one(net, tokenizer, folder, entry: dict, opts: Options):

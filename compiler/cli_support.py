@@ -5,13 +5,9 @@ Nothing here imports torch or Transformers at module level: ``ctxc --help`` must
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-
+from ctxc.cli_progress import err, out, quiet_libraries, stage
 from ctxc.errors import CtxcError
 from ctxc.interrupts import pause_point
 
@@ -21,15 +17,10 @@ __all__ = [
     "load",
     "out",
     "parse_emit",
-    "progress",
     "read_context",
     "reload_fidelity",
-    "stage_progress",
     "written",
 ]
-
-err = Console(stderr=True)
-out = Console()
 
 
 def read_context(path: Path) -> str:
@@ -56,44 +47,6 @@ def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
     return parse_backends(emit, flag)
 
 
-def progress() -> Progress:
-    """A transient progress display on stderr (silent when stderr is not a terminal)."""
-    return Progress(
-        SpinnerColumn(),
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-        disable=not err.is_terminal,
-    )
-
-
-@contextlib.contextmanager
-def stage_progress(label: str, verb: str) -> Iterator[tuple[Callable, Callable]]:
-    """A :func:`progress` bar driven by a compile's ``on_stage``/``on_block`` callbacks.
-
-    Args:
-        label: the bar's first description (``compiling``).
-        verb: what is done to each block (``solving``), shown with its path.
-
-    Yields:
-        ``(on_stage, on_block)``; ``on_stage`` is also an interrupt pause point.
-    """
-    with progress() as bar:
-        task = bar.add_task(label, total=None)
-
-        def on_stage(name: str) -> None:
-            bar.update(task, description=name)
-            pause_point(name)
-
-        def on_block(done: int, total: int, path: str) -> None:
-            bar.update(task, completed=done, total=total, description=f"{verb} {path}")
-
-        yield on_stage, on_block
-
-
 def load(model: str | None, dtype: str, placement=None):
     """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
 
@@ -105,26 +58,20 @@ def load(model: str | None, dtype: str, placement=None):
     Returns:
         ``(model, tokenizer)``.
     """
-    _quiet_libraries()
-    from ctxc.models import DEFAULT_MODEL, load_model
-
-    name = model or DEFAULT_MODEL
     pause_point("loading")
-    with err.status(f"loading {name} ({dtype})") as status:
+    stage(f"loading {model or 'the bundled model'}, {dtype}")
+    quiet_libraries()  # imports torch: seconds, said above
+    from ctxc.models import load_model
 
-        def on_stage(line: str) -> None:
-            # Conversion steps take minutes: keep each as a line, not only in the spinner.
-            err.print(f"ctxc: {line}", highlight=False, soft_wrap=True, markup=False)
-            status.update(line)
-
-        where = {}
-        if placement is not None:
-            where = {
-                "device": placement.device,
-                "device_map": placement.device_map,
-                "max_memory": placement.max_memory,
-            }
-        net, tokenizer = load_model(model, dtype, on_stage=on_stage, **where)
+    where = {}
+    if placement is not None:
+        where = {
+            "device": placement.device,
+            "device_map": placement.device_map,
+            "max_memory": placement.max_memory,
+        }
+    # Conversion steps take minutes: each stays as a line, on a terminal too.
+    net, tokenizer = load_model(model, dtype, on_stage=lambda line: stage(line, keep=True), **where)
     from ctxc.export_cache import enable
 
     enable(net)  # every command is a new process: reuse the export on disk (issue 11)
@@ -163,7 +110,8 @@ def emit_checked(
         full = reference_logits(net, patch)
     figures: dict = {}
     for b in checked:
-        with err.status(b.status), staged(tmp, b.name, b.writes, figures) as sub:
+        stage(b.status)
+        with staged(tmp, b.name, b.writes, figures) as sub:
             given = {k: extra[k] for k in b.takes if extra.get(k) is not None}
             _, found = b.load(patchable)(net, patch, sub, full=full, **given)
             gate(b.name, b.writes, found, patch.meta, full, extra.get("gguf_type"))
@@ -201,16 +149,3 @@ def reload_fidelity(folder: Path, patch, dtype: str, full, like=None):
     if not bool(logits.isfinite().all()):
         raise CtxcError("the written model gives non-finite logits: nothing was written")
     return fidelity(logits.to(full.device), full)
-
-
-def _quiet_libraries() -> None:
-    import logging
-
-    # The ONNX exporter logs a warning per optional op library it does not find (torchvision).
-    logging.getLogger("torch.onnx").setLevel(logging.ERROR)
-    # accelerate warns at every dispersed load that offloaded parameters are on meta: expected.
-    logging.getLogger("accelerate").setLevel(logging.ERROR)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()

@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
-__all__ = ["is_click", "raw_value", "usage_message"]
+__all__ = ["hide_flag_types", "is_click", "raw_value", "usage_message"]
+
+
+def hide_flag_types() -> None:
+    """Show flags in ``--help`` as ``--force``, not ``--force <bool>``.
+
+    Typer's help prints every option's value type, flags included (they take no value), and
+    ``--help`` itself is built inside typer, out of reach of a ``metavar``: a flag's type column
+    is left empty instead, for every command. Side effects: patches typer's option class once.
+    """
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "ctxc_flags_hidden", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.ctxc_flags_hidden = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich
 
 
 def is_click(exc: BaseException, name: str) -> bool:

@@ -31,7 +31,7 @@ from ctxc.passes.classify import (
     Role,
     classify,
 )
-from ctxc.passes.plan import UPDATE_RULES, plan
+from ctxc.passes.plan import RULES, plan
 from ctxc.vlm import untouched_modules
 
 __all__ = ["ModelInspection", "describe", "inspect_model"]
@@ -84,7 +84,7 @@ def describe(model: torch.nn.Module, blocks: BlockMap) -> ModelInspection:
         head=blocks.head_module,
         blocks=tuple(_block(b, roles) for b in blocks.blocks),
         rejections=tuple(RejectedBlock(r.where, r.reason) for r in blocks.rejections),
-        rules=UPDATE_RULES,
+        rules=RULES,
         notes=tuple(RejectedBlock(r.where, r.reason) for r in blocks.notes),
     )
 
@@ -101,7 +101,7 @@ def _block(b: MlpBlock, roles: Mapping[str, Role]) -> BlockInspection:
         output_control=b.output_control,
         parts=_parts_of(b, roles),
         tail=tail,
-        patches=tuple((rule, _patches(b, rule)) for rule in UPDATE_RULES),
+        patches=tuple((rule, _patches(b, rule)) for rule in RULES),
     )
 
 

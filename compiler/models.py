@@ -187,7 +187,12 @@ def load_model(
         raise CtxcError(
             f"unknown model {spec!r}: not an alias ({known}), a directory or a .gguf file"
         )
-    return _load_directory(directory, torch_dtype, spec, placement)
+    model, tokenizer = _load_directory(directory, torch_dtype, spec, placement)
+    if spec != DEFAULT_MODEL and (path.suffix == ".gguf" or path.exists()):
+        # The name reports and adapters keep: a folder or a .gguf file absolute, since a path
+        # as typed means nothing from another folder; an alias as given.
+        model.ctxc_name = str(path.resolve())  # type: ignore[attr-defined]
+    return model, tokenizer
 
 
 def _load_directory(directory: Path, dtype: torch.dtype, spec: str, placement: Placement):

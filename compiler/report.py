@@ -92,16 +92,26 @@ class CompileReport:
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
-    def summary(self) -> str:
-        """A few lines for a terminal."""
+    def summary(self, decode=None) -> str:
+        """A few lines for a terminal or a log.
+
+        Args:
+            decode: the tokenizer's ``decode`` (token ids -> text): the top-1 tokens are shown
+                beside their ids, ``107 ' the'``; None: the ids alone.
+        """
         e, c = self.emitted, self.control
+
+        def token(i: int) -> str:
+            return f"{i} {decode([i])!r}" if decode is not None else str(i)
+
         patched = sum(b.patched for b in self.blocks)
         lines = [
             f"{patched}/{len(self.blocks)} blocks patched ({self.update} rule, {self.dtype}); "
             f"context {len(self.context_ids)} tokens, query {len(self.query_ids)}",
             f"max |logit diff| {e.max_abs_logit_diff:.3g} (unpatched: {c.max_abs_logit_diff:.3g})"
             f"   total variation {e.total_variation:.3g} (unpatched: {c.total_variation:.3g})",
-            f"top-1 {'match' if e.top1_match else 'MISMATCH'} ({e.top1} vs full {e.top1_full}; "
+            f"top-1 {'match' if e.top1_match else 'MISMATCH'} ({token(e.top1)} vs full "
+            f"{token(e.top1_full)}; "
             f"unpatched {'match' if c.top1_match else 'mismatch'})",
         ]
         if self.rejections:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from tiny_models import VOCAB
 from ctxc.patch import Patch
 
 __all__ = [
+    "TRAIL_LINE",
     "CliRun",
     "compile_then_check",
     "diff_msg",
@@ -22,7 +24,17 @@ __all__ = [
     "max_diff",
     "random_ids",
     "run_cli",
+    "without_trail",
 ]
+
+# A line of the progress trail on a stderr that is not a terminal (compiler/cli_progress.py).
+TRAIL_LINE = re.compile(r"ctxc: .* \(\d+\.\d s\)")
+
+
+def without_trail(stderr: str) -> str:
+    """``stderr`` less the progress trail's lines: what a command said besides its progress."""
+    lines = stderr.splitlines(keepends=True)
+    return "".join(line for line in lines if not TRAIL_LINE.fullmatch(line.rstrip("\n")))
 
 
 def random_ids(seed: int, n: int, vocab: int = VOCAB) -> list[int]:
@@ -59,11 +71,17 @@ def full_logits(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class CliRun:
-    """What one in-process ``ctxc`` run returned and printed."""
+    """What one in-process ``ctxc`` run returned and printed.
+
+    Attributes:
+        stderr: stderr less the progress trail (its errors and notes).
+        trail: the progress trail's lines (``ctxc: solving 2/3 blocks (1.2 s)``), in order.
+    """
 
     returncode: int
     stdout: str
     stderr: str
+    trail: tuple[str, ...] = ()
 
 
 def run_cli(*args: str, cwd: Path | None = None) -> CliRun:
@@ -83,7 +101,9 @@ def run_cli(*args: str, cwd: Path | None = None) -> CliRun:
             rc = main(list(args))
     finally:
         os.chdir(before)
-    return CliRun(rc, stdout.getvalue(), stderr.getvalue())
+    raw = stderr.getvalue()
+    trail = tuple(line for line in raw.splitlines() if TRAIL_LINE.fullmatch(line))
+    return CliRun(rc, stdout.getvalue(), without_trail(raw), trail)
 
 
 def compile_then_check(args: list[str], out: Path, check: str, base: Path) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -168,12 +169,18 @@ def test_bad_line_messages(tmp_path, line, first) -> None:
     assert entry is None and problem.startswith(first), problem
 
 
-def test_progress_shows_rate() -> None:
+def test_progress_shows_rate(capsys) -> None:
+    """Contexts done of all and the rate, on the plain trail of a stderr that is no terminal."""
     from ctxc.cli_batch import _progress
+    from ctxc.cli_progress import command_trail
 
-    with _progress() as bar:
-        columns = [type(c).__name__ for c in bar.columns]
-    assert "MofNCompleteColumn" in columns and "Rate" in columns
+    with command_trail(), _progress() as bar:
+        task = bar.add_task("contexts", total=2)
+        for _ in range(2):
+            bar.update(task, advance=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("ctxc: contexts 0/2 ("), lines
+    assert re.fullmatch(r"ctxc: contexts 2/2, [0-9.e+]+ contexts/s \(\d+\.\d s\)", lines[2]), lines
 
 
 def test_interrupt_leaves_nothing(tiny_model_dir, tmp_path) -> None:

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from helpers import without_trail
 from tiny_models import VOCAB, build_any, tiny_tokenizer
 
 import ctxc
@@ -25,7 +26,7 @@ def test_generate_without_matplotlib_writes_json_and_says_which_extra(
     args = ["generate", "--model", str(tiny_model_dir), "--context", "c.txt"]
     assert main([*args, "--max-new-tokens", "2", "--out", "gen"]) == 0
     captured = capsys.readouterr()
-    assert captured.err.splitlines() == [
+    assert without_trail(captured.err).splitlines() == [
         "ctxc: generate.png skipped: matplotlib is not installed (pip install 'ctxc[plot]')"
     ]
     assert sorted(p.name for p in (tmp_path / "gen").iterdir()) == [".ctxc", "generate.json"]
@@ -45,7 +46,7 @@ def test_generate_past_the_positions_is_refused(tiny_model_dir, tmp_path, monkey
     (tmp_path / "c.txt").write_text(" ".join(f"w{i % 100}" for i in range(250)))
     args = ["generate", "--model", str(tiny_model_dir), "--context", "c.txt"]
     assert main([*args, "--max-new-tokens", "10", "--out", "gen"]) == 2
-    assert capsys.readouterr().err.splitlines() == [
+    assert without_trail(capsys.readouterr().err).splitlines() == [
         "ctxc: error: context + 10 new tokens is 261 tokens; the model takes at most 256 "
         "positions (max_position_embeddings)"
     ]
@@ -74,7 +75,7 @@ def test_skip_unpatchable_with_nothing_patched_is_an_error(tmp_path, monkeypatch
     (tmp_path / "c.txt").write_text(" ".join(f"w{i}" for i in IDS[:20]))
     args = ["compile", "--model", str(folder), "--context", "c.txt", "--update", "standard"]
     assert main([*args, "--skip-unpatchable", "--out", "out"]) == 2
-    first = capsys.readouterr().err.splitlines()[0]
+    first = without_trail(capsys.readouterr().err).splitlines()[0]
     assert first.startswith(
         "ctxc: error: no block was patched: model.layers.0.mlp: normalised MLP output is exactly 0"
     ), first
