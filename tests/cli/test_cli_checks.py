@@ -177,3 +177,18 @@ def test_a_patch_without_digest_still_loads(scaled):
     patch = Patch.load(old)
     assert set(patch.deltas) == set(Patch.load(work / "out").deltas)
     assert patch.meta.solver_max_abs_logit_diff == float(meta["solver_max_abs_logit_diff"])
+
+
+def test_a_kept_folder_never_replaces_anything(tiny_model_dir, tmp_path, monkeypatch):
+    (tmp_path / "ctx.txt").write_text("w1 w2 w3 w4 w5")
+    (tmp_path / "out.failed").mkdir()
+    (tmp_path / "out.failed" / "mine.txt").write_text("mine")
+    monkeypatch.setenv("CTXC_TEST_FAIL_CHECK", "torch")
+    args = ["compile", "--model", str(tiny_model_dir), "--context", "ctx.txt", "--out", "out"]
+    run = run_cli(*args, cwd=tmp_path)
+    assert run.returncode == 2 and run.stderr.splitlines()[0].endswith(
+        "kept in out.failed-2/ (ctxc export --patch out.failed-2 retries without compiling again)"
+    ), run.stderr
+    assert sorted(p.name for p in (tmp_path / "out.failed").iterdir()) == ["mine.txt"]
+    assert (tmp_path / "out.failed-2" / "patch.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ctx.txt", "out.failed", "out.failed-2"]
