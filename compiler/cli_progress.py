@@ -268,7 +268,7 @@ class Counter:
 
     def __exit__(self, *exc) -> None:
         self.trail.counters -= 1
-        for key in self._tasks:
+        for key in [*self._tasks, "activity"]:  # the last item's stage is over too
             self.trail.drop(key)
 
     def add_task(self, description: str, total: int | None = None, unit: str = "", **_) -> str:
