@@ -36,7 +36,7 @@ from ctxc.cli_support import (
     written,
 )
 from ctxc.cli_usage import is_click, usage_message
-from ctxc.errors import CtxcError
+from ctxc.errors import CtxcError, missing_package_error
 from ctxc.interrupts import install_handlers, pause_point, received
 
 __all__ = ["app", "main"]
@@ -354,6 +354,9 @@ def _run(argv: list[str] | None) -> int:
     except CtxcError as exc:
         return _error(str(exc))
     except Exception as exc:
+        missing = missing_package_error(exc, "this run")  # torchvision, timm, Pillow
+        if missing is not None:
+            return _error(str(missing))
         if is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
             out.print(exc.format_message(), highlight=False, markup=False, soft_wrap=True)
             return 0
