@@ -118,7 +118,7 @@ BACKENDS: dict[str, Backend] = {
             writes="lora.gguf",
             status="writing the llama.cpp LoRA GGUF and checking it",
             emitter="ctxc.backends.gguf_lora:emit_gguf_lora",
-            takes=("gguf_type",),
+            takes=("tokenizer", "gguf_type"),
             precheck="ctxc.backends.gguf_names:gguf_arch",
         ),
     )

@@ -6,7 +6,10 @@ The layout of llama.cpp's ``convert_lora_to_gguf.py``: ``general.type = adapter`
 tensor's llama.cpp name (``blk.3.ffn_down.weight.lora_a``). llama.cpp scales each pair by
 ``alpha / r`` (``llama-adapter.cpp``), so with ``alpha = r`` the adapter adds ``u v^T``. The
 check reads the file back with ``gguf.GGUFReader``, rebuilds every ``dW = (alpha/r) B A``, and
-runs the model with ``W + dW`` against the torch patched model.
+runs the model with ``W + dW`` against the torch patched model. When llama.cpp loads
+(``ctxc[llamacpp]``), the adapter is also run there on the unpatched GGUF of its type (checked)
+and on the GGUF the model came from (the bundled Q4_K_M file: reported), each against llama.cpp's
+own full-context run on the same base (:mod:`gguf_llama_cpp`).
 """
 
 from __future__ import annotations
@@ -18,8 +21,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ctxc.backends.gguf_llama_cpp import run_in_llama_cpp
 from ctxc.backends.gguf_model import GGUF_ATOL, GGUF_TYPES, tensor_array
 from ctxc.backends.gguf_names import gguf_arch, gguf_name
+from ctxc.backends.llama_cpp_run import LlamaCppFigures
 from ctxc.backends.lora_adapter import servable_deltas
 from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.checks import enforce
@@ -27,7 +32,7 @@ from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
 from ctxc.patch import Patch
 
-__all__ = ["GGUF_LORA_FILE", "GgufLoraFigures", "emit_gguf_lora"]
+__all__ = ["GGUF_LORA_FILE", "GgufLoraFigures", "emit_gguf_lora", "write_gguf_lora"]
 
 GGUF_LORA_FILE = "lora.gguf"
 
@@ -47,6 +52,11 @@ class GgufLoraFigures:
         applied_vs_patched: ``max |logits|`` difference from the torch patched model.
         tolerance: the bound it met (F32), or None (F16, BF16: reported).
         seconds: wall time of writing and checking.
+        llama_cpp: the adapter in llama.cpp on the unpatched GGUF of its type, against
+            llama.cpp's full-context run on it (the bound it met is in it), or None.
+        llama_cpp_source: the same on the GGUF file the model came from (the bundled Q4_K_M:
+            what llama.cpp users run; reported, not checked), or None.
+        llama_cpp_skipped: why llama.cpp did not run (not installed, ...), or None.
     """
 
     file: str
@@ -59,6 +69,9 @@ class GgufLoraFigures:
     applied_vs_patched: float
     tolerance: float | None
     seconds: float
+    llama_cpp: LlamaCppFigures | None = None
+    llama_cpp_source: LlamaCppFigures | None = None
+    llama_cpp_skipped: str | None = None
 
     def to_dict(self) -> dict:
         """The JSON form written under ``"gguf-lora"`` in ``report.json``."""
@@ -67,14 +80,36 @@ class GgufLoraFigures:
     def summary(self) -> str:
         """One line for a terminal."""
         a = self.applied
+        runtime = "".join(
+            f"; {f.summary()}" for f in (self.llama_cpp, self.llama_cpp_source) if f is not None
+        )
+        if self.llama_cpp_skipped is not None:
+            runtime = f"; not run in llama.cpp: {self.llama_cpp_skipped}"
         return (
             f"gguf-lora: {self.file} ({self.pairs} lora_a/lora_b pairs, {self.gguf_type}); "
             f"applied vs full context max {a.max_abs_logit_diff:.3g}, top-1 "
             f"{'match' if a.top1_match else 'MISMATCH'}; vs patched {self.applied_vs_patched:.3g}"
+            f"{runtime}"
         )
 
 
-def _write(model, patch: Patch, path: Path, gguf_type: str) -> tuple[dict[str, str], float]:
+def write_gguf_lora(
+    model, patch: Patch, path: Path, gguf_type: str = "F32"
+) -> tuple[dict[str, str], float]:
+    """Write the patch's linear deltas as llama.cpp's LoRA GGUF ``path`` (no check).
+
+    Args:
+        model: the model the patch was computed on (only read).
+        patch: a patch of linear deltas of one rank.
+        path: the file to write.
+        gguf_type: ``F32``, ``F16`` or ``BF16``.
+
+    Returns:
+        ``(llama.cpp tensor name -> module path, alpha)``.
+
+    Raises:
+        CtxcError: a patch LoRA cannot serve, or a weight with no llama.cpp LoRA layout.
+    """
     import gguf
 
     arch = gguf_arch(model)
@@ -118,47 +153,13 @@ def _read(path: Path, names: dict[str, str], alpha: float) -> dict[str, torch.Te
     return out
 
 
-def emit_gguf_lora(
-    model: torch.nn.Module,
-    patch: Patch,
-    out: Path,
-    *,
-    full: torch.Tensor | None = None,
-    gguf_type: str = "F32",
-) -> tuple[Path, GgufLoraFigures]:
-    """Write ``out/lora.gguf`` and check the deltas it holds.
+def _applied_logits(
+    model: torch.nn.Module, dense: dict[str, torch.Tensor], query: list[torch.Tensor]
+) -> torch.Tensor:
+    """``model`` with ``W + dW`` for each module of ``dense``, fed ``query``: [k, vocab].
 
-    ``model``'s weights are changed for the check's run only and restored exactly.
-
-    Args:
-        model: the model the patch was computed on.
-        patch: a patch of linear deltas of one rank (``--update lora``).
-        out: the output folder (created).
-        full: the full-context logits at the query positions [k, vocab], if computed.
-        gguf_type: ``F32``, ``F16`` or ``BF16``.
-
-    Returns:
-        the file and its :class:`GgufLoraFigures`.
-
-    Raises:
-        CtxcError: a patch LoRA cannot serve, an unknown architecture, or (F32) a file whose
-            deltas do not reproduce the patched model.
+    Side effects: the weights are changed for the run and restored exactly.
     """
-    if gguf_type not in GGUF_TYPES:
-        raise CtxcError(f"invalid --gguf-type {gguf_type!r}; expected one of {GGUF_TYPES}")
-    clock = time.perf_counter()
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / GGUF_LORA_FILE
-    names, alpha = _write(model, patch, path, gguf_type)
-    query = check_ids(patch)[:1]
-    if full is None:
-        full = reference_logits(model, patch)
-    with patch.applied(model, check=False):
-        (patched,) = torch_logits(model, query)
-    dense = _read(path, names, alpha)
-    diff = max(
-        float((dw - patch.deltas[f"{m}.weight"].dense()).abs().max()) for m, dw in dense.items()
-    )
     kept = {m: model.get_submodule(m).weight.detach().clone() for m in dense}
     try:
         with torch.no_grad():
@@ -170,6 +171,55 @@ def emit_gguf_lora(
         with torch.no_grad():
             for m, w in kept.items():
                 model.get_submodule(m).weight.copy_(w)
+    return applied
+
+
+def emit_gguf_lora(
+    model: torch.nn.Module,
+    patch: Patch,
+    out: Path,
+    *,
+    full: torch.Tensor | None = None,
+    gguf_type: str = "F32",
+    tokenizer=None,
+) -> tuple[Path, GgufLoraFigures]:
+    """Write ``out/lora.gguf`` and check the deltas it holds.
+
+    ``model``'s weights are changed for the check's run only and restored exactly.
+
+    Args:
+        model: the model the patch was computed on.
+        patch: a patch of linear deltas of one rank (``--update lora``).
+        out: the output folder (created).
+        full: the full-context logits at the query positions [k, vocab], if computed.
+        gguf_type: ``F32``, ``F16`` or ``BF16``.
+        tokenizer: the model's tokenizer: llama.cpp's check writes the unpatched GGUF with it
+            (without one, and no source GGUF, that check is skipped).
+
+    Returns:
+        the file and its :class:`GgufLoraFigures`.
+
+    Raises:
+        CtxcError: a patch LoRA cannot serve, an unknown architecture, (F32) a file whose
+            deltas do not reproduce the patched model, or (llama.cpp installed) an adapter
+            further from llama.cpp's full-context run than its bound.
+    """
+    if gguf_type not in GGUF_TYPES:
+        raise CtxcError(f"invalid --gguf-type {gguf_type!r}; expected one of {GGUF_TYPES}")
+    clock = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / GGUF_LORA_FILE
+    names, alpha = write_gguf_lora(model, patch, path, gguf_type)
+    query = check_ids(patch)[:1]
+    if full is None:
+        full = reference_logits(model, patch)
+    with patch.applied(model, check=False):
+        (patched,) = torch_logits(model, query)
+    dense = _read(path, names, alpha)
+    diff = max(
+        float((dw - patch.deltas[f"{m}.weight"].dense()).abs().max()) for m, dw in dense.items()
+    )
+    applied = _applied_logits(model, dense, query)
     vs = float((applied - patched).abs().max())
     tol = GGUF_ATOL if gguf_type == "F32" else None
     enforce(
@@ -179,6 +229,17 @@ def emit_gguf_lora(
         float("inf") if tol is None else tol,  # F16/BF16: rounded factors, no tolerance
         f"mean {float((applied - patched).abs().mean()):.3g}",
     )
+    applied_fid = fidelity(applied, full)
+    runs = run_in_llama_cpp(
+        model,
+        patch,
+        what=GGUF_LORA_FILE,
+        full=full,
+        tokenizer=tokenizer,
+        gguf_type=gguf_type,
+        lora=path,
+        own=applied_fid.max_abs_logit_diff,
+    )
     figures = GgufLoraFigures(
         file=GGUF_LORA_FILE,
         arch=gguf_arch(model).arch,
@@ -186,9 +247,12 @@ def emit_gguf_lora(
         pairs=len(names),
         alpha=alpha,
         max_delta_diff=diff,
-        applied=fidelity(applied, full),
+        applied=applied_fid,
         applied_vs_patched=vs,
         tolerance=tol,
         seconds=round(time.perf_counter() - clock, 3),
+        llama_cpp=runs.same_type,
+        llama_cpp_source=runs.source,
+        llama_cpp_skipped=runs.skipped,
     )
     return path, figures

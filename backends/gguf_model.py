@@ -7,11 +7,14 @@ F32, F16 or BF16 (``--gguf-type``); vectors (norms) stay F32, as llama.cpp's con
 them. The check loads the file back with Transformers' GGUF loader
 (``from_pretrained(dir, gguf_file=...)``): every tensor must equal the patched one rounded to
 the file's type, and with F32 the logits at the query must match the torch patched model's
-within :data:`GGUF_ATOL`.
+within :data:`GGUF_ATOL`. When llama.cpp loads (``ctxc[llamacpp]``), the file is also run there
+against llama.cpp's own full-context run on the unpatched GGUF (:mod:`gguf_llama_cpp`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -19,8 +22,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ctxc.backends.gguf_llama_cpp import run_in_llama_cpp
 from ctxc.backends.gguf_metadata import copy_metadata, write_metadata
 from ctxc.backends.gguf_names import gguf_arch, gguf_tensors
+from ctxc.backends.llama_cpp_run import LlamaCppFigures
 from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.checks import enforce
 from ctxc.errors import CtxcError
@@ -62,6 +67,9 @@ class GgufFigures:
         tolerance: the bound ``reloaded_vs_patched`` met (F32), or None (F16, BF16: the
             rounding of the weights is the format's, and reported).
         seconds: wall time of writing and checking.
+        llama_cpp: the file run in llama.cpp against llama.cpp's full-context run on the
+            unpatched GGUF of the same type (the bound it met is in it), or None.
+        llama_cpp_skipped: why llama.cpp did not run (not installed, ...), or None.
     """
 
     file: str
@@ -74,6 +82,8 @@ class GgufFigures:
     reloaded_vs_patched: float
     tolerance: float | None
     seconds: float
+    llama_cpp: LlamaCppFigures | None = None
+    llama_cpp_skipped: str | None = None
 
     def to_dict(self) -> dict:
         """The JSON form written under ``"gguf"`` in ``report.json``."""
@@ -82,10 +92,16 @@ class GgufFigures:
     def summary(self) -> str:
         """One line for a terminal."""
         r = self.reloaded
+        runtime = (
+            f"; {self.llama_cpp.summary()}"
+            if self.llama_cpp is not None
+            else f"; not run in llama.cpp: {self.llama_cpp_skipped}"
+        )
         return (
             f"gguf: {self.file} ({self.arch}, {self.gguf_type}, {self.tensors} tensors); "
             f"reloaded by Transformers vs full context max {r.max_abs_logit_diff:.3g}, top-1 "
             f"{'match' if r.top1_match else 'MISMATCH'}; vs patched {self.reloaded_vs_patched:.3g}"
+            f"{runtime}"
         )
 
 
@@ -145,6 +161,28 @@ def _rounded(w: torch.Tensor, gguf_type: str) -> torch.Tensor:
     return w.to(torch.float16 if gguf_type == "F16" else torch.bfloat16).float()
 
 
+def _reloaded(
+    out: Path, want: dict[str, torch.Tensor], query: list[torch.Tensor]
+) -> tuple[float, torch.Tensor]:
+    """``out/model.gguf`` reloaded by Transformers' GGUF loader.
+
+    Returns:
+        (largest difference of a reloaded parameter from ``want``, its logits at ``query``).
+    """
+    from transformers import AutoModelForCausalLM
+
+    # Transformers' GGUF loader draws a tqdm bar on stderr whatever the progress-bar setting:
+    # a failed check must stay one line there.
+    with contextlib.redirect_stderr(io.StringIO()):
+        loaded = AutoModelForCausalLM.from_pretrained(
+            str(out), gguf_file=GGUF_FILE, dtype=torch.float32
+        ).eval()
+    got = loaded.state_dict()
+    tensor_diff = max(float((got[k].float() - v).abs().max()) for k, v in want.items())
+    (reloaded,) = torch_logits(loaded, query)
+    return tensor_diff, reloaded
+
+
 def emit_gguf(
     model: torch.nn.Module,
     patch: Patch,
@@ -171,11 +209,10 @@ def emit_gguf(
         the file and its :class:`GgufFigures`.
 
     Raises:
-        CtxcError: an architecture or tokenizer the writer does not know, or a reloaded file
-            that does not reproduce the patched model.
+        CtxcError: an architecture or tokenizer the writer does not know, a reloaded file
+            that does not reproduce the patched model, or (llama.cpp installed) a file further
+            from llama.cpp's full-context run than its bound.
     """
-    from transformers import AutoModelForCausalLM
-
     if gguf_type not in GGUF_TYPES:
         raise CtxcError(f"invalid --gguf-type {gguf_type!r}; expected one of {GGUF_TYPES}")
     clock = time.perf_counter()
@@ -189,13 +226,8 @@ def emit_gguf(
         count, metadata = write_gguf(model, tokenizer, path, gguf_type)
         (patched,) = torch_logits(model, query)
         want = {k: _rounded(v, gguf_type) for k, v in model.state_dict().items()}
-    loaded = AutoModelForCausalLM.from_pretrained(
-        str(out), gguf_file=GGUF_FILE, dtype=torch.float32
-    ).eval()
-    got = loaded.state_dict()
-    tensor_diff = max(float((got[k].float() - v).abs().max()) for k, v in want.items())
-    (reloaded,) = torch_logits(loaded, query)
-    del loaded, got, want
+    tensor_diff, reloaded = _reloaded(out, want, query)
+    del want
     vs_patched = float((reloaded - patched).abs().max())
     tol = GGUF_ATOL if gguf_type == "F32" else None
     enforce(
@@ -205,6 +237,17 @@ def emit_gguf(
         float("inf") if tol is None else tol,  # F16/BF16: rounded weights, no tolerance
         f"mean {float((reloaded - patched).abs().mean()):.3g}",
     )
+    reloaded_fid = fidelity(reloaded, full)
+    runs = run_in_llama_cpp(
+        model,
+        patch,
+        what=GGUF_FILE,
+        full=full,
+        tokenizer=tokenizer,
+        gguf_type=gguf_type,
+        patched=path,
+        own=reloaded_fid.max_abs_logit_diff,
+    )
     figures = GgufFigures(
         file=GGUF_FILE,
         arch=gguf_arch(model).arch,
@@ -212,9 +255,11 @@ def emit_gguf(
         tensors=count,
         metadata=metadata,
         max_tensor_diff=tensor_diff,
-        reloaded=fidelity(reloaded, full),
+        reloaded=reloaded_fid,
         reloaded_vs_patched=vs_patched,
         tolerance=tol,
         seconds=round(time.perf_counter() - clock, 3),
+        llama_cpp=runs.same_type,
+        llama_cpp_skipped=runs.skipped,
     )
     return path, figures

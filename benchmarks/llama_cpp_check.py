@@ -1,89 +1,153 @@
-"""Run ctxc's GGUF artefacts in llama.cpp itself, through llama-cpp-python (issue 14).
+"""ctxc's GGUF artefacts run in llama.cpp itself, on thirteen texts (issue 21, check 2).
 
-Compiles a context (default: the bundled Gemma 3 270M, examples/short.txt), writes the
-patched ``model.gguf`` and, for a patch of the ``lora`` rule, the unpatched ``base.gguf`` and
-``lora.gguf``; loads each in ``llama_cpp.Llama`` (CPU), feeds the query ids alone and prints
-max |logit diff|, total variation and top-1 against the torch model fed context + query, beside
-the torch patched model's figure and the unpatched control's.
+For each text (examples/{short,medium,long}.txt and benchmarks/texts/*.txt) and the bundled
+Gemma 3 270M: compile with ``--update`` (default ``stable``), write the patched ``model.gguf``
+(F32) and run it in llama.cpp fed the query alone, against llama.cpp's own full-context run on
+the unpatched F32 GGUF; then compile with the ``lora`` rule, write ``lora.gguf`` and run it on
+the unpatched F32 GGUF and on the bundled Q4_K_M file (what llama.cpp users run), each against
+llama.cpp's full-context run on that same base. Beside each: llama.cpp's own floor (the
+unpatched GGUF fed the query alone, llama.cpp vs Transformers), llama.cpp vs Transformers on
+context + query (``full-vs-T``), the bound ctxc's check uses (``2 x max(floor, full-vs-T) + own``,
+``own``: the torch patched model's distance from the plain full-context forward), and the
+control (the unpatched GGUF fed the query alone vs the full-context run).
 
-    pip install llama-cpp-python   # builds llama.cpp from source with cmake (10+ minutes)
-    python benchmarks/llama_cpp_check.py [--model M] [--text short] [--update stable|lora]
-        [--transformers]
+``model.gguf`` is written with ``write_gguf`` directly: the Transformers-side GGUF check
+(``GGUF_ATOL``) is not applied here, so texts it refuses are measured too.
 
-Not part of CI: llama-cpp-python is not a ctxc dependency.
+    ../shared/tools/llamacpp/install.sh .venv/bin/python   # or pip install 'ctxc[llamacpp]'
+    python benchmarks/llama_cpp_check.py [--model M] [--texts short 01_greeting ...]
+        [--update stable] [--no-lora] [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import torch
+from transformers.utils import logging as hf_logging
 
 import ctxc
-from ctxc.backends.gguf_lora import emit_gguf_lora
-from ctxc.backends.gguf_model import emit_gguf, write_gguf
-from ctxc.metrics import Fidelity, fidelity
+from ctxc.backends.gguf_lora import write_gguf_lora
+from ctxc.backends.gguf_model import write_gguf
+from ctxc.backends.llama_cpp_run import (
+    LLAMA_CPP_FACTOR,
+    LlamaCppFigures,
+    llama_cpp_check,
+    llama_cpp_unavailable,
+)
+from ctxc.backends.verify import reference_logits, torch_logits
+from ctxc.metrics import fidelity
+from ctxc.models import source_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
+TEXTS = ["short", "medium", "long", *sorted(p.stem for p in (ROOT / "benchmarks/texts").glob("*"))]
 
 
-def _row(what: str, fid: Fidelity) -> str:
+def _text(name: str) -> str:
+    path = ROOT / "examples" / f"{name}.txt"
+    return (path if path.is_file() else ROOT / "benchmarks" / "texts" / f"{name}.txt").read_text()
+
+
+def _cell(f: LlamaCppFigures) -> dict:
+    bound = LLAMA_CPP_FACTOR * max(f.floor, f.full_vs_transformers) + f.own
+    return {
+        "patched": f.patched.max_abs_logit_diff,
+        "tv": f.patched.total_variation,
+        "top1": f.patched.top1_match,
+        "floor": f.floor,
+        "own": f.own,
+        "bound": bound,
+        "passes": f.patched.max_abs_logit_diff <= bound,
+        "control": f.control.max_abs_logit_diff,
+        "full_vs_transformers": f.full_vs_transformers,
+    }
+
+
+def _measure(model, tok, patch, runtime_file: Path, base: Path, *, lora: bool, q4: Path | None):
+    """llama.cpp figures of one artefact: on ``base`` and, for a LoRA, on ``q4`` too."""
+    ids = (list(patch.meta.context_ids), list(patch.meta.query_ids))
+    full = reference_logits(model, patch)  # plain forward, context + query
+    (alone,) = torch_logits(model, [torch.tensor([ids[1]])])
+    with patch.applied(model, check=False):
+        (patched,) = torch_logits(model, [torch.tensor([ids[1]])])
+    common = {
+        "ids": ids,
+        "transformers_query": alone,
+        "transformers_full": full,
+        "own": fidelity(patched, full).max_abs_logit_diff,
+        "enforce": False,
+    }
+    kind = {"lora": runtime_file} if lora else {"patched": runtime_file}
+    cells = {
+        "F32": _cell(llama_cpp_check(runtime_file.name, base, base_name="F32", **kind, **common))
+    }
+    if lora and q4 is not None:
+        cells["Q4_K_M"] = _cell(
+            llama_cpp_check("lora.gguf", q4, lora=runtime_file, base_name="Q4_K_M", **common)
+        )
+    return cells
+
+
+def _row(name: str, tokens: int, what: str, base: str, c: dict) -> str:
     return (
-        f"  {what:34} max {fid.max_abs_logit_diff:9.3g}  mean {fid.mean_abs_logit_diff:9.3g}  "
-        f"TV {fid.total_variation:9.3g}  top-1 {'match' if fid.top1_match else 'MISMATCH'}"
+        f"{name:12} {tokens:6d} {what:10} {base:6} {c['patched']:9.3g} {c['floor']:9.3g} "
+        f"{c['own']:9.3g} {c['bound']:9.3g} {'yes' if c['passes'] else 'NO':>4} "
+        f"{c['control']:9.3g} {c['full_vs_transformers']:9.3g} {c['tv']:8.2g} "
+        f"{'match' if c['top1'] else 'MISS':>5}"
     )
-
-
-def _llama_cpp_logits(path: Path, ids: list[int], lora: Path | None = None) -> torch.Tensor:
-    """llama.cpp's logits [k, vocab] for ``ids`` fed alone (no BOS added)."""
-    from llama_cpp import Llama
-
-    kwargs = {"lora_path": str(lora)} if lora is not None else {}
-    llm = Llama(
-        model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2, **kwargs
-    )
-    llm.eval(ids)
-    rows = np.array(llm.scores[: len(ids)], dtype=np.float32)  # [k, vocab]
-    del llm
-    return torch.from_numpy(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--text", default="short")
-    parser.add_argument("--update", default="stable")
-    parser.add_argument(
-        "--transformers", action="store_true", help="also reload it with Transformers (minutes)"
-    )
+    parser.add_argument("--texts", nargs="+", default=TEXTS)
+    parser.add_argument("--update", default="stable", help="the model.gguf rows' rule")
+    parser.add_argument("--no-lora", action="store_true", help="skip the lora rule's rows")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args()
-    model, tokenizer = ctxc.load_model(args.model)
-    text = (ROOT / "examples" / f"{args.text}.txt").read_text()
-    result = ctxc.compile(model, tokenizer, context=text, update=args.update)
-    full, ids = result.full_logits, result.patch.meta.query_ids
-    print(f"{args.text}, {args.update} rule, query {ids}")
-    print(_row("unpatched control (torch)", result.report.control))
-    print(_row("patched model (torch)", result.report.emitted))
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp)
-        if args.transformers:
-            _, figures = emit_gguf(model, result.patch, out, full=full, tokenizer=tokenizer)
-            print(_row("model.gguf reloaded by Transformers", figures.reloaded))
-        else:
-            with result.patch.applied(model):
-                write_gguf(model, tokenizer, out / "model.gguf")
-        got = _llama_cpp_logits(out / "model.gguf", ids)
-        print(_row("model.gguf in llama.cpp", fidelity(got, full)))
-        write_gguf(model, tokenizer, out / "base.gguf")
-        base = _llama_cpp_logits(out / "base.gguf", ids)
-        print(_row("unpatched base.gguf in llama.cpp", fidelity(base, full)))
-        if args.update == "lora":
-            emit_gguf_lora(model, result.patch, out, full=full)
-            got = _llama_cpp_logits(out / "base.gguf", ids, lora=out / "lora.gguf")
-            print(_row("base.gguf + lora.gguf in llama.cpp", fidelity(got, full)))
+    reason = llama_cpp_unavailable()
+    if reason is not None:
+        raise SystemExit(f"llama.cpp cannot run: {reason}")
+    hf_logging.disable_progress_bar()
+    model, tok = ctxc.load_model(args.model)
+    q4 = source_gguf(model)
+    header = (
+        f"{'text':12} {'tokens':>6} {'artefact':10} {'base':6} {'llama.cpp':>9} {'floor':>9} "
+        f"{'own':>9} {'bound':>9} {'ok':>4} {'control':>9} {'full-vs-T':>9} {'TV':>8} {'top1':>5}"
+    )
+    print(header)
+    print("-" * len(header), flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="ctxc-llama-bench-") as tmp:
+        base = Path(tmp) / "base.gguf"
+        write_gguf(model, tok, base)
+        for name in args.texts:
+            text = _text(name)
+            result = ctxc.compile(model, tok, context=text, update=args.update)
+            tokens = len(result.patch.meta.context_ids) + len(result.patch.meta.query_ids)
+            path = Path(tmp) / "model.gguf"
+            with result.patch.applied(model, check=False):
+                write_gguf(model, tok, path)
+            cells = {
+                "model.gguf": _measure(model, tok, result.patch, path, base, lora=False, q4=None)
+            }
+            path.unlink()
+            if not args.no_lora:
+                lora = ctxc.compile(model, tok, context=text, update="lora").patch
+                path = Path(tmp) / "lora.gguf"
+                write_gguf_lora(model, lora, path)
+                cells["lora.gguf"] = _measure(model, tok, lora, path, base, lora=True, q4=q4)
+            for what, by_base in cells.items():
+                for base_name, c in by_base.items():
+                    print(_row(name, tokens, what, base_name, c), flush=True)
+                    rows.append(
+                        {"text": name, "tokens": tokens, "artefact": what, "base": base_name, **c}
+                    )
+    if args.json is not None:
+        args.json.write_text(json.dumps({"update": args.update, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

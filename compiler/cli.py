@@ -36,7 +36,7 @@ from ctxc.cli_progress import (
 )
 from ctxc.cli_support import emit_checked, load, parse_emit, read_context, reload_fidelity, written
 from ctxc.cli_usage import hide_flag_types, is_click, usage_message
-from ctxc.errors import CtxcError
+from ctxc.errors import CtxcError, missing_package_error
 from ctxc.interrupts import install_handlers, pause_point, received
 
 __all__ = ["app", "main"]
@@ -389,6 +389,9 @@ def _run(argv: list[str] | None) -> int:
     except CtxcError as exc:
         return _error(str(exc))
     except Exception as exc:
+        missing = missing_package_error(exc, "this run")  # torchvision, timm, Pillow
+        if missing is not None:
+            return _error(str(missing))
         if is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
             say(exc.format_message())
             return 0

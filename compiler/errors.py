@@ -6,7 +6,23 @@ and exits non-zero, without a traceback.
 
 from __future__ import annotations
 
-__all__ = ["CtxcError", "SolveError", "UnpatchableError", "UntraceableError"]
+import re
+
+__all__ = [
+    "CtxcError",
+    "SolveError",
+    "UnpatchableError",
+    "UntraceableError",
+    "missing_package",
+    "missing_package_error",
+]
+
+# Optional libraries a model's code or its processor imports, by import name -> pip package.
+_OPTIONAL = {"torchvision": "torchvision", "timm": "timm", "PIL": "Pillow"}
+# Transformers' own wording (utils/import_utils.py: TORCHVISION_IMPORT_ERROR, TIMM_IMPORT_ERROR,
+# VISION_IMPORT_ERROR): "<Class> requires the <library> library but it was not found".
+_REQUIRES = re.compile(r"(\w+) requires the (Torchvision|timm|PIL) library")
+_LIBRARY = {"Torchvision": "torchvision", "timm": "timm", "PIL": "Pillow"}
 
 
 class CtxcError(Exception):
@@ -33,3 +49,42 @@ class SolveError(CtxcError):
         super().__init__(f"block {block}: {reason}")
         self.block = block
         self.reason = reason
+
+
+def missing_package(exc: BaseException) -> tuple[str, str] | None:
+    """The optional library whose absence ``exc`` reports, and who asked for it.
+
+    Args:
+        exc: an exception; its ``__cause__`` and ``__context__`` chain is searched too.
+
+    Returns:
+        ``(pip package, the class or module that needs it)``, or None when ``exc`` is about
+        another import (or no import at all).
+    """
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ImportError):
+            root = (exc.name or "").split(".")[0]
+            if isinstance(exc, ModuleNotFoundError) and root in _OPTIONAL:
+                return _OPTIONAL[root], root
+            found = _REQUIRES.search(str(exc))
+            if found:
+                return _LIBRARY[found.group(2)], found.group(1)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def missing_package_error(exc: BaseException, what: str) -> CtxcError | None:
+    """A one-line :class:`CtxcError` naming the package to install, when ``exc`` says one is
+    missing (torchvision, timm, Pillow), else None.
+
+    Args:
+        exc: the exception raised while loading or running ``what``.
+        what: what needed it, for the message (``model 'x': its processor``).
+    """
+    found = missing_package(exc)
+    if found is None:
+        return None
+    package, asker = found
+    return CtxcError(f"{what} needs {package} ({asker} imports it): pip install {package}")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ctxc.errors import CtxcError
+from ctxc.errors import CtxcError, missing_package_error
 
 __all__ = ["ImageContext", "encode_image_context", "prefill_inputs", "read_images"]
 
@@ -129,6 +129,11 @@ def encode_image_context(
     text = _layout(context or "", placeholder, len(images))
     try:
         enc = processor(text=text, images=images, return_tensors="pt")
+    except ImportError as exc:  # a library the processor imports on first use
+        error = missing_package_error(exc, "the model's processor")
+        if error is None:
+            raise
+        raise error from None
     except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CtxcError(f"the processor rejected the image context: {first}") from None

@@ -15,7 +15,7 @@ import torch
 
 from ctxc.cache import cache_dir, partial_entry
 from ctxc.devices import Placement, block_device_map, fix_mmap_threshold
-from ctxc.errors import CtxcError
+from ctxc.errors import CtxcError, missing_package_error
 from ctxc.interrupts import pause_point
 
 __all__ = [
@@ -212,6 +212,11 @@ def _load_directory(directory: Path, dtype: torch.dtype, spec: str, placement: P
         model = auto.from_pretrained(
             str(directory), dtype=dtype, **_moe_kwargs(directory), **kwargs
         )
+    except ImportError as exc:  # a vision tower built on timm, ...
+        error = missing_package_error(exc, f"model {spec!r}")
+        if error is None:
+            raise
+        raise error from None
     except OSError as exc:
         raise CtxcError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
     except ValueError as exc:

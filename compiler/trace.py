@@ -157,6 +157,36 @@ def _no_cache(model: torch.nn.Module) -> Iterator[None]:
 no_cache = _no_cache
 
 
+@contextlib.contextmanager
+def _latent_kv_heads(model: torch.nn.Module) -> Iterator[None]:
+    """Give multi-head latent attention one key head per query head while it is exported.
+
+    MLA (DeepSeek V2/V3, MiniCPM3, ...) makes a key and a value head per query head in
+    ``kv_b_proj``, whatever ``config.num_key_value_heads`` says, yet Transformers sets
+    ``num_key_value_groups = heads // num_key_value_heads`` on the module. The plain SDPA call
+    (no mask) passes ``enable_gqa`` with equal head counts, so nothing is repeated; under
+    ``torch.export`` the mask is explicit and ``sdpa_attention.py`` repeats the keys and values
+    ``num_key_value_groups`` times: 4 query heads against 8 key heads ("Attempting to broadcast
+    a dimension of length 8 ... [1, 4]") at every rung. With groups of 1 the export computes
+    what the plain forward does. Side effects: the attribute is restored on exit.
+    """
+    changed = []
+    for module in model.modules():
+        groups = getattr(module, "num_key_value_groups", None)
+        proj, heads = getattr(module, "kv_b_proj", None), getattr(module, "num_heads", None)
+        if groups in (None, 1) or not isinstance(proj, torch.nn.Linear) or not heads:
+            continue
+        per_head = getattr(module, "qk_nope_head_dim", 0) + getattr(module, "v_head_dim", 0)
+        if proj.out_features == heads * per_head:  # one key and value head per query head
+            changed.append((module, groups))
+            module.num_key_value_groups = 1
+    try:
+        yield
+    finally:
+        for module, groups in changed:
+            module.num_key_value_groups = groups
+
+
 def trace(
     model: torch.nn.Module,
     example_len: int = 8,
@@ -204,7 +234,8 @@ def trace(
     ids = ids if example is None else example
     dynamic = None if lo == hi else {"input_ids": {1: Dim("seq", min=lo, max=hi)}}
     try:
-        with _no_cache(getattr(wrapper, _WRAPPED)), torch.no_grad():
+        inner = getattr(wrapper, _WRAPPED)
+        with _no_cache(inner), _latent_kv_heads(inner), torch.no_grad():
             program = export(wrapper, (ids,), dynamic_shapes=dynamic, strict=False)
     except Exception as exc:  # torch.export raises many types; all mean the same to a user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ctxc.errors import CtxcError
+from ctxc.errors import CtxcError, missing_package_error
 
 __all__ = [
     "auto_model_class",
@@ -53,8 +53,9 @@ def load_processor(model: torch.nn.Module, spec: str | None = None):
         the processor.
 
     Raises:
-        CtxcError: the model is text-only, or its folder has no processor (no image processor
-            config), in one line naming the model.
+        CtxcError: the model is text-only, its folder has no processor (no image processor
+            config), or the processor needs a library that is not installed (torchvision,
+            timm, Pillow), in one line naming the model (and the package).
     """
     name = spec or str(getattr(model, "ctxc_name", "") or getattr(model, "name_or_path", ""))
     if not is_vision_language(model):
@@ -68,6 +69,11 @@ def load_processor(model: torch.nn.Module, spec: str | None = None):
 
     try:
         processor = AutoProcessor.from_pretrained(str(folder))
+    except ImportError as exc:  # a fast image or video processor's torchvision, ...
+        error = missing_package_error(exc, f"model {name!r}: its processor")
+        if error is None:
+            raise
+        raise error from None
     except (OSError, ValueError, TypeError, KeyError) as exc:
         raise CtxcError(
             f"model {name!r} has no processor in {folder} (no image processor config): save the "

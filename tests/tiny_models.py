@@ -211,9 +211,16 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """A BPE tokenizer over the tiny vocabulary (the GGUF writer stores BPE vocabularies)."""
-    words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [f"w{i}" for i in range(VOCAB - 4)]
-    core = Tokenizer(models.BPE({w: i for i, w in enumerate(words)}, [], unk_token="<unk>"))
+    """A BPE tokenizer over the tiny vocabulary (the GGUF writer stores BPE vocabularies).
+
+    ``w``, the digits, and words ``w0``, ``w1``, ... built from them by merges: llama.cpp
+    refuses a BPE vocabulary without merges, and gguf-py cannot write an empty list.
+    """
+    pieces = ["<pad>", "<bos>", "<eos>", "<unk>", "w", *"0123456789"]
+    words = [f"w{i}" for i in range(VOCAB - len(pieces))]
+    merges = [(w[:-1], w[-1]) for w in words]  # w1 + 2 -> w12
+    vocab = {t: i for i, t in enumerate(pieces + words)}
+    core = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Whitespace()
     return PreTrainedTokenizerFast(
         tokenizer_object=core,

@@ -19,7 +19,7 @@ from PIL import Image
 from tokenizers import Tokenizer, models, pre_tokenizers
 from tokenizers.processors import TemplateProcessing
 
-__all__ = ["VLM_FAMILIES", "build_vlm", "make_image"]
+__all__ = ["VLM_FAMILIES", "build_qwen2_vl", "build_vlm", "make_image"]
 
 VOCAB = 128
 _IMAGE = 28  # pixels per side; 7-pixel patches
@@ -134,6 +134,44 @@ def build_vlm(family: str, folder: Path, seed: int = 0) -> Path:
     model.eval()
     model.save_pretrained(str(folder))
     processor.save_pretrained(str(folder))
+    return folder
+
+
+def build_qwen2_vl(folder: Path, seed: int = 0) -> Path:
+    """A tiny Qwen2-VL saved as a real checkpoint is: its processor configs name Transformers'
+    default image and video processors, which import torchvision (the processor objects are
+    not built here, so that this works without torchvision).
+
+    Returns:
+        ``folder``.
+    """
+    import json
+
+    specials = {
+        "image_token": "<|image_pad|>",
+        "video_token": "<|video_pad|>",
+        "vision_start_token": "<|vision_start|>",
+        "vision_end_token": "<|vision_end|>",
+    }
+    tok = _tokenizer(specials)
+    rope = {"rope_type": "default", "mrope_section": [2, 2, 4], "rope_theta": 10000.0}
+    config = tf.Qwen2VLConfig(
+        text_config=dict(_TEXT, rope_parameters=rope),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14),
+        image_token_id=tok.convert_tokens_to_ids(specials["image_token"]),
+        video_token_id=tok.convert_tokens_to_ids(specials["video_token"]),
+        vision_start_token_id=tok.convert_tokens_to_ids(specials["vision_start_token"]),
+    )
+    torch.manual_seed(seed)
+    tf.Qwen2VLForConditionalGeneration(config).eval().save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+    common = dict(processor_class="Qwen2VLProcessor", patch_size=14, merge_size=2)
+    common.update(min_pixels=784, max_pixels=3136, temporal_patch_size=2)
+    for name, key, cls in [
+        ("preprocessor_config.json", "image_processor_type", "Qwen2VLImageProcessor"),
+        ("video_preprocessor_config.json", "video_processor_type", "Qwen2VLVideoProcessor"),
+    ]:
+        (folder / name).write_text(json.dumps({**common, key: cls}))
     return folder
 
 

@@ -196,3 +196,46 @@ def test_no_block_names_each_layer() -> None:
     layers = {".".join(r.where.split(".")[:3]) for r in blocks.rejections}
     assert layers == {"model.layers.0", "model.layers.1"}, blocks.rejections
     assert all("aten.transpose.int" in r.reason for r in blocks.rejections), blocks.rejections
+
+
+def test_latent_attention_with_fewer_kv_heads_in_its_config_compiles_exactly() -> None:
+    # Issue 21: MLA makes one key head per query head, but the config's num_key_value_heads
+    # (2 of 4) made the export repeat the keys: every rung failed with "Attempting to broadcast
+    # a dimension of length 8 ... [1, 4]", though the plain forward runs.
+    import transformers as tf
+    from helpers import diff_msg, full_logits, logits, max_diff, random_ids
+
+    import ctxc
+
+    config = tf.DeepseekV3Config(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    model = tf.DeepseekV3ForCausalLM._from_config(config, experts_implementation="batched_mm")
+    model.eval().config.use_cache = False
+    patch = ctxc.compile(model, context_ids=random_ids(21, 20)).patch
+    want = full_logits(model, patch)  # the plain forward (SDPA) on context + query
+    got = logits(model, patch.meta.query_ids, patch)
+    control = logits(model, patch.meta.query_ids)
+    msg = f"{diff_msg('patched', got, want)}; {diff_msg('control', control, want)}"
+    assert max_diff(got, want) <= 1e-5, msg
+    assert max_diff(control, want) > 1e-2, "control too close: the test cannot fail; " + msg
+    attn = model.model.layers[0].self_attn
+    assert attn.num_key_value_groups == 2, "the export left the attention changed"
