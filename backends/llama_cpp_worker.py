@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -131,7 +132,7 @@ def run_jobs(jobs: list[dict], threads: int) -> dict[str, np.ndarray]:
 def main(argv: list[str] | None = None) -> int:
     """``JOBS.json OUT.npz [THREADS]``: run the jobs, save the logits; 1 on a failure."""
     args = sys.argv[1:] if argv is None else argv
-    jobs = json.loads(open(args[0]).read())  # noqa: SIM115 - a short-lived child process
+    jobs = json.loads(Path(args[0]).read_text())
     threads = int(args[2]) if len(args) > 2 else max(1, os.cpu_count() or 1)
     try:
         logits = run_jobs(jobs, threads)
