@@ -215,20 +215,7 @@ def emit_gguf_lora(
         full = reference_logits(model, patch)
     with patch.applied(model, check=False):
         (patched,) = torch_logits(model, query)
-    dense = _read(path, names, alpha)
-    diff = max(
-        float((dw - patch.deltas[f"{m}.weight"].dense()).abs().max()) for m, dw in dense.items()
-    )
-    applied = _applied_logits(model, dense, query)
-    vs = float((applied - patched).abs().max())
-    tol = GGUF_ATOL if gguf_type == "F32" else None
-    enforce(
-        GGUF_LORA_FILE,
-        "its deltas applied vs the torch patched model: max |diff|",
-        vs,
-        float("inf") if tol is None else tol,  # F16/BF16: rounded factors, no tolerance
-        f"mean {float((applied - patched).abs().mean()):.3g}",
-    )
+    diff, applied, vs, tol = _check_file(model, patch, path, names, alpha, patched, gguf_type)
     applied_fid = fidelity(applied, full)
     runs = run_in_llama_cpp(
         model,
@@ -256,3 +243,31 @@ def emit_gguf_lora(
         llama_cpp_skipped=runs.skipped,
     )
     return path, figures
+
+
+def _check_file(model, patch: Patch, path: Path, names, alpha, patched, gguf_type: str):
+    """Read the file's deltas back, apply them, compare with the torch patched model.
+
+    Returns:
+        (largest delta difference, the applied logits [1, vocab], their max |diff| from
+        ``patched``, the bound or None for rounded types).
+
+    Raises:
+        CheckFailed: (F32) the applied deltas do not reproduce the patched model.
+    """
+    query = check_ids(patch)[:1]
+    dense = _read(path, names, alpha)
+    diff = max(
+        float((dw - patch.deltas[f"{m}.weight"].dense()).abs().max()) for m, dw in dense.items()
+    )
+    applied = _applied_logits(model, dense, query)
+    vs = float((applied - patched).abs().max())
+    tol = GGUF_ATOL if gguf_type == "F32" else None
+    enforce(
+        GGUF_LORA_FILE,
+        "its deltas applied vs the torch patched model: max |diff|",
+        vs,
+        float("inf") if tol is None else tol,  # F16/BF16: rounded factors, no tolerance
+        f"mean {float((applied - patched).abs().mean()):.3g}",
+    )
+    return diff, applied, vs, tol

@@ -89,8 +89,11 @@ def test_failed_llama_cpp_check_is_one_line_and_no_folder(tmp_path, monkeypatch,
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and lines[0].startswith("ctxc: error:"), lines
-    assert f"{artefact} in llama.cpp" in lines[0] and "max |diff|" in lines[0], lines
+    assert f"{artefact} check failed: in llama.cpp" in lines[0], lines
+    assert "max |diff|" in lines[0], lines
     assert not out.exists()
+    kept = tmp_path / "out.failed"  # the patch is kept for `ctxc export` (ctxc.checks)
+    assert (kept / "patch.safetensors").is_file() and not (kept / artefact).exists()
 
 
 def test_without_llama_cpp_the_figures_say_why(tmp_path, monkeypatch) -> None:
