@@ -206,8 +206,10 @@ def export_cmd(
                 emit_torch(net, tokenizer, patch, tmp)
                 full = reference_logits(net, patch)
                 reloaded = reload_fidelity(tmp, patch, patch.meta.dtype, full, net)
+            from ctxc.report import reference_name
+
             report["torch"] = {
-                "emitted": reloaded.to_dict(),
+                "emitted": {**reloaded.to_dict(), "reference": reference_name(net)},
                 "emitted_measured_on": "the folder reloaded with "
                 "AutoModelForCausalLM.from_pretrained",
             }
