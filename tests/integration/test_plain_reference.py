@@ -193,3 +193,27 @@ def test_image_report_is_what_a_fresh_process_measures(tmp_path) -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads((out / "report.json").read_text())
     _agrees(report, _fresh(_IMAGE_CHECK, str(out), str(folder), str(image), text))
+
+
+def test_a_graph_that_is_not_the_runtime_is_refused(tmp_path, monkeypatch) -> None:
+    """When the graph cannot compute what the runtime computes on the query, no folder."""
+    from ctxc import runtime_attention
+
+    real = runtime_attention.sdpa_calls
+
+    def shifted(model, ids):  # a runtime that differs from the graph by 0.5 everywhere
+        logits, calls = real(model, ids)
+        return logits + 0.5, calls
+
+    monkeypatch.setattr(runtime_attention, "sdpa_calls", shifted)
+    folder = tmp_path / "llama"
+    build("llama").save_pretrained(str(folder))
+    tiny_tokenizer().save_pretrained(str(folder))
+    (tmp_path / "ctx.txt").write_text("w5 w6 w7 w8 w9")
+    out = tmp_path / "out"
+    args = ["--model", str(folder), "--context", str(tmp_path / "ctx.txt"), "--out", str(out)]
+    proc = run_cli("compile", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not compute what the model's own forward" in lines[0], lines
+    assert not out.exists(), sorted(p.name for p in tmp_path.iterdir())
