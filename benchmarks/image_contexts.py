@@ -6,7 +6,7 @@ the model's own Transformers forward fed the processor's images and text plus th
 max |logit diff|, total variation and top-1 of the emitted model, the unpatched control beside
 it, the full run's agreement with the model's own forward, and the compile's seconds.
 
-    python benchmarks/image_contexts.py                       # tiny Gemma 3 and LLaVA (built here)
+    python benchmarks/image_contexts.py      # tiny Gemma 3, LLaVA and PaliGemma (built here)
     python benchmarks/image_contexts.py --model DIR --image IMG [--context TEXT] [--query TEXT]
 
 No real vision-language weights are bundled: ``--model`` takes a local folder (for example
@@ -74,13 +74,18 @@ def _tiny_cases(work: Path) -> list[tuple[str, object, object, Path, str, str | 
 
     image = make_image(work / "a.png", 1)
     cases = []
-    for family in ("gemma3", "llava"):
+    for family in ("gemma3", "llava", "paligemma"):
         model, _ = ctxc.load_model(str(build_vlm(family, work / family)))
         processor = load_processor(model)
         cases.append((f"tiny {family}, image + text", model, processor, image, "w5 w6 w7", "w20"))
-    gemma = cases[0]
+    gemma, pali = cases[0], cases[2]
     cases.append(("tiny gemma3, image only", gemma[1], gemma[2], image, "", None))
+    # PaliGemma attends both ways over the prefix and over a query fed alone: three tokens
+    cases.append(("tiny paligemma, 3-token query", pali[1], pali[2], image, "w5 w6 w7", QUERY3))
     return cases
+
+
+QUERY3 = "w20 w21 w22"
 
 
 def main() -> None:

@@ -211,7 +211,7 @@ def export_cmd(
             if "torch" in kinds:
                 full, reloaded = _export_torch(net, tokenizer, patch, tmp)
                 report["torch"] = {
-                    "emitted": reloaded.to_dict(),
+                    "emitted": {**reloaded.to_dict(), "reference": reference_name(net)},
                     "emitted_measured_on": "the folder reloaded with "
                     "AutoModelForCausalLM.from_pretrained",
                 }

@@ -26,6 +26,7 @@ import torch
 from ctxc.errors import CtxcError
 from ctxc.passes.block_map import BlockMap
 from ctxc.passes.locate_blocks import locate_blocks
+from ctxc.runtime_attention import recording
 from ctxc.trace import WRAPPED, TracedModel, no_cache, trace
 
 __all__ = ["MultimodalRun", "decoder_path", "image_figures", "multimodal_full_graph"]
@@ -43,6 +44,9 @@ class MultimodalRun:
         reference: the model's own eager multimodal forward at the query positions,
             float32 [k, vocab]: what the graph's full run must reproduce.
         decoder: module path of the language model whose arguments were captured.
+        attention: the language model's attention calls in that forward, in order
+            (``compiler/runtime_attention.py``: the full run takes them when the runtime's
+            attention differs from the graph's).
     """
 
     traced: TracedModel
@@ -50,6 +54,7 @@ class MultimodalRun:
     inputs_embeds: torch.Tensor
     reference: torch.Tensor
     decoder: str
+    attention: tuple = ()
 
 
 def decoder_path(model: torch.nn.Module, blocks: BlockMap) -> str:
@@ -104,8 +109,9 @@ class _Substituted(torch.nn.Module):
             handle.remove()
 
 
-def _capture(model: torch.nn.Module, decoder: str, inputs: dict) -> tuple[tuple, dict, object]:
-    """Run the multimodal forward once; the decoder's (args, kwargs) and the logits [1, n, V]."""
+def _capture(model: torch.nn.Module, decoder: str, inputs: dict) -> tuple:
+    """Run the multimodal forward once; the decoder's (args, kwargs), the logits [1, n, V] and
+    the decoder's attention calls."""
     seen: dict[str, tuple] = {}
 
     def hook(_module, args, kwargs):
@@ -113,7 +119,7 @@ def _capture(model: torch.nn.Module, decoder: str, inputs: dict) -> tuple[tuple,
 
     handle = model.get_submodule(decoder).register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        with no_cache(model), torch.no_grad():
+        with recording(model, decoder) as rec, no_cache(model), torch.no_grad():
             logits = model(**inputs).logits
     finally:
         handle.remove()
@@ -122,7 +128,7 @@ def _capture(model: torch.nn.Module, decoder: str, inputs: dict) -> tuple[tuple,
     args, kwargs = seen["call"]
     if not isinstance(kwargs.get("inputs_embeds"), torch.Tensor):
         raise CtxcError(f"the multimodal forward does not pass inputs_embeds to {decoder}")
-    return args, kwargs, logits
+    return args, kwargs, logits, tuple(rec.calls)
 
 
 def multimodal_full_graph(
@@ -145,7 +151,7 @@ def multimodal_full_graph(
             do not correspond to the text graph's.
     """
     decoder = decoder_path(model, text_blocks)
-    args, kwargs, logits = _capture(model, decoder, inputs)
+    args, kwargs, logits, calls = _capture(model, decoder, inputs)
     embeds = kwargs.pop("inputs_embeds")  # [1, n, d]
     n = int(embeds.shape[1])
     wrapper = _Substituted(model, decoder, args, kwargs)
@@ -159,7 +165,7 @@ def multimodal_full_graph(
             f"{got[:2]}... vs {len(want)}: {want[:2]}...): no correspondence"
         )
     reference = logits[0, -k:].float()  # [k, vocab]
-    return MultimodalRun(traced, blocks, embeds, reference, decoder)
+    return MultimodalRun(traced, blocks, embeds, reference, decoder, calls)
 
 
 def image_figures(image, run: MultimodalRun, full_logits: torch.Tensor) -> dict:
@@ -168,7 +174,8 @@ def image_figures(image, run: MultimodalRun, full_logits: torch.Tensor) -> dict:
     Args:
         image: the :class:`~ctxc.images.ImageContext`.
         run: its :class:`MultimodalRun`.
-        full_logits: the graph's full-run logits at the query positions [k, vocab].
+        full_logits: the graph's full-run logits at the query positions [k, vocab], its head
+            as the model's forward applies it (``FullRun.reference``).
 
     Returns:
         ``images`` (name and sha256 prefix of each), ``image_tokens``, ``language_model`` (the

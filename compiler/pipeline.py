@@ -22,11 +22,13 @@ from ctxc.models import check_length
 from ctxc.offload import input_device
 from ctxc.passes.block_map import BlockMap, Rejection
 from ctxc.passes.locate_blocks import locate_blocks
-from ctxc.passes.run_graph import record_targets, run_logits
+from ctxc.passes.run_graph import run_logits
 from ctxc.passes.solve import RULES, solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.patched_forward import patched_logits
-from ctxc.report import CompileReport
+from ctxc.reference_run import full_run
+from ctxc.report import CompileReport, reference_name
+from ctxc.runtime_attention import runtime_attention
 from ctxc.tokens import split_tokens
 from ctxc.trace import TracedModel
 
@@ -42,8 +44,9 @@ class CompileResult:
     """What :func:`compile` returns: the patch, its report, and the full-context logits.
 
     Attributes:
-        full_logits: the model fed context + query, at the query positions [k, vocab], float32
-            (the reference emitters check against, without a second full pass).
+        full_logits: the model fed context + query, at the query positions [k, vocab], float32,
+            as its own default forward computes them (every position's logits, the runtime's
+            attention): the reference every figure is measured against, without a second pass.
         patched_logits: the verification's run, ``model`` with the patch's weights (eager, in
             memory) fed the query [k, vocab], float32; None without ``verify`` or for a model
             verified through its graph (dispersed). The PEFT check's torch reference.
@@ -192,7 +195,7 @@ class _Options:
 def _compile_ids(
     model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Options
 ) -> CompileResult:
-    """:func:`compile` on checked token ids: trace, full run, solve, control, verify, report."""
+    """:func:`compile` on checked token ids: trace, control, full run, solve, verify, report."""
     stage = o.on_stage or (lambda _name: None)
     timings: dict[str, float] = {}
     clock = time.perf_counter()
@@ -204,29 +207,28 @@ def _compile_ids(
         clock = now
 
     stage("tracing")
-    if o.image is None:
-        (full_traced, full_blocks), (traced, blocks), frontend = _matching_runs(
-            model, len(ctx_ids) + len(q_ids), len(q_ids)
-        )
-    else:  # the images enter through the model's own forward (compiler/image_run.py)
-        traced, blocks = traced_blocks(model, len(q_ids))
-        _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
-        image_run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
-        full_traced, full_blocks, frontend = image_run.traced, image_run.blocks, traced.frontend
+    full_traced, full_blocks, traced, blocks, frontend, image_run = _traces(
+        model, ctx_ids, q_ids, o
+    )
     lap("trace")
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
     device = input_device(model)  # the embedding's device (a dispersed model's too)
     full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
+    # The control: the model's own forward on the query, as the user's runtime computes it.
+    attention = runtime_attention(model, traced, query)
+    lap("control_run")
     stage("full run")
-    full_input = full_ids if o.image is None else image_run.inputs_embeds
-    full = record_targets(full_traced, full_blocks, full_input, len(q_ids))
+    full, reference = full_run(
+        model, full_traced, full_blocks, full_ids, len(q_ids), image_run, attention
+    )
     lap("full_run")
     stage("solving")
     solution, failed = _solve_skipping(
         (traced, blocks, full, query, o.update, o.start_layer, o.on_block, o.apply),
         o.skip_unpatchable,
+        attention.query_ops,
     )
     lap("solve")
     rejections = tuple(str(r) for r in (*blocks.rejections, *failed))
@@ -235,8 +237,6 @@ def _compile_ids(
             "no block was patched"
             + (f": {'; '.join(rejections)}" if rejections else f" from start layer {o.start_layer}")
         )
-    control = run_logits(traced, query)
-    lap("control_run")
 
     solver = fidelity(solution.logits, full.logits)
     meta = _meta(model, traced, ctx_ids, q_ids, o.update, o.start_layer, solver)
@@ -256,19 +256,36 @@ def _compile_ids(
         context_ids=ctx_ids,
         query_ids=q_ids,
         patched=solver,
-        emitted=fidelity(emitted, full.logits),
-        control=fidelity(control, full.logits),
+        emitted=fidelity(emitted, reference),
+        control=fidelity(attention.control, reference),
         blocks=solution.stats,
         rejections=rejections,
         timings=timings,
         ctxc_version=__version__,
         apply=o.apply,
         frontend=frontend,
-        images=None if o.image is None else image_figures(o.image, image_run, full.logits),
+        images=None if o.image is None else image_figures(o.image, image_run, full.reference),
         device=str(device),
         placement=describe(model)[1],
+        floor=fidelity(full.logits, reference),
+        reference=reference_name(model, o.image is not None),
     )
-    return CompileResult(patch, report, full_logits=full.logits, patched_logits=eager)
+    return CompileResult(patch, report, full_logits=reference, patched_logits=eager)
+
+
+def _traces(model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Options) -> tuple:
+    """The full run's and the reduced run's graphs and block maps, the frontend's rung, and
+    for an image context its :class:`MultimodalRun` (else None)."""
+    if o.image is None:
+        (full_traced, full_blocks), (traced, blocks), frontend = _matching_runs(
+            model, len(ctx_ids) + len(q_ids), len(q_ids)
+        )
+        return full_traced, full_blocks, traced, blocks, frontend, None
+    # The images enter through the model's own forward (compiler/image_run.py).
+    traced, blocks = traced_blocks(model, len(q_ids))
+    _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
+    run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
+    return run.traced, run.blocks, traced, blocks, traced.frontend, run
 
 
 def _check_blocks(blocks: BlockMap, skip_unpatchable: bool, start_layer: int) -> None:
@@ -303,14 +320,16 @@ def _meta(
     )
 
 
-def _solve_skipping(args: tuple, skip_unpatchable: bool) -> tuple:
+def _solve_skipping(args: tuple, skip_unpatchable: bool, ops: dict | None = None) -> tuple:
     """Solve; with ``skip_unpatchable``, leave a block whose condition fails unpatched and solve
-    again (the blocks above it absorb its difference), until no block fails."""
+    again (the blocks above it absorb its difference), until no block fails. ``ops``: the
+    reduced run's attention calls as the runtime makes them (``compiler/runtime_attention.py``).
+    """
     failed: list[Rejection] = []
     while True:
         skip = {r.where: r.reason for r in failed}
         try:
-            return solve(*args, skip=skip), tuple(failed)
+            return solve(*args, skip=skip, ops=ops), tuple(failed)
         except SolveError as exc:
             if not skip_unpatchable or exc.block in skip:
                 raise SolveError(exc.block, exc.reason + _SKIP_HINT) from exc

@@ -9,7 +9,33 @@ from dataclasses import asdict, dataclass, field
 from ctxc.metrics import Fidelity
 from ctxc.passes.block_stats import BlockStats
 
-__all__ = ["CompileReport"]
+__all__ = ["SOLVER_REFERENCE", "CompileReport", "reference_name"]
+
+# What the solver's figure is measured against: its own arithmetic.
+SOLVER_REFERENCE = (
+    "ctxc's full run of the traced graph on context + query, its head over the query rows "
+    "alone as the solver's reduced run applies it"
+)
+
+
+def reference_name(model, images: bool = False) -> str:
+    """What the emitted and control figures are measured against, in words: the runtime (its
+    version), the model's class, its attention implementation, the input and which logits.
+
+    Args:
+        model: the model compiled on (its class and config).
+        images: the context holds images (the input is the processor's).
+    """
+    import transformers
+
+    config = getattr(model, "config", None)
+    attn = getattr(config, "_attn_implementation", None) or "default"
+    what = "the processor's images + text + query" if images else "context + query"
+    return (
+        f"transformers {transformers.__version__} {type(model).__name__} forward, {attn} "
+        f"attention (the model's default), on {what}; logits of every position (the default "
+        "logits_to_keep=0), read at the query positions"
+    )
 
 
 @dataclass(frozen=True)
@@ -22,9 +48,12 @@ class CompileReport:
         update: update rule.
         start_layer: first patched block.
         context_ids, query_ids: the token ids.
-        patched: the solver's reduced pass against the full-context logits.
-        emitted: the model with the patch applied (eager Transformers), fed the query alone.
-        control: the unpatched model fed the query alone.
+        patched: the solver's reduced pass against ctxc's full run with the same head
+            arithmetic (:data:`SOLVER_REFERENCE`): the solver's own figure (``solver``).
+        emitted: the model with the patch applied (eager Transformers), fed the query alone,
+            against ``reference``.
+        control: the unpatched model (eager Transformers) fed the query alone, against
+            ``reference``.
         blocks: per-block figures.
         rejections: ``"path: reason"`` for every candidate block left unpatched.
         timings: seconds per stage.
@@ -34,6 +63,11 @@ class CompileReport:
             the image token count, the full run against the model's own forward); else None.
         device: the device the runs started on (the input embedding's).
         placement: parameters per device (``disk``: offloaded), ``compiler/devices.py``.
+        floor: the reference's own runtime with the head over the query rows alone (as
+            ``logits_to_keep=k`` and ``generate`` compute them) against ``reference``: what the
+            runtime differs from itself by, the floor of any model fed the query alone.
+        reference: what ``emitted``, ``control`` and ``floor`` are measured against
+            (:func:`reference_name`).
     """
 
     model: str
@@ -54,6 +88,8 @@ class CompileReport:
     images: dict | None = None
     device: str = "cpu"
     placement: dict[str, int] = field(default_factory=dict)
+    floor: Fidelity | None = None
+    reference: str = ""
 
     @property
     def max_abs_logit_diff(self) -> float:
@@ -78,13 +114,21 @@ class CompileReport:
             "mean_abs_logit_diff": e.mean_abs_logit_diff,
             "total_variation": e.total_variation,
             "top1_match": e.top1_match,
-            "emitted": e.to_dict(),
-            "solver": self.patched.to_dict(),
-            "control": self.control.to_dict(),
+            "reference": self.reference,
+            "emitted": {**e.to_dict(), "reference": self.reference},
+            "solver": {**self.patched.to_dict(), "reference": SOLVER_REFERENCE},
+            "control": {**self.control.to_dict(), "reference": self.reference},
             "blocks": [_clean(asdict(b)) for b in self.blocks],
             "rejections": list(self.rejections),
             "timings": self.timings,
         }
+        if self.floor is not None:
+            out["runtime_floor"] = {
+                **self.floor.to_dict(),
+                "reference": self.reference,
+                "measured": "the same runtime, the head over the query rows alone "
+                "(logits_to_keep=k, as generate computes them)",
+            }
         if self.images is not None:
             out["images"] = self.images
         return out
@@ -114,6 +158,12 @@ class CompileReport:
             f"{token(e.top1_full)}; "
             f"unpatched {'match' if c.top1_match else 'mismatch'})",
         ]
+        if self.floor is not None:
+            floor, solver = self.floor.max_abs_logit_diff, self.patched.max_abs_logit_diff
+            lines.append(
+                "reference: the model's own Transformers forward on context + query (its floor "
+                f"{floor:.3g}; solver {solver:.3g})"
+            )
         if self.rejections:
             lines.append(
                 f"{len(self.rejections)} block(s) left unpatched: " + "; ".join(self.rejections)

@@ -1,8 +1,11 @@
 """Tiny random vision-language models with their processors, saved to a folder (no download).
 
-Two families: Gemma 3 (``Gemma3ForConditionalGeneration``: SigLIP tower, pooled projector,
-bidirectional attention over image tokens) and LLaVA (``LlavaForConditionalGeneration``: CLIP
-tower, MLP projector, a Llama language model). Each folder holds the model, a word-level
+Three families: Gemma 3 (``Gemma3ForConditionalGeneration``: SigLIP tower, pooled projector,
+bidirectional attention over image tokens), LLaVA (``LlavaForConditionalGeneration``: CLIP
+tower, MLP projector, a Llama language model) and PaliGemma (``PaliGemmaForConditionalGeneration``:
+SigLIP tower, a Gemma 1 language model whose config asks for bidirectional attention, so the
+prefix of image and prompt tokens attends both ways, and Transformers' default SDPA path attends
+both ways over a text-only input too). Each folder holds the model, a word-level
 tokenizer over the tiny vocabulary with the family's image tokens as special tokens, and the
 family's processor with 28-pixel images, so ``ctxc.load_model(folder)`` and
 ``AutoProcessor.from_pretrained(folder)`` load them as a real checkpoint would load.
@@ -47,6 +50,7 @@ _GEMMA3_SPECIALS = {
     "image_token": "<image_soft_token>",
 }
 _LLAVA_SPECIALS = {"image_token": "<image>"}
+_PALIGEMMA_SPECIALS = {"image_token": "<image>"}
 
 
 def _tokenizer(specials: dict[str, str]) -> tf.PreTrainedTokenizerFast:
@@ -121,7 +125,25 @@ def _llava(seed: int):
     return tf.LlavaForConditionalGeneration(config), processor
 
 
-VLM_FAMILIES = {"gemma3": _gemma3, "llava": _llava}
+def _paligemma(seed: int):
+    tok = _tokenizer(_PALIGEMMA_SPECIALS)
+    images = tf.SiglipImageProcessorPil(size={"height": _IMAGE, "width": _IMAGE})
+    images.image_seq_length = 16  # 28 / 7 squared: every patch is an image token
+    processor = tf.PaliGemmaProcessor(image_processor=images, tokenizer=tok)
+    vocab = len(processor.tokenizer)  # the processor adds its location and segment tokens
+    config = tf.PaliGemmaConfig(
+        text_config=tf.GemmaConfig(**{**_TEXT, "vocab_size": vocab}, head_dim=16),
+        vision_config=tf.SiglipVisionConfig(**_VISION, projection_dim=64),
+        image_token_index=processor.image_token_id,
+        projection_dim=64,
+        hidden_size=64,
+        vocab_size=vocab,
+    )
+    torch.manual_seed(seed)
+    return tf.PaliGemmaForConditionalGeneration(config), processor
+
+
+VLM_FAMILIES = {"gemma3": _gemma3, "llava": _llava, "paligemma": _paligemma}
 
 
 def build_vlm(family: str, folder: Path, seed: int = 0) -> Path:
