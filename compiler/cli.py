@@ -209,6 +209,8 @@ def export_cmd(
         full = None
         try:
             if "torch" in kinds:
+                from ctxc.report import reference_name
+
                 full, reloaded = _export_torch(net, tokenizer, patch, tmp)
                 report["torch"] = {
                     "emitted": {**reloaded.to_dict(), "reference": reference_name(net)},
