@@ -21,6 +21,7 @@ from ctxc.backends.onnx_export import root_cause
 from ctxc.backends.onnx_files import file_size
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
+from ctxc.thresholds import ONNX_ATOL  # the bound and why: ctxc/thresholds.py
 
 __all__ = [
     "ONNX_ATOL",
@@ -31,12 +32,6 @@ __all__ = [
     "ort_session",
     "verify_export",
 ]
-
-# The bound on max |logits_onnxruntime - logits_torch_patched|, absolute. onnxruntime and torch
-# sum in other orders, and a patched model's post-norm gains amplify that (MATH.md 8, 9). Gemma 3
-# 270M, ten texts of 10 to 939 tokens (benchmarks/onnx_fidelity.py): see README, Backends.
-# Tiny random models measure 1e-7 to 7e-7.
-ONNX_ATOL = 1e-3
 
 
 @dataclass(frozen=True)
