@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ctxc.passes.block_map import LinearSite, MlpBlock, TailStep
-from ctxc.passes.multi_scale import SharedScaleFit, fit_shared_scale, shared_scale_targets
-from ctxc.passes.output_magnitude import choose_magnitude, rounding_gain
+from ctxc.passes.multi_scale import SharedScaleFit, fit_shared_scale
+from ctxc.passes.output_magnitude import choose_magnitude, least_rounding_targets, rounding_gain
 from ctxc.passes.update_rules import (
     ConditionError,
     ScaleMove,
@@ -250,15 +250,8 @@ def shared_scale_move(
         the :class:`SharedScaleFit`: ``ds`` [d] and its figures.
     """
     rho = f_now.double().pow(2).mean(dim=1)  # [k]: M / (M + eps)
-    shared = shared_scale_targets(s, t, u_now, rho)
     r = (u_now.double().pow(2).mean(dim=1) / rho).sqrt()  # [k]: r(u_j) = sqrt(M_j + eps)
-    lam = None
-    if summed is not None:
-        gain = shared.scale.double().abs()[None] / r[:, None]  # [k, d]
-        peak = shared.targets.abs().amax(dim=1)  # [k]
-        lam = choose_magnitude(gain, summed, t, peak, y_target.dtype)  # [k]
-        if bool((lam > 1).any()):
-            shared = shared_scale_targets(s, t, u_now, rho, magnitude=lam)
+    shared, lam = least_rounding_targets(s, t, u_now, rho, summed, y_target.dtype)
     f = reach(shared.targets - u_now)  # [k, d], recomputed (MATH.md 8)
     tol = (torch.finfo(y_target.dtype).eps * y_target.float().abs()).amax(dim=0)  # [d]
     low = y_target.dtype != torch.float32

@@ -19,10 +19,13 @@ from collections.abc import Sequence
 
 import torch
 
+from ctxc.passes.multi_scale import SharedScale, shared_scale_targets
+
 __all__ = [
     "MAGNITUDE_CAP",
     "bank_summed_terms",
     "choose_magnitude",
+    "least_rounding_targets",
     "rounding_gain",
     "summed_terms",
 ]
@@ -138,3 +141,38 @@ def rounding_gain(
     top = t.double().abs().amax(dim=-1)  # [k]
     live = top > 0
     return float((kappa[live] / top[live]).max()) if bool(live.any()) else 0.0
+
+
+def least_rounding_targets(
+    s: torch.Tensor,
+    t: torch.Tensor,
+    u_now: torch.Tensor,
+    rho: torch.Tensor,
+    summed: torch.Tensor | None,
+    dtype: torch.dtype,
+) -> tuple[SharedScale, torch.Tensor | None]:
+    """The least-change shared scale and its targets at the magnitudes of least rounding.
+
+    The scale is solved at the reached magnitudes (MATH.md 9); its gains give
+    :func:`choose_magnitude`'s factors (MATH.md 12), and where one is above 1 it is solved
+    again at the new magnitudes.
+
+    Args:
+        s: the effective scale [d]; t: the wanted products [k, d];
+        u_now: the outer output reached [k, d]; rho: ``mean(f_j^2)`` reached [k];
+        summed: the outer sums' terms ``m`` [k, d], or None: the reached magnitudes are kept;
+        dtype: the model's dtype.
+
+    Returns:
+        the :class:`SharedScale`, and the factors [k] (None when ``summed`` is None).
+    """
+    shared = shared_scale_targets(s, t, u_now, rho)
+    if summed is None:
+        return shared, None
+    r = (u_now.double().pow(2).mean(dim=1) / rho.double()).sqrt()  # [k]: sqrt(M_j + eps)
+    gain = shared.scale.double().abs()[None] / r[:, None]  # [k, d]
+    peak = shared.targets.abs().amax(dim=1)  # [k]
+    lam = choose_magnitude(gain, summed, t, peak, dtype)  # [k]
+    if bool((lam > 1).any()):
+        shared = shared_scale_targets(s, t, u_now, rho, magnitude=lam)
+    return shared, lam
