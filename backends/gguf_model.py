@@ -32,6 +32,7 @@ from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
 from ctxc.models import source_gguf
 from ctxc.patch import Patch
+from ctxc.thresholds import GGUF_ATOL  # the bound and why: ctxc/thresholds.py
 
 __all__ = [
     "GGUF_ATOL",
@@ -45,9 +46,6 @@ __all__ = [
 
 GGUF_FILE = "model.gguf"
 GGUF_TYPES = ("F32", "F16", "BF16")
-# An F32 file holds the patched weights exactly (norms through 1 + w and back: one rounding
-# at most), so its logits must match the torch patched model's as two runs of one model do.
-GGUF_ATOL = 1e-4
 
 
 @dataclass(frozen=True)

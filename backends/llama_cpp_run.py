@@ -39,6 +39,7 @@ import torch
 from ctxc.checks import enforce as enforce_bound
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
+from ctxc.thresholds import LLAMA_CPP_FACTOR, LLAMA_CPP_MIN_FLOOR
 
 __all__ = [
     "LLAMA_CPP_FACTOR",
@@ -49,15 +50,6 @@ __all__ = [
     "llama_cpp_unavailable",
     "llama_cpp_version",
 ]
-
-# The artefact in llama.cpp may be this many times llama.cpp's own floor from its full-context
-# run: the floor is one runtime's departure from Transformers on the query alone; the patched
-# model adds the same departure once more, on other activations (issue 21, check 2).
-LLAMA_CPP_FACTOR = 2.0
-# The floor is never taken below ctxc's own exactness bound (a reloaded model within 1e-5 of the
-# full-context run): on a tiny model llama.cpp and Transformers agree to 3e-8, and a bound of
-# 6e-8 would refuse artefacts exact by every other check.
-LLAMA_CPP_MIN_FLOOR = 1e-5
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from ctxc.backends.onnx_files import file_size
 from ctxc.checks import enforce
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
+from ctxc.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR, floor_bound  # ctxc/thresholds.py
 
 __all__ = [
     "ONNX_ATOL",
@@ -30,14 +31,9 @@ __all__ = [
     "check_lengths",
     "check_signature",
     "ort_session",
+    "runtime_floor",
     "verify_export",
 ]
-
-# The bound on max |logits_onnxruntime - logits_torch_patched|, absolute. onnxruntime and torch
-# sum in other orders, and a patched model's post-norm gains amplify that (MATH.md 8, 9). Gemma 3
-# 270M, ten texts of 10 to 939 tokens (benchmarks/onnx_fidelity.py): see README, Backends.
-# Tiny random models measure 1e-7 to 7e-7.
-ONNX_ATOL = 1e-3
 
 
 @dataclass(frozen=True)
@@ -74,11 +70,15 @@ class OnnxFigures:
         experts: the MoE expert implementation exported, or ``"dense"``.
         patch_inputs: graph inputs besides ``input_ids`` (the patch factors; 0 when baked).
         checks: one :class:`LengthCheck` per input length (the query's first).
-        tolerance: the absolute bound every check's ``max_abs_diff`` met.
+        tolerance: the absolute bound every check's ``max_abs_diff`` met
+            (:func:`~ctxc.thresholds.floor_bound` of ``ONNX_ATOL`` and ``runtime_floor``).
         fidelity: onnxruntime fed the query alone against the full-context model.
         export_seconds, check_seconds: wall times.
         deltas_inserted: parameters replaced in the graph by ``insert_deltas`` (baked; 0 when
             patchable).
+        runtime_floor: onnxruntime's own distance from torch on the unpatched model at the
+            check inputs (the patchable graph fed no factors), or None (a baked file has no
+            unpatched twin to run).
     """
 
     file: str
@@ -94,6 +94,7 @@ class OnnxFigures:
     export_seconds: float
     check_seconds: float
     deltas_inserted: int = 0
+    runtime_floor: float | None = None
 
     def to_dict(self) -> dict:
         """The JSON form written under ``"onnx"`` in ``report.json``."""
@@ -196,6 +197,30 @@ def check_lengths(
     return tuple(checks), first
 
 
+def runtime_floor(
+    run: Callable[[np.ndarray], np.ndarray],
+    ids: Sequence[torch.Tensor],
+    unpatched: Sequence[torch.Tensor],
+) -> float:
+    """onnxruntime's own distance from torch on the unpatched model (ctxc/thresholds.py).
+
+    Args:
+        run: int64 ids [1, n] -> the unpatched model's logits [1, n, vocab] in onnxruntime
+            (the patchable graph run without factors: their defaults are zero deltas).
+        ids: the check inputs.
+        unpatched: torch's unpatched logits [n, vocab] for each input.
+
+    Returns:
+        ``max |diff|`` over the inputs (NaN when onnxruntime gives a non-finite logit).
+    """
+    worst = 0.0
+    for x, want in zip(ids, unpatched, strict=True):
+        got = torch.from_numpy(np.asarray(run(x.numpy().astype(np.int64))[0], np.float32))
+        diff = float((got.double() - want.double()).abs().max())
+        worst = max(worst, diff) if diff == diff else float("nan")
+    return worst
+
+
 def verify_export(
     path: Path,
     ids: Sequence[torch.Tensor],
@@ -205,6 +230,7 @@ def verify_export(
     feeds: Callable[[Any], dict[str, np.ndarray]],
     export: dict[str, Any],
     atol: float = ONNX_ATOL,
+    unpatched: Sequence[torch.Tensor] | None = None,
 ) -> OnnxFigures:
     """Open ``path`` with onnxruntime, check its signature and lengths, gather its figures.
 
@@ -219,6 +245,9 @@ def verify_export(
             ``opset``, ``external_data``, ``experts``, ``export_seconds``, and optionally
             ``deltas_inserted``.
         atol: the check's absolute bound (see :func:`check_lengths`).
+        unpatched: torch's unpatched logits at ``ids``, for a patchable file (run without
+            factors it is the unpatched model): the bound becomes
+            ``floor_bound(atol, floor, ONNX_FLOOR_FACTOR)`` with onnxruntime's own floor.
 
     Returns:
         the :class:`OnnxFigures`.
@@ -230,6 +259,11 @@ def verify_export(
     session = ort_session(path)
     check_signature(session)
     fed = feeds(session)
+    floor = None
+    if unpatched is not None:
+        plain = lambda x: session.run(["logits"], {"input_ids": x})[0]  # noqa: E731
+        floor = runtime_floor(plain, ids, unpatched)
+        atol = floor_bound(atol, floor, ONNX_FLOOR_FACTOR)
     checks, first = check_lengths(
         lambda x: session.run(["logits"], {**fed, "input_ids": x})[0],
         ids,
@@ -246,6 +280,7 @@ def verify_export(
         tolerance=atol,
         fidelity=fidelity(first, full),
         check_seconds=round(time.perf_counter() - clock, 3),
+        runtime_floor=floor,
         **{**export, "export_seconds": round(export["export_seconds"], 3)},
     )
 

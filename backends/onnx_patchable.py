@@ -42,7 +42,7 @@ from ctxc.backends.onnx_export import (
     seq_dim,
 )
 from ctxc.backends.onnx_files import ONNX_FILE, patch_metadata, save_program
-from ctxc.backends.verify import check_ids, reference_logits
+from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.errors import CtxcError
 from ctxc.passes.delta_math import add_in_float32, lowrank_dense
 from ctxc.patch import Delta, Patch
@@ -214,6 +214,7 @@ def emit_onnx_patchable(
         if full is None:
             full = reference_logits(model, patch)
         expected = patched_logits(model, patch, ids)
+        unpatched = torch_logits(model, ids)  # onnxruntime's floor (ctxc/thresholds.py)
         program = export_program(
             _Patchable(model, slots).eval(),
             (ids[-1], *_example(slots, patch)),
@@ -242,6 +243,7 @@ def emit_onnx_patchable(
         feeds=lambda session: patch_feeds(patch, session),
         export=export,
         atol=atol,
+        unpatched=unpatched,
     )
     return path, figures
 

@@ -28,14 +28,21 @@ import numpy as np
 import torch
 
 from ctxc import __version__
-from ctxc.backends.onnx_check import ONNX_ATOL, LengthCheck, check_lengths, ort_session
+from ctxc.backends.onnx_check import (
+    ONNX_ATOL,
+    LengthCheck,
+    check_lengths,
+    ort_session,
+    runtime_floor,
+)
 from ctxc.backends.onnx_export import export_settings, patched_logits, require_onnx
 from ctxc.backends.onnx_files import file_size
 from ctxc.backends.onnx_patchable import emit_onnx_patchable, inputs_of, patch_feeds
-from ctxc.backends.verify import check_ids, reference_logits
+from ctxc.backends.verify import check_ids, reference_logits, torch_logits
 from ctxc.errors import CtxcError
 from ctxc.metrics import Fidelity, fidelity
 from ctxc.patch import Patch
+from ctxc.thresholds import ONNX_FLOOR_FACTOR, floor_bound
 
 __all__ = [
     "ADAPTER_FILE",
@@ -180,9 +187,12 @@ class AdapterFigures:
         parameters: tensors in the adapter (every factor input of the graph).
         size_bytes: the adapter file.
         checks: onnxruntime with the adapter active against the torch patched model, per length.
-        tolerance: the absolute bound the checks met.
+        tolerance: the absolute bound the checks met (:func:`~ctxc.thresholds.floor_bound`
+            of the given bound and ``runtime_floor``).
         fidelity: the same fed the query alone, against the full-context model.
         seconds: wall time (the patchable export included when it was written here).
+        runtime_floor: onnxruntime's own distance from torch on the unpatched model (the
+            session run without an adapter) at the check inputs.
     """
 
     file: str
@@ -194,6 +204,7 @@ class AdapterFigures:
     tolerance: float
     fidelity: Fidelity
     seconds: float
+    runtime_floor: float | None = None
 
     def to_dict(self) -> dict:
         """The JSON form written under ``"ort-adapter"`` in ``report.json``."""
@@ -251,10 +262,14 @@ def emit_ort_adapter(
                 model, patch, out, full=full, atol=atol, name=PATCHABLE_FILE
             )
         expected = patched_logits(model, patch, ids)
+        unpatched = torch_logits(model, ids)
     path = out / ADAPTER_FILE
     session = ort_session(Path(onnx))
     record = write_adapter(patch, session, path)
     adapter = load_adapter(path, session)
+    # Without an adapter the session is the unpatched model: onnxruntime's own floor.
+    floor = runtime_floor(lambda x: session.run(["logits"], {"input_ids": x})[0], ids, unpatched)
+    atol = floor_bound(atol, floor, ONNX_FLOOR_FACTOR)
     checks, first = check_lengths(
         lambda x: run_adapter(session, adapter, x), ids, expected, atol, ADAPTER_FILE
     )
@@ -269,5 +284,6 @@ def emit_ort_adapter(
         tolerance=atol,
         fidelity=fidelity(first, full),
         seconds=round(time.perf_counter() - clock, 3),
+        runtime_floor=floor,
     )
     return path, figures

@@ -34,14 +34,13 @@ from ctxc.metrics import Fidelity, fidelity
 from ctxc.offload import input_device
 from ctxc.patch import Delta, Patch
 from ctxc.patched_forward import patched_logits
+from ctxc.thresholds import PEFT_RTOL
 
 __all__ = ["ADAPTER_DIR", "DEFAULT_RTOL", "AdapterPlan", "PeftFigures", "emit_peft", "plan_adapter"]
 
 ADAPTER_DIR = "adapter"
 
-# The merged adapter holds the baked weights: it must match the torch patched model as closely
-# as two runs of one model do. Relative to the largest logit, like the ONNX check.
-DEFAULT_RTOL = 1e-5
+DEFAULT_RTOL = PEFT_RTOL  # the bound and why: ctxc/thresholds.py
 
 
 @dataclass(frozen=True)

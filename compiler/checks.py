@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from ctxc.errors import CtxcError
+from ctxc.thresholds import RUNTIME_SLACK
 
 __all__ = [
     "EXACT_RULES",
@@ -35,14 +36,6 @@ __all__ = [
 ]
 
 FAIL_ENV = "CTXC_TEST_FAIL_CHECK"
-
-# What another runtime may add to the solver's own figure, relative to max(1, the largest
-# |full-context logit|), by the arithmetic's dtype. float32: the worst measured on Gemma 3 270M
-# is 7.4e-4 (ONNX, README Backends) against logits of about 30, i.e. 2.5e-5 relative; 1e-4
-# leaves 4x. The half types: their rounding of weights alone moves logits by about a percent.
-# The gate catches a wrong artefact (a patch value scaled by 1000 moves logits by 44); the
-# per-artefact checks against the torch patched model measure precision.
-RUNTIME_SLACK = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
 
 # Artefact name (as in messages) -> its --emit kind, for CTXC_TEST_FAIL_CHECK.
 _KIND = {

@@ -92,6 +92,12 @@ class CompileReport:
     reference: str = ""
 
     @property
+    def rounding_gain(self) -> float | None:
+        """The largest block's ``rounding_gain`` (MATH.md 12), or None when no block has one."""
+        gains = [b.rounding_gain for b in self.blocks if b.rounding_gain is not None]
+        return max(gains) if gains else None
+
+    @property
     def max_abs_logit_diff(self) -> float:
         return self.emitted.max_abs_logit_diff
 
@@ -118,6 +124,9 @@ class CompileReport:
             "emitted": {**e.to_dict(), "reference": self.reference},
             "solver": {**self.patched.to_dict(), "reference": SOLVER_REFERENCE},
             "control": {**self.control.to_dict(), "reference": self.reference},
+            # The largest block's first-order rounding gain (MATH.md 12): what predicts the
+            # patched model's fidelity in another arithmetic (a reload, onnxruntime).
+            "rounding_gain": self.rounding_gain,
             "blocks": [_clean(asdict(b)) for b in self.blocks],
             "rejections": list(self.rejections),
             "timings": self.timings,

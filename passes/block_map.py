@@ -253,8 +253,8 @@ class MlpBlock:
             computed from the same residual input (GPT-J, Falcon, Cohere).
         pre_norm: module path of the norm that makes ``z`` from ``v``, or None.
         trailing_norm: module path of a norm applied to ``y`` itself (classic post-LN), or None.
-        stable_ok: the outer linear feeds the post norm directly, so the stable rule's
-            linear move applies (MATH.md 4).
+        stable_ok: the outer linear (or an MoE's per-token sum) feeds the post norm directly,
+            so the stable rule's linear move applies (MATH.md 4).
         routers: fx nodes of the inner linears whose outputs choose an MoE's experts.
         fused_gate_up: the only inner linear besides routers and banks has its output split in
             two (Phi-3's ``gate_up_proj``): a gated MLP with one fused projection.

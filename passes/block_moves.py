@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from ctxc.passes.block_map import LinearSite, MlpBlock, TailStep
-from ctxc.passes.multi_scale import SharedScaleFit, fit_shared_scale, shared_scale_targets
+from ctxc.passes.multi_scale import SharedScaleFit, fit_shared_scale
+from ctxc.passes.output_magnitude import choose_magnitude, least_rounding_targets, rounding_gain
 from ctxc.passes.update_rules import (
     ConditionError,
     ScaleMove,
@@ -171,26 +172,40 @@ def scale_move(
     y_target: torch.Tensor,
     u_now: torch.Tensor | None,
     reach: Callable[[torch.Tensor | None], torch.Tensor],
+    summed: torch.Tensor | None = None,
+    stable: bool = True,
 ) -> ScaleMove:
     """Output move on a post norm's scale ``s`` (MATH.md 2), after the stable rule's linear move.
 
-    With ``u_now`` (the stable rule, MATH.md 4) the outer linear first moves its output toward
-    the unit-RMS vector nearest the target; the scale then takes the bounded remainder.
+    With ``stable`` (MATH.md 4) the outer linear first moves its output toward the unit-RMS
+    vector nearest the target, at the magnitude of least rounding (MATH.md 12); the scale then
+    takes the bounded remainder.
 
     Args:
         s: the effective scale [d], float32.
         t: the value [1, d] the scaled product must take (:func:`control_target`).
         y_target: the full run's block output [d], in the model's dtype.
-        u_now: the outer linear's output reached [1, d], float32; None: the scale alone moves.
+        u_now: the outer linear's output reached [1, d], float32; None: the scale alone moves
+            and no rounding figure is given.
         reach: puts the outer linear's move adding the given residual [1, d] in place (None:
             no move) and returns the normalised output ``f`` [1, d] the patched MLP now gives.
+        summed: the outer sums' terms ``m`` [1, d] (:func:`summed_terms`): the magnitude is
+            chosen and the figure given; None: the reached magnitude is kept.
+        stable: move the outer linear first (False: the standard rule, the scale alone).
 
     Returns:
         the :class:`ScaleMove`: ``ds`` [d] and its figures.
     """
-    residual = None
-    if u_now is not None:
-        residual = stable_post_norm_target(s, t[0], u_now[0])[None] - u_now  # [1, d]
+    residual, lam = None, 1.0
+    r = u_now.double().pow(2).mean().sqrt() if u_now is not None else None  # rms(u)
+    if u_now is not None and stable:
+        target = stable_post_norm_target(s, t[0], u_now[0])  # [d], at rms(u)
+        if summed is not None:
+            w = target.double() / r  # [d]: s' ~ t / w where w moves (MATH.md 12)
+            gain = torch.where(w != 0, t[0].double() / w, s.double()).abs() / r  # [d]
+            peak = target.abs().amax()[None]
+            lam = float(choose_magnitude(gain, summed, t, peak, y_target.dtype)[0])
+        residual = (lam * target)[None] - u_now  # [1, d]
     # The scale change from the output the patched MLP actually produces (MATH.md 8).
     f = reach(residual)  # [1, d]
     # The block output is rounded to the model's dtype: a change below its spacing at y_C
@@ -198,7 +213,12 @@ def scale_move(
     # 0): leave that coordinate, count the miss, and let the next block absorb it.
     tol = torch.finfo(y_target.dtype).eps * y_target.float().abs()  # [d]
     low = y_target.dtype != torch.float32
-    return scale_output_move(s, f[0], t[0], tol, allow_unreached=low)
+    move = scale_output_move(s, f[0], t[0], tol, allow_unreached=low)
+    if summed is None or r is None:
+        return move
+    gain = (s + move.ds).double().abs() / r  # [d], at the reached magnitude
+    figure = rounding_gain(gain, summed, t, [lam])
+    return dataclasses.replace(move, magnitude=lam, rounding_gain=figure)
 
 
 def shared_scale_move(
@@ -208,9 +228,14 @@ def shared_scale_move(
     u_now: torch.Tensor,
     f_now: torch.Tensor,
     reach: Callable[[torch.Tensor | None], torch.Tensor],
+    summed: torch.Tensor | None = None,
 ) -> SharedScaleFit:
     """k query positions, one scale: the outer linear sets each position's normalised output
     ``t_j / s'``, then ``s'`` is fitted to what the patched MLP produces (MATH.md 9).
+
+    Each ``u*_j`` takes the magnitude of least rounding (MATH.md 12): the least-change scale is
+    solved at the reached magnitudes, its gains give :func:`choose_magnitude`'s factors, and
+    where one is above 1 the scale is solved again at the new magnitudes.
 
     Args:
         s: the effective scale [d], float32.
@@ -219,16 +244,23 @@ def shared_scale_move(
         u_now: the outer linear's output reached [k, d], float32.
         f_now: the normalised output reached [k, d].
         reach: as for :func:`scale_move`.
+        summed: the outer sums' terms ``m`` [k, d]; None: the reached magnitudes are kept.
 
     Returns:
         the :class:`SharedScaleFit`: ``ds`` [d] and its figures.
     """
     rho = f_now.double().pow(2).mean(dim=1)  # [k]: M / (M + eps)
-    shared = shared_scale_targets(s, t, u_now, rho)
+    r = (u_now.double().pow(2).mean(dim=1) / rho).sqrt()  # [k]: r(u_j) = sqrt(M_j + eps)
+    shared, lam = least_rounding_targets(s, t, u_now, rho, summed, y_target.dtype)
     f = reach(shared.targets - u_now)  # [k, d], recomputed (MATH.md 8)
     tol = (torch.finfo(y_target.dtype).eps * y_target.float().abs()).amax(dim=0)  # [d]
     low = y_target.dtype != torch.float32
-    return fit_shared_scale(s, f, t, tol, allow_unreached=low)
+    fit = fit_shared_scale(s, f, t, tol, allow_unreached=low)
+    if lam is None:
+        return fit
+    gain = (s + fit.ds).double().abs()[None] / r[:, None]  # [k, d], at the reached magnitudes
+    figure = rounding_gain(gain, summed, t, lam.tolist())
+    return dataclasses.replace(fit, magnitude=float(lam.max()), rounding_gain=figure)
 
 
 def experts_output_move(

@@ -33,6 +33,14 @@ class BlockStats:
         unreached_norm: the ``lora`` rule's miss, ``max_j ||y_j - y_C,j||`` after the block's
             patch (what its fixed post norm could not reach; the blocks above absorb it);
             None under the other rules.
+        output_magnitude: behind a post norm, the factor on the reached MLP output's magnitude
+            the patched output takes (the largest over query positions; MATH.md 12), else None.
+        rounding_gain: the branch's first-order rounding beyond its output's own, per unit
+            roundoff of the outer function's sums, relative to its largest output:
+            ``max_i |dy_i/du_i| m_i / max_i |t_i|`` (MATH.md 12; 1 at most twice the
+            unavoidable). It also bounds how the block passes on a relative perturbation of its
+            input: what predicts the patched model's fidelity in another arithmetic (a
+            reload, onnxruntime). None for a bias move or an unpatched block.
     """
 
     path: str
@@ -51,3 +59,5 @@ class BlockStats:
     min_gate_sum: float | None = None
     rejected: str = ""
     unreached_norm: float | None = None
+    output_magnitude: float | None = None
+    rounding_gain: float | None = None

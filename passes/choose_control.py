@@ -26,8 +26,8 @@ class Control:
         node: fx node whose value the output move sets.
         tail: the steps from ``node`` to the residual add, as the solver inverts them.
         gain: product of the constant factors on ``tail``.
-        stable_ok: the outer linear feeds an RMS post norm with a scale directly, so the stable
-            rule's linear move applies (MATH.md 4).
+        stable_ok: the outer linear (or an MoE's per-token sum) feeds an RMS post norm with a
+            scale directly, so the stable rule's linear move applies (MATH.md 4).
     """
 
     kind: str
@@ -67,11 +67,13 @@ def choose_control(tail: Tail) -> Control | Rejection:
     start = next((i + 1 for i, s in enumerate(chain) if s.node == node), 0)
     steps = tuple(s.after_control() for s in chain[start:])
     before_norm = [s for s in chain[: last_norm(chain)] if s.kind != StepKind.COMBINE]
+    # The experts' per-token sum feeds the norm as an outer linear's output would: their
+    # output move sets it (MATH.md 1, MoE), so an MoE behind a post norm takes the stable rule
+    # too (FlexOlmo: the scale alone reached gains of 5e3, MATH.md 12).
     stable_ok = bool(
         norm is not None
         and not norm.centered
         and norm.scale is not None
-        and experts is None
         and all(s.kind == StepKind.VIEW for s in before_norm)
     )
     gain = math.prod(s.factor for s in steps if s.kind == StepKind.GAIN)

@@ -25,7 +25,7 @@ from ctxc.passes.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.delta_math import at_alignment_of
 from ctxc.passes.fit_moves import FitOptions, fit_bias, fit_linear, fit_scale, stable_targets
 from ctxc.passes.graph_view import GraphView
-from ctxc.passes.multi_scale import shared_scale_targets
+from ctxc.passes.output_magnitude import least_rounding_targets, summed_terms
 from ctxc.passes.reduced_run import ReducedRun
 from ctxc.passes.run_graph import BlockTargets
 from ctxc.passes.update_rules import ConditionError
@@ -194,10 +194,13 @@ class _Fitter:
             u_now = self._outer_now(site, h)  # [N, d]
             assert block.norm is not None
             if t.shape[0] == 1 and not block.norm.centered:
-                # One position: the exact stable rule's least-ratio target (MATH.md 8, 9), so a
-                # one-position bake is the exact compile; N positions: each its nearest target.
+                # One position: the exact stable rule's least-ratio target at the magnitude of
+                # least rounding (MATH.md 8, 9, 12), so a one-position bake is the exact
+                # compile; N positions: each its nearest target.
                 rho = self._normalized(block).double().pow(2).mean(1)  # [1]
-                want = shared_scale_targets(s, t, u_now, rho).targets  # [1, d]
+                summed = summed_terms(self._weight(site), h, u_now)  # MATH.md 12
+                dtype = self.targets[block.path].y.dtype
+                want = least_rounding_targets(s, t, u_now, rho, summed, dtype)[0].targets
             else:
                 want = stable_targets(s, t, u_now)  # [N, d]
             self._put_outer(block, want - u_now, h)

@@ -77,6 +77,7 @@ def shared_scale_targets(
     u: torch.Tensor,
     rho: torch.Tensor,
     objective: str = "ratio",
+    magnitude: torch.Tensor | None = None,
 ) -> SharedScale:
     """The scale ``s'`` and MLP outputs ``u*`` matching k positions through one RMS post norm.
 
@@ -102,13 +103,12 @@ def shared_scale_targets(
     """
     s, t, u = s.double().flatten(), t.double(), u.double()  # [d], [k, d], [k, d]
     rho = rho.double().flatten()  # [k]
-    finite = [bool(torch.isfinite(x).all()) for x in (s, t, u, rho)]
-    if not all(finite):
+    if not all(bool(torch.isfinite(x).all()) for x in (s, t, u, rho)):
         raise ConditionError("scale, target, MLP output or its RMS is not finite")
     d = t.shape[1]
     sign = torch.where(s < 0, -torch.ones_like(s), torch.ones_like(s))  # [d]
     a2 = s.abs().clamp_min(SCALE_FLOOR).pow(2)  # [d]: floored s^2 (MATH.md 8)
-    m = u.pow(2).mean(dim=1)  # [k]: kept magnitudes M_j
+    m, rho = _magnitudes(u, rho, magnitude)  # [k], [k]: M_j kept (or lambda_j^2 M_j)
     t2 = t.pow(2)  # [k, d]
     live = t2.sum(dim=1) > 0  # [k]: positions with something to produce
     if bool((live & ((m == 0) | (rho <= 0))).any()):
@@ -151,6 +151,21 @@ def shared_scale_targets(
         max_change=float((new - s).abs().max()),
         max_gain=float(new.abs().max()),
     )
+
+
+def _magnitudes(
+    u: torch.Tensor, rho: torch.Tensor, magnitude: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean squares ``M_j`` the targets take [k] and their ``rho_j`` [k], float64.
+
+    The reached ``M_j = mean(u_j^2)``, or ``lambda_j^2 M_j`` (MATH.md 12): the norm's epsilon,
+    ``M_j (1/rho_j - 1)``, stays, so ``rho_j`` becomes ``1 / (1 + (1/rho_j - 1) / lambda_j^2)``.
+    """
+    m = u.pow(2).mean(dim=1)  # [k]
+    if magnitude is None:
+        return m, rho
+    lam2 = magnitude.double().flatten().pow(2)  # [k]
+    return m * lam2, torch.where(rho > 0, 1.0 / (1.0 + (1.0 / rho - 1.0) / lam2), rho)
 
 
 def _solve_dual(

@@ -18,7 +18,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import fx
 
 from ctxc.errors import SolveError
@@ -28,10 +27,12 @@ from ctxc.passes.block_stats import BlockStats
 from ctxc.passes.delta_actions import linear_action, vector_action
 from ctxc.passes.delta_math import at_alignment_of
 from ctxc.passes.graph_view import GraphView
+from ctxc.passes.output_magnitude import choose_magnitude, rounding_gain
 from ctxc.passes.plan import LORA_RULE, RULES, UPDATE_RULES, BlockPlan, checked_plan
 from ctxc.passes.reach_post_norm import reachable_outputs
 from ctxc.passes.reduced_run import Action, ReducedRun
 from ctxc.passes.run_graph import FullRun
+from ctxc.passes.solver_values import SolverValues, rows
 from ctxc.passes.update_rules import ConditionError, ScaleMove
 from ctxc.patch import Delta
 from ctxc.trace import TracedModel
@@ -56,12 +57,18 @@ class Solution:
     logits: torch.Tensor
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """Positions as rows: [1, k, d] or [k, d] -> [k, d] (a view)."""
-    return x.reshape(-1, x.shape[-1])
+@dataclass(frozen=True)
+class _Output:
+    """What a block's output move did: the scale move, the smallest gate sum, the magnitude
+    factor and the rounding figure (MATH.md 12); each None where it does not apply."""
+
+    scale: ScaleMove | None = None
+    gate_sum: float | None = None
+    magnitude: float | None = None
+    rounding_gain: float | None = None
 
 
-class _Solver:
+class _Solver(SolverValues):
     """Drives one reduced run: each block's moves (:mod:`block_moves`), put in place in turn.
 
     Mutates only its run and its ``deltas``; the model and the graph are not modified.
@@ -83,16 +90,6 @@ class _Solver:
         inputs, kept = traced.placeholder_values(query_ids), (view.by_name[n] for n in keep)
         ops_at = {view.by_name[n]: fn for n, fn in ops.items()}
         self.run = ReducedRun(view, kept, inputs, stops, ops_at)
-
-    def value(self, name: str) -> torch.Tensor:
-        """A node's value as computed (its kept copy, when it has one)."""
-        return self.run.value(self.view.by_name[name])
-
-    def advance_to(self, name: str) -> fx.Node:
-        """Run up to node ``name`` (included); the node."""
-        node = self.view.by_name[name]
-        self.run.advance_to(node)
-        return node
 
     def logits(self) -> torch.Tensor:
         """Finish the run: its logits [k, vocab], float32."""
@@ -117,17 +114,18 @@ class _Solver:
     def patch_block(self, block: MlpBlock, todo: BlockPlan) -> BlockStats:
         """Run through a block, putting its moves in place as its nodes are reached."""
         z_node = self.advance_to(block.mlp_in)
-        z = _rows(self.run.env[z_node]).detach().clone()  # [k, d_in]
+        z = rows(self.run.env[z_node]).detach().clone()  # [k, d_in]
         z_target = self.full.targets[block.path].z  # [k, d_in]
         if todo.moves_inputs:
             sites = [s for s in block.inner if not s.experts]
-            found = moves.input_moves([self._weight(s) for s in sites], z, z_target)
+            found = moves.input_moves([self.weight(s) for s in sites], z, z_target)
             for site, (u, v) in zip(sites, found, strict=True):
                 delta = Delta(site.weight, block.path, u=u, v=v, layout=site.layout)
                 self._put(delta, z_node, site)
             self._move_banks(block, z, z_target)
         y = self.advance_to(block.residual_add)
-        scale, gate_sum = self._output_move(block, todo, y)
+        out = self._output_move(block, todo, y)
+        scale = out.scale
         return BlockStats(
             block.path,
             True,
@@ -142,8 +140,10 @@ class _Solver:
             unreached=scale.unreached if scale else 0,
             max_unreached=scale.max_unreached if scale else 0.0,
             delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
-            min_gate_sum=gate_sum,
+            min_gate_sum=out.gate_sum,
             unreached_norm=self._miss(block, y) if todo.rule == LORA_RULE else None,
+            output_magnitude=out.magnitude,
+            rounding_gain=out.rounding_gain,
         )
 
     def _move_banks(self, block: MlpBlock, z: torch.Tensor, z_target: torch.Tensor) -> None:
@@ -162,127 +162,92 @@ class _Solver:
 
     def _miss(self, block: MlpBlock, y: fx.Node) -> float:
         """``max_j ||y_j - y_C,j||``: what the block left for the blocks above (``lora``)."""
-        now = _rows(self.run.env[y]).float()  # [k, d]
+        now = rows(self.run.env[y]).float()  # [k, d]
         return float((now - self.full.targets[block.path].y.float()).norm(dim=-1).max())
 
     def _error(self, block: MlpBlock, y: fx.Node) -> float:
         """``max |y - y_C|`` as the patched run now computes ``y``."""
-        now = _rows(self.run.env[y]).float()  # [k, d]
+        now = rows(self.run.env[y]).float()  # [k, d]
         return float((now - self.full.targets[block.path].y.float()).abs().max())
 
-    def _output_move(
-        self, block: MlpBlock, todo: BlockPlan, y: fx.Node
-    ) -> tuple[ScaleMove | None, float | None]:
-        """The output move at ``y``; the scale move's figures and the smallest gate sum."""
+    def _output_move(self, block: MlpBlock, todo: BlockPlan, y: fx.Node) -> _Output:
+        """The output move at ``y``, and its figures."""
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
-        tail = [(s, _rows(self.value(s.side)) if s.side else None) for s in block.tail]
+        tail = [(s, rows(self.value(s.side)) if s.side else None) for s in block.tail]
         t = moves.control_target(y_target, tail)  # [k, d]: wanted value of the controlled part
         ctl = block.output_control
         if todo.rule == LORA_RULE and ctl in ("scale", "bias"):
             if todo.output_moves:  # the outer linear feeds the post norm: reach what it can
-                h = _rows(self.value(block.activation))  # [k, d_ff]
-                u_now = self._outer_now(block, h)  # [k, d]
-                u_star = reachable_outputs(self._scale(block), t, u_now)  # [k, d]
-                self._put_outer(block, u_star - u_now, h, y)
-            return None, None
-        if ctl == "linear":
-            h = _rows(self.value(block.activation))  # [k, d_ff]
-            self._put_outer(block, t - self._outer_now(block, h), h, y)
-        elif ctl == "scale":
-            return self._scale_move(block, todo, t, y), None
-        elif ctl == "bias":
+                return self._reach_fixed_scale(block, t, y)
+            return _Output()
+        if ctl == "scale":
+            return self._scale_move(block, todo, t, y)
+        if ctl == "bias":
             assert block.norm is not None and block.norm.bias is not None
-            now = _rows(self.value(block.control)).float()  # [1, d]
+            now = rows(self.value(block.control)).float()  # [1, d]
             db = t[0] - now[0]  # [d]: a bias adds any vector, no condition (MATH.md 1)
             self._put(Delta(block.norm.bias, block.path, vector=db), y, block)
-        elif ctl == "experts":
-            return None, self._experts_move(block, t, y)
-        else:  # pragma: no cover - the locator only makes the kinds above
+            return _Output()
+        if ctl not in ("linear", "experts"):  # pragma: no cover - the locator makes no other
             raise SolveError(block.path, f"unknown output control {ctl!r}")
-        return None, None
+        u_now = self.branch_now(block)  # [k, d]
+        figure = rounding_gain(torch.ones(1), self.summed(block, u_now), t, None)
+        gate_sum = self._put_branch(block, t - u_now, y)
+        return _Output(gate_sum=gate_sum, rounding_gain=figure)
 
-    def _scale_move(self, block: MlpBlock, todo: BlockPlan, t: torch.Tensor, y) -> ScaleMove:
+    def _reach_fixed_scale(self, block: MlpBlock, t: torch.Tensor, y: fx.Node) -> _Output:
+        """The ``lora`` rule behind a post norm: the outer output nearest the target, at the
+        magnitude of least rounding (MATH.md 10, 12); the scale stays."""
+        s, u_now = self.scale(block), self.branch_now(block)  # [d], [k, d]
+        summed = self.summed(block, u_now)  # [k, d]
+        u_star = reachable_outputs(s, t, u_now)  # [k, d], at the reached rms
+        gain = s.double().abs()[None] / u_now.double().pow(2).mean(dim=1, keepdim=True).sqrt()
+        peak = u_star.abs().amax(dim=1)
+        lam = choose_magnitude(gain, summed, t, peak, self.full.targets[block.path].y.dtype)
+        gate_sum = self._put_branch(block, lam[:, None].float() * u_star - u_now, y)
+        figure = rounding_gain(gain, summed, t, lam.tolist())
+        return _Output(None, gate_sum, float(lam.max()), figure)
+
+    def _scale_move(self, block: MlpBlock, todo: BlockPlan, t: torch.Tensor, y) -> _Output:
         sc = block.scale
-        assert sc is not None
-        h = u_now = None
-        if todo.stable or t.shape[0] > 1:  # the outer linear moves first (MATH.md 4, 9)
-            h = _rows(self.value(block.activation))  # [k, d_ff]
-            u_now = self._outer_now(block, h)  # [k, d]
+        assert sc is not None and block.norm is not None
+        u_now = self.branch_now(block)  # [k, d]
+        summed = self.summed(block, u_now)  # [k, d], at the reached state (MATH.md 12)
+        gate_sums: list[float] = []
 
         def reach(residual: torch.Tensor | None) -> torch.Tensor:
             if residual is not None:
-                self._put_outer(block, residual, h, y)
-            return self._normalized(block)  # [k, d]
+                gate_sums.append(self._put_branch(block, residual, y) or 0.0)
+            return self.normalized(block)  # [k, d]
 
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
+        stable = todo.stable or t.shape[0] > 1  # the outer moves first (MATH.md 4, 9)
         if t.shape[0] > 1 or (todo.stable and not block.norm.centered):  # MATH.md 9; 8: gains
-            f_now = self._normalized(block)  # [k, d]
-            move = moves.shared_scale_move(self._scale(block), t, y_target, u_now, f_now, reach)
+            f_now = self.normalized(block)  # [k, d]
+            move = moves.shared_scale_move(
+                self.scale(block), t, y_target, u_now, f_now, reach, summed
+            )
         else:
-            move = moves.scale_move(self._scale(block), t, y_target[0], u_now, reach)
+            move = moves.scale_move(self.scale(block), t, y_target[0], u_now, reach, summed, stable)
         self._put(Delta(sc.param, block.path, vector=move.ds / sc.alpha), y, block)
-        return move
+        gate_sum = min(gate_sums) if gate_sums and block.experts is not None else None
+        return _Output(move, gate_sum, move.magnitude, move.rounding_gain)
 
-    def _experts_move(self, block: MlpBlock, t: torch.Tensor, y: fx.Node) -> float:
-        ex, site = block.experts, block.outer
-        assert ex is not None and site.experts is not None
-        d = t - _rows(self.value(ex.combine)).float()  # [k, d]
-        ids = moves.row_experts(self.value(site.experts))  # [rows]
-        gates = self.value(ex.gate).reshape(-1).float()  # [rows]
-        h = _rows(self.value(site.input)).float()  # [rows, d_ff]
-        tokens = self.value(ex.tokens).reshape(-1).long() if ex.tokens else None  # [rows]
-        gate_sum, found = moves.experts_output_move(d, ids, gates, h, ex.top_k, tokens)
-        self._put(moves.bank_delta(site, block.path, found), y, site)
+    def _put_branch(self, block: MlpBlock, residual: torch.Tensor, y: fx.Node) -> float | None:
+        """Add ``residual`` [k, d] to the outer function's output: the outer linear's output
+        move, or every active expert's by the gate sum (MATH.md 1); the smallest gate sum."""
+        if block.experts is None:
+            h = rows(self.value(block.activation))  # [k, d_ff]
+            u, v = moves.outer_move(residual, h)  # u [d, k], v [d_ff, k]
+            site = block.outer
+            self._put(Delta(site.weight, block.path, u=u, v=v, layout=site.layout), y, site)
+            return None
+        got = self.expert_rows(block)
+        gate_sum, found = moves.experts_output_move(
+            residual, got.ids, got.gates, got.h, block.experts.top_k, got.tokens
+        )
+        self._put(moves.bank_delta(block.outer, block.path, found), y, block.outer)
         return gate_sum
-
-    def _put_outer(self, block: MlpBlock, residual: torch.Tensor, h: torch.Tensor, y) -> None:
-        u, v = moves.outer_move(residual, h)  # u [d, k], v [d_ff, k]
-        site = block.outer
-        self._put(Delta(site.weight, block.path, u=u, v=v, layout=site.layout), y, site)
-
-    # -- values --------------------------------------------------------------------------------
-
-    def _weight(self, site: LinearSite) -> torch.Tensor:
-        w = self.run.param(self.param_node[site.weight])
-        return w.T if site.layout == "in_out" else w  # [out, in]
-
-    def _scale(self, block: MlpBlock) -> torch.Tensor:
-        sc = block.scale
-        assert sc is not None
-        w = self.run.param(self.param_node[sc.param]).float()  # [d]
-        return sc.alpha * w + sc.offset
-
-    def _outer_now(self, block: MlpBlock, h: torch.Tensor) -> torch.Tensor:
-        """The outer linear's output [k, d] in float32, from its input ``h`` [k, d_ff]."""
-        site = block.outer
-        node = self.view.by_name[site.node]
-        w = self._weight(site)  # [out, in]
-        if (
-            node.target is aten.linear.default
-            and len(node.args) == 2
-            and h.dtype == w.dtype == torch.float32
-            and not self.run.actions.get(node)
-            and node in self.run.kept
-        ):
-            # The run computed it: aten.linear without a bias is matmul(x, W^T), the same mm
-            # as ``h @ W^T`` below, bit for bit; its weights need not be read again.
-            return _rows(self.run.kept[node])
-        u_now = h.float() @ w.float().T  # [k, d]
-        if site.bias is not None:
-            u_now = u_now + self.run.param(self.param_node[site.bias]).float()
-        return u_now
-
-    def _normalized(self, block: MlpBlock) -> torch.Tensor:
-        """The normalised MLP output ``f`` [k, d] the scale multiplies, as now computed."""
-        norm, sc = block.norm, block.scale
-        assert norm is not None and sc is not None
-        if sc.normalized:
-            return _rows(self.value(sc.normalized))
-        x = _rows(self.value(norm.input)).float()  # [k, d]: a fused norm's input
-        eps = norm.eps if norm.eps is not None else 1e-5
-        if norm.centered:
-            return F.layer_norm(x, (x.shape[-1],), None, None, eps)
-        return F.rms_norm(x, (x.shape[-1],), None, eps)
 
     # -- putting a delta in place -------------------------------------------------------------
 
@@ -312,7 +277,7 @@ class _Solver:
             ids_node = self.view.by_name[at.experts or ""] if delta.experts else None
             x_node = self.view.by_name[at.input]
             return at.node, linear_action(delta, self.run.env, x_node, ids_node)
-        return vector_action(delta, at, self._normalized)
+        return vector_action(delta, at, self.normalized)
 
 
 def solve(

@@ -101,6 +101,10 @@ class ScaleMove:
         min_divisor: smallest ``|f_i|`` divided by.
         max_change: largest ``|ds_i|``.
         max_gain: largest ``|s_i + ds_i|``.
+        unreached: coordinates a low-precision zero ``f_i`` left unreached.
+        max_unreached: the largest change such a coordinate missed.
+        magnitude: the largest factor on the reached MLP output's magnitude (MATH.md 12).
+        rounding_gain: the block's first-order rounding figure (MATH.md 12), or None.
     """
 
     ds: torch.Tensor
@@ -109,6 +113,8 @@ class ScaleMove:
     max_gain: float
     unreached: int = 0
     max_unreached: float = 0.0
+    magnitude: float = 1.0
+    rounding_gain: float | None = None
 
 
 def scale_output_move(

@@ -200,6 +200,7 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     assert {d.rank for d in patch_b.deltas.values()} == {2}
     path, figures = emit_onnx_patchable(model, patch_a, tmp_path)
     assert figures.patchable and figures.patch_inputs == 2 * len(patch_a.deltas)
+    assert figures.runtime_floor is not None and figures.runtime_floor <= 1e-5, figures
     session = _session(path)
     # The factor inputs have zero defaults (overridable initializers): optional inputs.
     assert [i.name for i in session.get_inputs()] == ["input_ids"]
