@@ -68,15 +68,17 @@ def test_compile_into_a_log_prints_whole_lines_and_a_plain_trail(tiny_model_dir,
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     # One line per figure, each whole although COLUMNS is 40: no line is a wrapped tail.
-    starts = ("3/3 blocks patched", "max |logit diff|", "top-1 match", "peft: adapter/", "wrote")
+    starts = ("3/3 blocks patched", "max |logit diff|", "top-1 match", "reference: ")
+    starts = (*starts, "peft: adapter/", "wrote")
     assert all(line.startswith(s) for line, s in zip(lines, starts, strict=True)), lines
     assert max(len(line) for line in lines) > 40, lines
     figures = lines[1]
     assert "total variation" in figures and figures.count("(unpatched: ") == 2, figures
     # The top-1 token's text beside its id (the tiny tokenizer's words are w<i>).
     assert re.match(r"top-1 match \(\d+ 'w\d+' vs full \d+ 'w\d+'; unpatched", lines[2]), lines[2]
-    assert lines[3].endswith("top-1 match") and "LoRA pairs" in lines[3], lines[3]
-    assert "0 LoRA parameters" not in lines[3] and "modules_to_save: 3 Gemma3RMSNorm" in lines[3]
+    assert "floor" in lines[3] and "solver" in lines[3], lines[3]  # the figures' reference
+    assert lines[4].endswith("top-1 match") and "LoRA pairs" in lines[4], lines[4]
+    assert "0 LoRA parameters" not in lines[4] and "modules_to_save: 3 Gemma3RMSNorm" in lines[4]
     trail = _trail_only(proc.stderr)
     assert trail[0] == f"ctxc: loading {tiny_model_dir}, float32", trail
     for stage in ("tracing", "full run", "solving 3/3 blocks", "writing model/ and reloading it"):
@@ -109,7 +111,7 @@ def test_onnx_export_into_a_log_has_no_third_party_noise_unless_verbose(tiny_mod
     assert quiet.returncode == 0, quiet.stderr
     trail = _trail_only(quiet.stderr)  # no torchvision warnings, no onnxruntime lines
     assert "ctxc: exporting model.onnx and checking it with onnxruntime" in trail, trail
-    starts = ("3/3", "max", "top-1", "onnx: ", "wrote")
+    starts = ("3/3", "max", "top-1", "reference: ", "onnx: ", "wrote")
     assert all(line.startswith(starts) for line in quiet.stdout.splitlines()), quiet.stdout
     # -v lets the libraries speak: the same run shows torch.onnx's warnings (the check can fail).
     loud = _ctxc(*args, "--emit", "onnx", "--out", "out2", "-v", cwd=work)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import torch
+from helpers import without_trail
 from safetensors.torch import save_file
 from tiny_vlms import _tokenizer, build_qwen2_vl, build_vlm, make_image
 
@@ -35,7 +36,8 @@ def _ctxc_without(blocked: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def _assert_one_line(proc: subprocess.CompletedProcess, package: str, out: Path) -> None:
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    # The progress trail (plain lines on a non-terminal stderr) comes first; then one error line.
+    lines = [line for line in without_trail(proc.stderr).splitlines() if line.strip()]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("ctxc: error:"), lines
     assert package in lines[0] and "pip install" in lines[0], lines
