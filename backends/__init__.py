@@ -11,7 +11,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ctxc.errors import CtxcError
+from ctxc.core.errors import CtxcError
 
 __all__ = ["BACKENDS", "Backend", "backend", "parse_backends", "precheck"]
 
@@ -68,14 +68,14 @@ BACKENDS: dict[str, Backend] = {
             "torch",
             writes="model/",
             status="writing model/",
-            emitter="ctxc.backends.torch_model:emit_torch",
+            emitter="ctxc.backends.torch.model:emit_torch",
         ),
         Backend(
             "onnx",
             writes="model.onnx",
             status="exporting model.onnx and checking it with onnxruntime",
-            emitter="ctxc.backends.onnx_model:emit_onnx",
-            patchable="ctxc.backends.onnx_patchable:emit_onnx_patchable",
+            emitter="ctxc.backends.onnx.model:emit_onnx",
+            patchable="ctxc.backends.onnx.patchable:emit_onnx_patchable",
             extra="onnx",
             requires=("onnx", "onnxruntime", "onnxscript"),
         ),
@@ -83,7 +83,7 @@ BACKENDS: dict[str, Backend] = {
             "ort-adapter",
             writes="context.onnx_adapter",
             status="writing the onnxruntime adapter (and patchable.onnx) and checking it",
-            emitter="ctxc.backends.ort_adapter:emit_ort_adapter",
+            emitter="ctxc.backends.onnx.ort_adapter:emit_ort_adapter",
             extra="onnx",
             requires=("onnx", "onnxruntime", "onnxscript"),
         ),
@@ -91,7 +91,7 @@ BACKENDS: dict[str, Backend] = {
             "peft",
             writes="adapter/",
             status="writing the PEFT adapter and checking it",
-            emitter="ctxc.backends.peft_adapter:emit_peft",
+            emitter="ctxc.backends.peft.adapter:emit_peft",
             extra="peft",
             requires=("peft",),
             takes=("baked",),
@@ -100,7 +100,7 @@ BACKENDS: dict[str, Backend] = {
             "lora",
             writes="lora/",
             status="writing the serving LoRA adapter and checking it",
-            emitter="ctxc.backends.lora_adapter:emit_lora",
+            emitter="ctxc.backends.peft.lora_adapter:emit_lora",
             extra="peft",
             requires=("peft",),
             takes=("baked",),
@@ -109,17 +109,17 @@ BACKENDS: dict[str, Backend] = {
             "gguf",
             writes="model.gguf",
             status="writing model.gguf and reloading it with Transformers",
-            emitter="ctxc.backends.gguf_model:emit_gguf",
+            emitter="ctxc.backends.gguf.model:emit_gguf",
             takes=("tokenizer", "gguf_type"),
-            precheck="ctxc.backends.gguf_names:gguf_arch",
+            precheck="ctxc.backends.gguf.names:gguf_arch",
         ),
         Backend(
             "gguf-lora",
             writes="lora.gguf",
             status="writing the llama.cpp LoRA GGUF and checking it",
-            emitter="ctxc.backends.gguf_lora:emit_gguf_lora",
+            emitter="ctxc.backends.gguf.lora:emit_gguf_lora",
             takes=("tokenizer", "gguf_type"),
-            precheck="ctxc.backends.gguf_names:gguf_arch",
+            precheck="ctxc.backends.gguf.names:gguf_arch",
         ),
     )
 }

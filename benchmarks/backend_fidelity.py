@@ -26,11 +26,11 @@ import onnxruntime as ort
 import torch
 
 import ctxc
-from ctxc.backends.onnx_model import emit_onnx
-from ctxc.backends.onnx_patchable import emit_onnx_patchable, patch_feeds
-from ctxc.backends.peft_adapter import emit_peft
-from ctxc.backends.verify import reference_logits
-from ctxc.metrics import Fidelity, fidelity
+from ctxc.backends.onnx.model import emit_onnx
+from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
+from ctxc.backends.peft.adapter import emit_peft
+from ctxc.backends.torch.verify import reference_logits
+from ctxc.core.metrics import Fidelity, fidelity
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -79,7 +79,7 @@ def private_cache(real: Path, into: Path) -> Path:
 
 
 def ctxc_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ctxc.cli", "compile", *args]
+    return [sys.executable, "-m", "ctxc.cli.app", "compile", *args]
 
 
 def compile_into(out: Path, cmd: list[str], env: dict) -> float:
@@ -203,8 +203,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     args = parser.parse_args()
 
-    from ctxc.cache import cache_dir
-    from ctxc.models import bundled_model_dir, load_model
+    from ctxc.core.cache import cache_dir
+    from ctxc.models.load import bundled_model_dir, load_model
 
     if args.model is None:
         folder = bundled_model_dir()

@@ -16,7 +16,7 @@ from pathlib import Path
 from coverage_configs import SEED, VOCAB, build_model
 from coverage_entries import Entry
 
-from ctxc.thresholds import EXACT_ATOL
+from ctxc.core.thresholds import EXACT_ATOL
 
 __all__ = ["N_IDS", "ROOT", "TOL", "first_line", "run_entry"]
 
@@ -25,7 +25,7 @@ TOL = EXACT_ATOL  # what exact means: ctxc/thresholds.py
 # Context 23 random ids + a one-token query, as the CLI's default query (the context's last token).
 N_IDS = 24
 # Where the next rung's reason starts in an UntraceableError's text: each begins with the rung's
-# name (compiler/frontend.py: build_frontend and _static join them with "; ").
+# name (compiler/frontend/ladder.py: build_frontend and _static join them with "; ").
 _RUNG = re.compile(r"; (?=(?:dynamic|bounded|static|specialised)\b)")
 # A rung's reason in the record: its first sentence (a full stop and a space end it), this long
 # at most (the branch leads the reasons; a rung's reason says why that rung could not help).
@@ -52,7 +52,7 @@ def run_entry(entry: Entry, seed: int = SEED) -> dict:
         import torch
 
         import ctxc
-        from ctxc.errors import SolveError, UnpatchableError, UntraceableError
+        from ctxc.core.errors import SolveError, UnpatchableError, UntraceableError
 
         stage = "build"
         model, rec["experts"] = build_model(entry, seed)
@@ -123,7 +123,7 @@ def _brief(text: str) -> str:
 
 
 def _refusal(model, exc) -> dict:
-    from ctxc.errors import SolveError
+    from ctxc.core.errors import SolveError
 
     if isinstance(exc, SolveError):
         reasons = [f"{exc.block}: {exc.reason}"]

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from ctxc.backends.torch_model import emit_torch
-from ctxc.metrics import fidelity
+from ctxc.backends.torch.model import emit_torch
+from ctxc.core.metrics import fidelity
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,7 +11,7 @@ loads ``DIR/NAME/model`` and the original model with plain ``AutoModelForCausalL
 - ``keep-k``: ``model/`` against the original's logits computed with ``logits_to_keep=k`` (the
   head over the query rows alone, as ``generate`` computes a prefill's logits);
 - ``floor``: those two logits of the original against each other: what the runtime differs
-  from itself by (``passes/plain_head.py``), the floor of any model fed the query alone;
+  from itself by (``passes/runtime/plain_head.py``), the floor of any model fed the query alone;
 - ``control``: the original fed the query alone, max |logit diff| and top-1;
 - ``solver``: ``report.json``'s solver figure (ctxc's own arithmetic);
 - for a ``.gguf`` model, ``gguf``: the original loaded from the file by Transformers'
@@ -86,7 +86,16 @@ def measure(model: str, text: Path, out: Path, update: str) -> dict:
     Returns:
         the fresh process's figures, with ``report`` and ``solver`` from ``report.json``.
     """
-    cmd = [sys.executable, "-m", "ctxc.cli", "compile", "--model", model, "--context", str(text)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "ctxc.cli.app",
+        "compile",
+        "--model",
+        model,
+        "--context",
+        str(text),
+    ]
     cmd += ["--update", update, "--out", str(out), "--force"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -106,7 +115,7 @@ def measure(model: str, text: Path, out: Path, update: str) -> dict:
 
 def _original(model: str) -> tuple[Path, Path | None]:
     """The folder plain Transformers loads the original from, and the GGUF file if any."""
-    from ctxc.models import DEFAULT_MODEL, bundled_model_dir, converted_dir
+    from ctxc.models.load import DEFAULT_MODEL, bundled_model_dir, converted_dir
 
     if model == DEFAULT_MODEL:
         return bundled_model_dir(), None

@@ -2,7 +2,7 @@
 
 A step of the per-token protocol is one cached decode step of the baseline (which also records
 the solver's targets) plus one reduced pass that computes and applies every block's patch (with
-two or more threads, the two overlap: ``ctxc.generate``). This prints both means and medians
+two or more threads, the two overlap: ``ctxc.generate.steps``). This prints both means and medians
 over the same steps, on a context of about 400 tokens, and the ratio of the means. Run it on an
 otherwise idle machine: a 2-thread decode step slows several fold beside another busy process.
 
@@ -20,7 +20,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from ctxc.generate import generate
+from ctxc.generate.steps import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import ctxc
-from ctxc.generate import generate
+from ctxc.generate.steps import generate
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -78,7 +78,7 @@ def check_compile(model, tok, context: str, device: torch.device) -> tuple[str, 
 
 def check_onnx(model, result) -> str:
     """The ONNX line: export the compiled patch baked, check it with onnxruntime."""
-    from ctxc.backends.onnx_model import emit_onnx
+    from ctxc.backends.onnx.model import emit_onnx
 
     with tempfile.TemporaryDirectory(prefix="ctxc-gpu-check-") as tmp:
         _, fig = emit_onnx(model, result.patch, Path(tmp), full=result.full_logits)

@@ -26,10 +26,10 @@ from transformers import AutoModelForImageTextToText
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from ctxc.backends.torch_model import emit_torch
-from ctxc.images import encode_image_context
-from ctxc.metrics import fidelity
-from ctxc.vlm import load_processor
+from ctxc.backends.torch.model import emit_torch
+from ctxc.core.metrics import fidelity
+from ctxc.models.images import encode_image_context
+from ctxc.models.vlm import load_processor
 
 ROOT = Path(__file__).resolve().parents[1]
 

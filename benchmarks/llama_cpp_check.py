@@ -30,17 +30,17 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from ctxc.backends.gguf_lora import write_gguf_lora
-from ctxc.backends.gguf_model import write_gguf
-from ctxc.backends.llama_cpp_run import (
+from ctxc.backends.gguf.llama_cpp_run import (
     LLAMA_CPP_FACTOR,
     LlamaCppFigures,
     llama_cpp_check,
     llama_cpp_unavailable,
 )
-from ctxc.backends.verify import reference_logits, torch_logits
-from ctxc.metrics import fidelity
-from ctxc.models import source_gguf
+from ctxc.backends.gguf.lora import write_gguf_lora
+from ctxc.backends.gguf.model import write_gguf
+from ctxc.backends.torch.verify import reference_logits, torch_logits
+from ctxc.core.metrics import fidelity
+from ctxc.models.load import source_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["short", "medium", "long", *sorted(p.stem for p in (ROOT / "benchmarks/texts").glob("*"))]

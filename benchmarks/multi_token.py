@@ -1,7 +1,8 @@
 """Multi-token queries on the real Gemma 3 270M (issue 15, item 8, check 3).
 
 Every block of this model ends in a scaled post norm (Gemma 3's post-feedforward norm), so a
-k-token query needs one scale shared by k positions (passes/multi_scale.py). For each context and
+k-token query needs one scale shared by k positions (passes/solver/multi_scale.py). For each
+context and
 query: compile, write ``DIR/model`` with the torch backend, load it back with plain Transformers,
 feed it the query ids alone and compare its logits at every query position with the original
 model fed context + query. Prints, per query, max |logit diff| per position, the largest total
@@ -23,8 +24,8 @@ from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from ctxc.backends.torch_model import emit_torch
-from ctxc.metrics import fidelity
+from ctxc.backends.torch.model import emit_torch
+from ctxc.core.metrics import fidelity
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = [

@@ -107,10 +107,10 @@ def child(argv: list[str], out: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     import ctxc
-    import ctxc.backends.torch_model
-    import ctxc.cli_batch
-    from ctxc.cli import main
-    from ctxc.models import bundled_model_dir
+    import ctxc.backends.torch.model
+    import ctxc.cli.batch
+    from ctxc.cli.app import main
+    from ctxc.models.load import bundled_model_dir
 
     config = transformers.AutoConfig.from_pretrained(str(bundled_model_dir()))
     MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the model's module (code, no weights)
@@ -120,8 +120,8 @@ def child(argv: list[str], out: str) -> None:
     phases.wrap(transformers.AutoTokenizer, "from_pretrained", "tokenizer", classmethod_=True)
     phases.wrap(transformers.AutoModelForCausalLM, "from_pretrained", "model load", True)
     phases.wrap(ctxc, "compile", "compile")
-    phases.wrap(ctxc.backends.torch_model, "emit_torch", "write model/")
-    phases.wrap(ctxc.cli_batch, "reload_fidelity", "reload model/")
+    phases.wrap(ctxc.backends.torch.model, "emit_torch", "write model/")
+    phases.wrap(ctxc.cli.batch, "reload_fidelity", "reload model/")
     rc = main(argv)
     phases.leave()
     figures = {
@@ -144,8 +144,8 @@ def _run(args: list[str], tmp: Path, name: str) -> dict:
 
 def _model_mib() -> float:
     """The bundled model's weights in MiB, from its safetensors headers (nothing loaded)."""
-    from ctxc.models import bundled_model_dir
-    from ctxc.offload import safetensors_header
+    from ctxc.models.load import bundled_model_dir
+    from ctxc.models.offload import safetensors_header
 
     total = 0
     for path in bundled_model_dir().glob("*.safetensors"):

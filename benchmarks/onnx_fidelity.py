@@ -35,11 +35,16 @@ import numpy as np
 import torch
 
 import ctxc
-from ctxc.backends.onnx_check import ort_session
-from ctxc.backends.onnx_export import patched_logits
-from ctxc.backends.onnx_model import emit_onnx
-from ctxc.backends.ort_adapter import emit_ort_adapter, load_adapter, run_adapter, write_adapter
-from ctxc.metrics import fidelity
+from ctxc.backends.onnx.check import ort_session
+from ctxc.backends.onnx.export import patched_logits
+from ctxc.backends.onnx.model import emit_onnx
+from ctxc.backends.onnx.ort_adapter import (
+    emit_ort_adapter,
+    load_adapter,
+    run_adapter,
+    write_adapter,
+)
+from ctxc.core.metrics import fidelity
 
 TEXTS = Path(__file__).resolve().parent / "texts"
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"

@@ -26,8 +26,8 @@ import onnxruntime as ort
 import torch
 
 import ctxc
-from ctxc.backends.onnx_check import ort_session
-from ctxc.backends.ort_adapter import (
+from ctxc.backends.onnx.check import ort_session
+from ctxc.backends.onnx.ort_adapter import (
     PATCHABLE_FILE,
     emit_ort_adapter,
     load_adapter,

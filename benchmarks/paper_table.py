@@ -18,7 +18,7 @@ import time
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from ctxc.generate import generate
+from ctxc.generate.steps import generate
 
 PROMPTS = [
     "Write a single-sentence weather forecast for Mars, from the perspective of a slightly "

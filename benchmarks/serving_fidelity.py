@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import ctxc
-from ctxc.metrics import Fidelity
+from ctxc.core.metrics import Fidelity
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,9 +57,9 @@ def main() -> None:
 
 
 def _serving(model, tokenizer, result) -> None:
-    from ctxc.backends.gguf_lora import emit_gguf_lora
-    from ctxc.backends.gguf_model import emit_gguf
-    from ctxc.backends.lora_adapter import emit_lora
+    from ctxc.backends.gguf.lora import emit_gguf_lora
+    from ctxc.backends.gguf.model import emit_gguf
+    from ctxc.backends.peft.lora_adapter import emit_lora
 
     with tempfile.TemporaryDirectory() as tmp:
         out, full = Path(tmp), result.full_logits

@@ -18,7 +18,7 @@ import torch
 from thought_patches import Bench
 
 import ctxc
-from ctxc.bake import BakeOptions
+from ctxc.bake.fit import BakeOptions
 
 
 def main() -> None:

@@ -34,12 +34,12 @@ from pathlib import Path
 import torch
 
 import ctxc
-from ctxc.bake import BakeOptions, bake, bake_data
-from ctxc.bake_data import FitData, read_queries, record_fit_targets
-from ctxc.bake_distill import teacher_top
-from ctxc.bake_eval import evaluate_against, reference
-from ctxc.passes.run_graph import BlockTargets
-from ctxc.patch import Delta, Patch
+from ctxc.bake.data import FitData, read_queries, record_fit_targets
+from ctxc.bake.distill import teacher_top
+from ctxc.bake.evaluate import evaluate_against, reference
+from ctxc.bake.fit import BakeOptions, bake, bake_data
+from ctxc.core.patch import Delta, Patch
+from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.pipeline import traced_blocks
 
 DATA = Path(__file__).resolve().parent / "data"

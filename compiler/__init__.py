@@ -15,13 +15,13 @@ import importlib
 from typing import TYPE_CHECKING
 
 from ctxc._version import __version__
-from ctxc.errors import CtxcError, SolveError, UnpatchableError
+from ctxc.core.errors import CtxcError, SolveError, UnpatchableError
 
 if TYPE_CHECKING:
-    from ctxc.models import load_model
-    from ctxc.patch import Delta, Patch, PatchMeta
+    from ctxc.core.patch import Delta, Patch, PatchMeta
+    from ctxc.core.report import CompileReport
+    from ctxc.models.load import load_model
     from ctxc.pipeline import CompileResult, compile
-    from ctxc.report import CompileReport
 
 __all__ = [
     "CompileReport",
@@ -39,13 +39,13 @@ __all__ = [
 
 # Public name -> the module that defines it, imported on first attribute access.
 _LAZY = {
-    "load_model": "ctxc.models",
-    "Delta": "ctxc.patch",
-    "Patch": "ctxc.patch",
-    "PatchMeta": "ctxc.patch",
+    "load_model": "ctxc.models.load",
+    "Delta": "ctxc.core.patch",
+    "Patch": "ctxc.core.patch",
+    "PatchMeta": "ctxc.core.patch",
     "CompileResult": "ctxc.pipeline",
     "compile": "ctxc.pipeline",
-    "CompileReport": "ctxc.report",
+    "CompileReport": "ctxc.core.report",
 }
 
 

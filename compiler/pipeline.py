@@ -10,32 +10,32 @@ from dataclasses import dataclass
 import torch
 
 from ctxc._version import __version__
-from ctxc.devices import check_on_device, describe
-from ctxc.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
-from ctxc.export_cache import frontend_for
-from ctxc.fingerprint import fingerprint
-from ctxc.frontend import Frontend
-from ctxc.image_run import image_figures, multimodal_full_graph
-from ctxc.images import ImageContext
-from ctxc.metrics import Fidelity, fidelity
-from ctxc.models import check_length
-from ctxc.offload import input_device
-from ctxc.passes.block_map import BlockMap, Rejection
-from ctxc.passes.locate_blocks import locate_blocks
-from ctxc.passes.run_graph import run_logits
-from ctxc.passes.solve import RULES, solve
-from ctxc.patch import Patch, PatchMeta
-from ctxc.patched_forward import patched_logits
-from ctxc.reference_run import full_run
-from ctxc.report import CompileReport, reference_name
-from ctxc.runtime_attention import runtime_attention
-from ctxc.tokens import split_tokens
-from ctxc.trace import TracedModel
+from ctxc.core.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
+from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.patch import Patch, PatchMeta
+from ctxc.core.report import CompileReport, reference_name
+from ctxc.core.tokens import split_tokens
+from ctxc.frontend.export_cache import frontend_for
+from ctxc.frontend.ladder import Frontend
+from ctxc.frontend.trace import TracedModel
+from ctxc.models.devices import check_on_device, describe
+from ctxc.models.fingerprint import fingerprint
+from ctxc.models.image_run import image_figures, multimodal_full_graph
+from ctxc.models.images import ImageContext
+from ctxc.models.load import check_length
+from ctxc.models.offload import input_device
+from ctxc.models.patched_forward import patched_logits
+from ctxc.models.reference_run import full_run
+from ctxc.models.runtime_attention import runtime_attention
+from ctxc.passes.locate.block_map import BlockMap, Rejection
+from ctxc.passes.locate.locate_blocks import locate_blocks
+from ctxc.passes.runtime.run_graph import run_logits
+from ctxc.passes.solver.solve import RULES, solve
 
 __all__ = ["CompileResult", "compile", "traced_blocks"]
 
 # One frontend per model, reused by every compile of it (the graph reads the model's own tensors):
-# its shared export, or its static exports per length (compiler/frontend.py).
+# its shared export, or its static exports per length (compiler/frontend/ladder.py).
 _TRACES: weakref.WeakKeyDictionary[torch.nn.Module, Frontend] = weakref.WeakKeyDictionary()
 
 
@@ -62,7 +62,7 @@ def traced_blocks(
     model: torch.nn.Module, length: int | None = None
 ) -> tuple[TracedModel, BlockMap]:
     """The model's export and block map for inputs of ``length`` tokens, cached per model
-    (and on disk for a model enabled for the export cache: ``compiler/export_cache.py``).
+    (and on disk for a model enabled for the export cache: ``compiler/frontend/export_cache.py``).
 
     Args:
         model: the causal LM.
@@ -91,7 +91,8 @@ def _matching_runs(model: torch.nn.Module, n: int, k: int) -> tuple:
                 f"the static exports for {n} and {k} tokens find different blocks "
                 f"({len(a)}: {a[:2]}... vs {len(b)}: {b[:2]}...): no correspondence"
             )
-    # The report names the ladder's latest rung that either run needed (compiler/frontend.py).
+    # The report names the ladder's latest rung that either run needed
+    # (compiler/frontend/ladder.py).
     rungs = ("dynamic", "bounded", "static", "specialised")
     frontend = max(full[0].frontend, reduced[0].frontend, key=rungs.index)
     return full, reduced, frontend
@@ -124,7 +125,7 @@ def compile(
         query: the query text; default: the context's last token.
         context_ids, query_ids: token ids instead of text.
         images: image paths or PIL images, for a vision-language model: the context is the
-            processor's layout of the images and ``context`` (``compiler/images.py``); then
+            processor's layout of the images and ``context`` (``compiler/models/images.py``); then
             ``tokenizer`` may be the model's processor (else it is loaded from the model's
             folder). The patch changes the language model's blocks only.
         update: ``stable`` (default; MATH.md 4) or ``standard`` (the paper's Theorem 1).
@@ -155,8 +156,8 @@ def compile(
         check_on_device(model, device)
     image = None
     if images is not None:
-        from ctxc.images import encode_image_context
-        from ctxc.vlm import load_processor
+        from ctxc.models.images import encode_image_context
+        from ctxc.models.vlm import load_processor
 
         processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
         image = encode_image_context(model, processor, context, images, query)
@@ -281,7 +282,7 @@ def _traces(model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Op
             model, len(ctx_ids) + len(q_ids), len(q_ids)
         )
         return full_traced, full_blocks, traced, blocks, frontend, None
-    # The images enter through the model's own forward (compiler/image_run.py).
+    # The images enter through the model's own forward (compiler/models/image_run.py).
     traced, blocks = traced_blocks(model, len(q_ids))
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
     run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
@@ -306,7 +307,7 @@ def _meta(
     model, traced: TracedModel, ctx_ids, q_ids, update: str, start_layer: int, solver: Fidelity
 ) -> PatchMeta:
     """The patch's metadata: what it was computed on and from, and the solver's figure (an
-    artefact exported later is held to it: ``ctxc.checks.gate``)."""
+    artefact exported later is held to it: ``ctxc.core.checks.gate``)."""
     return PatchMeta(
         fingerprint=fingerprint(model),
         context_ids=ctx_ids,
@@ -323,7 +324,8 @@ def _meta(
 def _solve_skipping(args: tuple, skip_unpatchable: bool, ops: dict | None = None) -> tuple:
     """Solve; with ``skip_unpatchable``, leave a block whose condition fails unpatched and solve
     again (the blocks above it absorb its difference), until no block fails. ``ops``: the
-    reduced run's attention calls as the runtime makes them (``compiler/runtime_attention.py``).
+    reduced run's attention calls as the runtime makes them
+    (``compiler/models/runtime_attention.py``).
     """
     failed: list[Rejection] = []
     while True:

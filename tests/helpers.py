@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tiny_models import VOCAB
 
-from ctxc.patch import Patch
+from ctxc.core.patch import Patch
 
 __all__ = [
     "TRAIL_LINE",
@@ -27,7 +27,7 @@ __all__ = [
     "without_trail",
 ]
 
-# A line of the progress trail on a stderr that is not a terminal (compiler/cli_progress.py).
+# A line of the progress trail on a stderr that is not a terminal (compiler/cli/progress.py).
 TRAIL_LINE = re.compile(r"ctxc: .* \(\d+\.\d s\)")
 
 
@@ -87,10 +87,10 @@ class CliRun:
 def run_cli(*args: str, cwd: Path | None = None) -> CliRun:
     """``ctxc ARGS`` in this process (no 5-10 s of imports per call), from ``cwd``.
 
-    ``ctxc.cli.main`` restores the signal handlers it installs and returns the exit status, so
+    ``ctxc.cli.app.main`` restores the signal handlers it installs and returns the exit status, so
     it runs inside a test exactly as the console script would.
     """
-    from ctxc.cli import main
+    from ctxc.cli.app import main
 
     stdout, stderr = io.StringIO(), io.StringIO()
     before = Path.cwd()
@@ -117,7 +117,7 @@ def compile_then_check(args: list[str], out: Path, check: str, base: Path) -> di
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "ctxc.cli", "compile", *args, "--out", str(out)]
+    cmd = [sys.executable, "-m", "ctxc.cli.app", "compile", *args, "--out", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     checked = subprocess.run(

@@ -39,7 +39,7 @@ def test_compile_writes_patch_report_and_a_plain_transformers_model(tiny_model_d
         "timings",
     ):
         assert key in report, key
-    # The tokenizer files are the loaded folder's, copied (backends/torch_model.py).
+    # The tokenizer files are the loaded folder's, copied (backends/torch/model.py).
     published = sorted(p.name for p in tiny_model_dir.iterdir() if p.name.startswith("tokenizer"))
     assert published, sorted(p.name for p in tiny_model_dir.iterdir())
     for name in published:

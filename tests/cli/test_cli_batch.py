@@ -161,7 +161,7 @@ def test_empty_file_is_a_usage_error(tmp_path) -> None:
     ],
 )
 def test_bad_line_messages(tmp_path, line, first) -> None:
-    from ctxc.cli_batch import read_lines
+    from ctxc.cli.batch import read_lines
 
     src = tmp_path / "c.jsonl"
     src.write_text('{"context": "w1", "name": "a"}\n' + line + "\n")
@@ -171,8 +171,8 @@ def test_bad_line_messages(tmp_path, line, first) -> None:
 
 def test_progress_shows_rate(capsys) -> None:
     """Contexts done of all and the rate, on the plain trail of a stderr that is no terminal."""
-    from ctxc.cli_batch import _progress
-    from ctxc.cli_progress import command_trail
+    from ctxc.cli.batch import _progress
+    from ctxc.cli.progress import command_trail
 
     with command_trail(), _progress() as bar:
         task = bar.add_task("contexts", total=2)

@@ -3,7 +3,7 @@ line naming the artefact and its figure, exit 2, nothing of the artefact written
 with report.json kept where the message says, so ``ctxc export`` retries without compiling.
 
 ``CTXC_TEST_FAIL_CHECK=KIND`` fails that kind's checks where they meet their thresholds
-(``ctxc.checks.enforce``). A patch value scaled by 1000 is refused by its digest, and without
+(``ctxc.core.checks.enforce``). A patch value scaled by 1000 is refused by its digest, and without
 the digest (as an older patch) by the fidelity gate.
 """
 
@@ -167,7 +167,7 @@ def test_a_scaled_value_without_digest_fails_the_gate(scaled, tiny_model_dir, to
 
 
 def test_a_patch_without_digest_still_loads(scaled):
-    from ctxc.patch import Patch
+    from ctxc.core.patch import Patch
 
     work, _, meta = scaled
     tensors = load_file(str(work / "out" / "patch.safetensors"))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from helpers import run_cli
 
-from ctxc.cli_batch import _parse
-from ctxc.tokens import split_tokens
+from ctxc.cli.batch import _parse
+from ctxc.core.tokens import split_tokens
 
 
 def test_help_shows_flags_without_a_value_type() -> None:

@@ -12,7 +12,7 @@ from helpers import without_trail
 from tiny_models import VOCAB, build_any, tiny_tokenizer
 
 import ctxc
-from ctxc.cli import main
+from ctxc.cli.app import main
 
 IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from ctxc.cache import clean_stale, partial_entry
-from ctxc.cli import main
+from ctxc.cli.app import main
+from ctxc.core.cache import clean_stale, partial_entry
 
 CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 
@@ -28,7 +28,7 @@ def _interrupted(args: list[str], stage: str, sig: int, cwd: Path, cache: Path):
     env = {**os.environ, "CTXC_TEST_PAUSE_AT": stage, "CTXC_CACHE": str(cache)}
     env["HF_HUB_OFFLINE"] = "1"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ctxc.cli", *args],
+        [sys.executable, "-m", "ctxc.cli.app", *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
@@ -104,7 +104,7 @@ def test_stale_partial_entries_are_removed_and_live_ones_kept(tmp_path, monkeypa
         live.mkdir()
         args = ["compile", "--model", "model.gguf", "--context", "context.txt", "--out", "o"]
         assert main(args) == 2  # the fake GGUF does not load; the start cleaned up first
-        # The progress trail's seconds aside (compiler/cli_progress.py), line by line.
+        # The progress trail's seconds aside (compiler/cli/progress.py), line by line.
         lines = [re.sub(r" \(\d+\.\d s\)$", "", x) for x in capsys.readouterr().err.splitlines()]
         assert lines[0] == "ctxc: loading model.gguf, float32"
         # The first run says the conversion is one-time and shows its steps.

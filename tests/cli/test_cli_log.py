@@ -22,8 +22,8 @@ from tiny_models import VOCAB, build
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from ctxc import cli_progress
-from ctxc.cli_progress import Counter, Trail, command_trail, finish, stage_progress
+from ctxc.cli import progress as cli_progress
+from ctxc.cli.progress import Counter, Trail, command_trail, finish, stage_progress
 
 CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 # What a line of third-party noise looks like: torch's logging (W1201 17:00:54.835 ...), a tqdm
@@ -37,7 +37,7 @@ def _ctxc(*args: str, cwd: Path, **more_env: str) -> subprocess.CompletedProcess
     for key in ("TQDM_DISABLE", "TRANSFORMERS_VERBOSITY", "TORCH_LOGS"):
         env.pop(key, None)  # the command sets what it needs itself
     return subprocess.run(
-        [sys.executable, "-m", "ctxc.cli", *args],
+        [sys.executable, "-m", "ctxc.cli.app", *args],
         cwd=cwd,
         env=env,
         capture_output=True,

@@ -15,13 +15,13 @@ from helpers import without_trail
 from safetensors.torch import save_file
 from tiny_vlms import _tokenizer, build_qwen2_vl, build_vlm, make_image
 
-from ctxc.errors import missing_package
+from ctxc.core.errors import missing_package
 
 _BLOCKED_RUN = (
     "import sys\n"
     "for name in sys.argv[1].split(','):\n"
     "    sys.modules[name] = None\n"
-    "from ctxc.cli import main\n"
+    "from ctxc.cli.app import main\n"
     "sys.exit(main(sys.argv[2:]))\n"
 )
 

@@ -1,6 +1,6 @@
 """Output folders and what the CLI writes (issue 15, items 1, 5-7, 9, 10).
 
-In process (`ctxc.cli.main`). Every refusal asserts the exact first line, exit 2, and that
+In process (`ctxc.cli.app.main`). Every refusal asserts the exact first line, exit 2, and that
 nothing was lost or left behind: the current folder's files, no output and no staging folder.
 """
 
@@ -17,7 +17,7 @@ from helpers import without_trail
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from ctxc.cli import main
+from ctxc.cli.app import main
 
 CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 

@@ -28,7 +28,7 @@ def _start(args: list[str], cwd: Path, cache: Path, pause: str) -> subprocess.Po
     env = {**os.environ, "CTXC_TEST_PAUSE_AT": pause, "CTXC_CACHE": str(cache)}
     env["HF_HUB_OFFLINE"] = "1"
     return subprocess.Popen(
-        [sys.executable, "-m", "ctxc.cli", *args],
+        [sys.executable, "-m", "ctxc.cli.app", *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,

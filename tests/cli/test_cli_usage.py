@@ -1,6 +1,6 @@
 """Usage errors of the CLI: one line `ctxc: error: ...` naming the option, exit 2 (issue 15.3).
 
-In process (`ctxc.cli.main`): each case asserts the exact first line of stderr, the exit code,
+In process (`ctxc.cli.app.main`): each case asserts the exact first line of stderr, the exit code,
 and that nothing was written in the current folder.
 """
 
@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from ctxc import __version__
-from ctxc.cli import main
+from ctxc.cli.app import main
 
 CASES = {
     "compile without options": (
@@ -97,7 +97,7 @@ def test_version_is_defined_once() -> None:
 def test_help_does_not_import_torch() -> None:
     # `ctxc --help` must stay well under a second: no torch/Transformers on its import path.
     code = (
-        "import sys; from ctxc.cli import main; rc = main(['--help']); "
+        "import sys; from ctxc.cli.app import main; rc = main(['--help']); "
         "heavy = [m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules]; "
         "print(rc, heavy)"
     )

@@ -12,11 +12,11 @@ from tiny_models import bpe_tokenizer, shared
 from transformers import AutoModelForCausalLM
 
 import ctxc
-from ctxc.backends.gguf_lora import emit_gguf_lora
-from ctxc.backends.gguf_model import emit_gguf
-from ctxc.backends.lora_adapter import emit_lora
-from ctxc.backends.lora_rules import check_vllm_adapter
-from ctxc.errors import CtxcError
+from ctxc.backends.gguf.lora import emit_gguf_lora
+from ctxc.backends.gguf.model import emit_gguf
+from ctxc.backends.peft.lora_adapter import emit_lora
+from ctxc.backends.peft.lora_rules import check_vllm_adapter
+from ctxc.core.errors import CtxcError
 
 
 def test_lora_rule_is_exact_on_llama_and_moves_linear_weights_only() -> None:

@@ -14,10 +14,11 @@ from test_backend_gguf import _model_dir, bpe_tokenizer
 from tiny_models import shared
 
 import ctxc
-from ctxc.backends import gguf_llama_cpp, llama_cpp_run
-from ctxc.backends.gguf_lora import emit_gguf_lora
-from ctxc.backends.gguf_model import emit_gguf
-from ctxc.backends.llama_cpp_run import LlamaCppFigures, llama_cpp_unavailable
+from ctxc.backends.gguf import llama_cpp as gguf_llama_cpp
+from ctxc.backends.gguf import llama_cpp_run
+from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures, llama_cpp_unavailable
+from ctxc.backends.gguf.lora import emit_gguf_lora
+from ctxc.backends.gguf.model import emit_gguf
 
 _REASON = llama_cpp_unavailable()
 needs_llama_cpp = pytest.mark.skipif(_REASON is not None, reason=f"llama.cpp: {_REASON}")
@@ -92,7 +93,7 @@ def test_failed_llama_cpp_check_is_one_line_and_no_folder(tmp_path, monkeypatch,
     assert f"{artefact} check failed: in llama.cpp" in lines[0], lines
     assert "max |diff|" in lines[0], lines
     assert not out.exists()
-    kept = tmp_path / "out.failed"  # the patch is kept for `ctxc export` (ctxc.checks)
+    kept = tmp_path / "out.failed"  # the patch is kept for `ctxc export` (ctxc.core.checks)
     assert (kept / "patch.safetensors").is_file() and not (kept / artefact).exists()
 
 

@@ -21,9 +21,9 @@ from helpers import diff_msg, full_logits, logits, max_diff, random_ids
 from tiny_models import MOE, build, build_any
 
 import ctxc
-from ctxc.backends.onnx_check import ONNX_ATOL, check_lengths
-from ctxc.backends.onnx_model import ONNX_FILE, emit_onnx
-from ctxc.backends.onnx_patchable import emit_onnx_patchable, patch_feeds
+from ctxc.backends.onnx.check import ONNX_ATOL, check_lengths
+from ctxc.backends.onnx.model import ONNX_FILE, emit_onnx
+from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
 
 # family -> bound on max |onnxruntime - torch patched|, about ten times the measured figure (in
 # the comment; the largest over the query and two other lengths).
@@ -102,7 +102,7 @@ def baked(llama, tmp_path_factory):
 def test_cli_rejects_patchable_without_onnx(tmp_path) -> None:
     args = ["export", "--patch", "p.safetensors", "--to", "peft", "--patchable"]
     proc = subprocess.run(
-        [sys.executable, "-m", "ctxc.cli", *args, "--out", str(tmp_path / "out")],
+        [sys.executable, "-m", "ctxc.cli.app", *args, "--out", str(tmp_path / "out")],
         capture_output=True,
         text=True,
         env={**os.environ, "HF_HUB_OFFLINE": "1"},
@@ -275,7 +275,7 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
     out = tmp_path / "out"
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "ctxc.cli", *args, "--model", str(tiny_model_dir)]
+        cmd = [sys.executable, "-m", "ctxc.cli.app", *args, "--model", str(tiny_model_dir)]
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
     proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", "onnx,peft")

@@ -19,8 +19,8 @@ from helpers import diff_msg, full_logits, max_diff, random_ids
 from tiny_models import build
 
 import ctxc
-from ctxc.backends.onnx_check import ONNX_ATOL
-from ctxc.backends.ort_adapter import (
+from ctxc.backends.onnx.check import ONNX_ATOL
+from ctxc.backends.onnx.ort_adapter import (
     ADAPTER_FILE,
     PATCHABLE_FILE,
     emit_ort_adapter,
@@ -28,7 +28,7 @@ from ctxc.backends.ort_adapter import (
     run_adapter,
     write_adapter,
 )
-from ctxc.thresholds import ONNX_FLOOR_FACTOR, floor_bound
+from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
 
 # bound on max |onnxruntime with the adapter, query alone - torch full context|
 FULL_CONTEXT_ATOL = 1e-5
@@ -132,7 +132,7 @@ def test_cli_export_to_ort_adapter(tiny_model_dir, tmp_path) -> None:
     context.write_text("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10")
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "ctxc.cli", *args, "--model", str(tiny_model_dir)]
+        cmd = [sys.executable, "-m", "ctxc.cli.app", *args, "--model", str(tiny_model_dir)]
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
     out = tmp_path / "out"

@@ -16,8 +16,13 @@ import pytest
 from helpers import diff_msg, max_diff
 
 import ctxc
-from ctxc.backends.onnx_check import ONNX_ATOL, ort_session
-from ctxc.backends.ort_adapter import PATCHABLE_FILE, emit_ort_adapter, load_adapter, run_adapter
+from ctxc.backends.onnx.check import ONNX_ATOL, ort_session
+from ctxc.backends.onnx.ort_adapter import (
+    PATCHABLE_FILE,
+    emit_ort_adapter,
+    load_adapter,
+    run_adapter,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ from peft import PeftModel
 from tiny_models import build, build_any
 
 import ctxc
-from ctxc.backends.peft_adapter import ADAPTER_DIR, emit_peft, plan_adapter
-from ctxc.patch import Delta, Patch
+from ctxc.backends.peft.adapter import ADAPTER_DIR, emit_peft, plan_adapter
+from ctxc.core.patch import Delta, Patch
 
 
 def _adapter_logits(family: str, adapter, query: list[int], merge: bool) -> torch.Tensor:

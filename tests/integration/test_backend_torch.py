@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 from tiny_models import build
 
 import ctxc
-from ctxc.backends.torch_model import emit_torch
-from ctxc.patched_forward import patched_values
+from ctxc.backends.torch.model import emit_torch
+from ctxc.models.patched_forward import patched_values
 
 
 def _saved(folder) -> dict[str, torch.Tensor]:
@@ -70,7 +70,7 @@ def test_a_marked_tokenizer_is_copied_and_any_other_is_saved(tmp_path) -> None:
     from tiny_models import tiny_tokenizer
     from transformers import AutoTokenizer
 
-    from ctxc.backends.torch_model import save_tokenizer
+    from ctxc.backends.torch.model import save_tokenizer
 
     source = tmp_path / "source"
     tiny_tokenizer().save_pretrained(str(source))
@@ -104,7 +104,7 @@ def test_a_marked_tokenizer_is_copied_and_any_other_is_saved(tmp_path) -> None:
 
 
 def test_two_writers_write_the_bytes_of_one(tmp_path, monkeypatch) -> None:
-    from ctxc.backends import torch_shards
+    from ctxc.backends.torch import shards as torch_shards
 
     model = build("gemma3")
     monkeypatch.setattr(torch_shards, "_CHUNK", 256)  # many pieces per tensor, split anywhere

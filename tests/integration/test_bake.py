@@ -9,11 +9,11 @@ from helpers import diff_msg, random_ids
 from tiny_models import shared, tiny_tokenizer
 
 import ctxc
-from ctxc.bake import BakeOptions, bake
-from ctxc.bake_data import FitData, special_prefix
-from ctxc.bake_eval import evaluate
-from ctxc.errors import CtxcError
-from ctxc.passes.fit_moves import FitOptions, fit_linear
+from ctxc.bake.data import FitData, special_prefix
+from ctxc.bake.evaluate import evaluate
+from ctxc.bake.fit import BakeOptions, bake
+from ctxc.core.errors import CtxcError
+from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 
 EXACT = BakeOptions(ridge=0.0, scale_ridge=0.0, rank=None)
 
@@ -91,7 +91,7 @@ def test_reduced_rank_fit_is_the_best_rank_r_fit() -> None:
 
 def test_baked_patch_goes_through_the_backends(tmp_path) -> None:
     pytest.importorskip("peft")
-    from ctxc.backends.peft_adapter import emit_peft
+    from ctxc.backends.peft.adapter import emit_peft
 
     model, tok = shared("llama"), tiny_tokenizer()
     data = FitData([1, *random_ids(4, 12)], special_prefix(tok), [random_ids(30, 5)], ["file"])

@@ -9,12 +9,12 @@ import torch
 from helpers import diff_msg, random_ids
 from tiny_models import shared, tiny_tokenizer
 
-from ctxc.bake import BakeOptions, bake
-from ctxc.bake_data import FitData, record_fit_targets, special_prefix
-from ctxc.bake_eval import evaluate_against, greedy, position_figures, reference
-from ctxc.passes.fit_moves import FitOptions, fit_linear
-from ctxc.passes.fit_solve import effective_rank
-from ctxc.passes.run_graph import BlockTargets
+from ctxc.bake.data import FitData, record_fit_targets, special_prefix
+from ctxc.bake.evaluate import evaluate_against, greedy, position_figures, reference
+from ctxc.bake.fit import BakeOptions, bake
+from ctxc.passes.runtime.run_graph import BlockTargets
+from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
+from ctxc.passes.solver.fit_solve import effective_rank
 from ctxc.pipeline import traced_blocks
 
 

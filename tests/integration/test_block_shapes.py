@@ -15,9 +15,9 @@ from custom_decoder import ToyLM
 from tiny_models import ALL, MOE, VOCAB, build_any, shared, tiny_tokenizer
 
 import ctxc
-from ctxc.cli import main
-from ctxc.passes.run_graph import record_targets
-from ctxc.passes.solve import UPDATE_RULES, solve
+from ctxc.cli.app import main
+from ctxc.passes.runtime.run_graph import record_targets
+from ctxc.passes.solver.solve import UPDATE_RULES, solve
 from ctxc.pipeline import traced_blocks
 
 IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()

@@ -8,10 +8,10 @@ import torch
 from helpers import diff_msg, max_diff, random_ids
 from tiny_models import shared
 
-from ctxc.passes import reduced_run
-from ctxc.passes.compile_segments import compile_segments, compiled
-from ctxc.passes.run_graph import record_targets
-from ctxc.passes.solve import solve
+from ctxc.passes.runtime import reduced_run
+from ctxc.passes.runtime.compile_segments import compile_segments, compiled
+from ctxc.passes.runtime.run_graph import record_targets
+from ctxc.passes.solver.solve import solve
 from ctxc.pipeline import traced_blocks
 
 CONTEXT, QUERY = random_ids(21, 10), random_ids(22, 2)

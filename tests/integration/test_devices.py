@@ -13,9 +13,9 @@ from helpers import diff_msg, full_logits, logits, max_diff, random_ids
 from transformers import AutoModelForCausalLM
 
 import ctxc
-from ctxc.backends.torch_model import emit_torch
-from ctxc.fingerprint import fingerprint
-from ctxc.offload import is_dispersed, read_param
+from ctxc.backends.torch.model import emit_torch
+from ctxc.models.fingerprint import fingerprint
+from ctxc.models.offload import is_dispersed, read_param
 
 
 def _digest(folder: Path) -> str:
@@ -42,7 +42,7 @@ def test_most_of_the_model_is_offloaded_to_disk(pair):
     on_disk = sum(p.numel() for p in off.parameters() if p.device.type == "meta")
     assert on_disk > total / 2, f"{on_disk} of {total} parameters on disk"
     assert {"cpu", "disk"} <= set(off.hf_device_map.values()), off.hf_device_map
-    # One accelerate hook per block, not one for the whole model (compiler/devices.py).
+    # One accelerate hook per block, not one for the whole model (compiler/models/devices.py).
     assert "" not in off.hf_device_map, off.hf_device_map
 
 
@@ -106,7 +106,7 @@ def test_device_errors_are_one_line(tiny_model_dir):
 def test_realigned_shards_put_each_patched_weight_at_its_address(tmp_path):
     from safetensors.torch import load_file, save_file
 
-    from ctxc.backends.torch_shards import realign_shards
+    from ctxc.backends.torch.shards import realign_shards
 
     tensors = {"a": torch.randn(16, 4), "b": torch.randn(3), "c": torch.randn(8, 8)}
     save_file(tensors, str(tmp_path / "x.safetensors"))

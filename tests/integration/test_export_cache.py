@@ -19,8 +19,8 @@ from tiny_models import build_any as build
 from tiny_models import tiny_tokenizer
 
 import ctxc
-from ctxc import export_cache
-from ctxc.export_cache import StoredProgram, enable, entry_key, entry_path
+from ctxc.frontend import export_cache
+from ctxc.frontend.export_cache import StoredProgram, enable, entry_key, entry_path
 from ctxc.pipeline import traced_blocks
 
 CONTEXT = random_ids(11, 12)
@@ -151,7 +151,7 @@ def test_two_processes_at_once_from_an_empty_cache(tmp_path) -> None:
     tiny_tokenizer().save_pretrained(str(model_dir))
     (tmp_path / "c.txt").write_text("w5 w6 w7 w8 w9 w10 w11")
     env = {**os.environ, "CTXC_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    cli = [sys.executable, "-m", "ctxc.cli", "compile", "--context", str(tmp_path / "c.txt")]
+    cli = [sys.executable, "-m", "ctxc.cli.app", "compile", "--context", str(tmp_path / "c.txt")]
     cli += ["--model", str(model_dir)]
     procs = [
         subprocess.Popen(

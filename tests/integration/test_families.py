@@ -1,6 +1,6 @@
 """Families that failed before issue 9's fixes, built as the coverage matrix builds them.
 
-The export ladder (compiler/frontend.py): a model whose dynamic export fails falls back to a
+The export ladder (compiler/frontend/ladder.py): a model whose dynamic export fails falls back to a
 bounded range or to static exports per length, and says which rung it used. The locator: cores
 that are no residual MLP branch (multi-head latent attention's projections, a BERT-style LM-head
 transform) are notes, not rejections. Each family must compile exactly, beside its control.
@@ -16,11 +16,11 @@ import pytest
 import torch
 from torch.export import Dim, export
 
-from ctxc.errors import CtxcError
-from ctxc.frontend import build_frontend, suggested_range
-from ctxc.inspect_model import inspect_model
+from ctxc.core.errors import CtxcError
+from ctxc.frontend.ladder import build_frontend, suggested_range
+from ctxc.frontend.trace import LogitsOnly
+from ctxc.inspect.model import inspect_model
 from ctxc.pipeline import traced_blocks
-from ctxc.trace import LogitsOnly
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "coverage.py"
 _SPEC = importlib.util.spec_from_file_location("ctxc_coverage", _PATH)

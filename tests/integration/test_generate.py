@@ -10,7 +10,7 @@ import torch
 from helpers import CliRun, run_cli
 from tiny_models import VOCAB, build
 
-from ctxc.generate import generate
+from ctxc.generate.steps import generate
 
 CONTEXT = torch.randint(4, VOCAB, (18,), generator=torch.Generator().manual_seed(7)).tolist()
 

@@ -1,7 +1,7 @@
 """What makes a `ctxc generate` step cost less (issue 11), each shown to change no bit: the
 decode step on a worker thread while the solver runs, the reduced run's LM head split between
-two threads (compiler/shared_head.py), and kept outputs reused instead of recomputed
-(passes/reduced_run.py)."""
+two threads (compiler/generate/shared_head.py), and kept outputs reused instead of recomputed
+(passes/runtime/reduced_run.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ import torch
 from helpers import diff_msg, random_ids
 from tiny_models import build_any
 
-import ctxc.generate as gen
-import ctxc.shared_head as shared_head
-from ctxc.passes import reduced_run
-from ctxc.passes import solve as solve_mod
-from ctxc.passes.run_graph import record_targets
-from ctxc.passes.solve import solve
+import ctxc.generate.shared_head as shared_head
+import ctxc.generate.steps as gen
+from ctxc.passes.runtime import reduced_run
+from ctxc.passes.runtime.run_graph import record_targets
+from ctxc.passes.solver import solve as solve_mod
+from ctxc.passes.solver.solve import solve
 from ctxc.pipeline import traced_blocks
 
 CONTEXT = random_ids(7, 18)

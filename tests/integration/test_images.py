@@ -18,9 +18,9 @@ from tiny_vlms import build_vlm, make_image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import ctxc
-from ctxc.backends.torch_model import emit_torch
-from ctxc.generate import generate
-from ctxc.images import encode_image_context, prefill_inputs
+from ctxc.backends.torch.model import emit_torch
+from ctxc.generate.steps import generate
+from ctxc.models.images import encode_image_context, prefill_inputs
 
 TEXT = "w5 w6 w7 w8 w9 w10"
 QUERY = "w20 w21 w22"

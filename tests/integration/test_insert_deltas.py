@@ -22,11 +22,11 @@ from tiny_models import build_any
 from torch import fx
 
 import ctxc
-from ctxc.errors import CtxcError
-from ctxc.passes.insert_deltas import DELTA_PREFIX, delta_attr_name, insert_deltas
-from ctxc.patch import Delta, Patch
+from ctxc.core.errors import CtxcError
+from ctxc.core.patch import Delta, Patch
+from ctxc.frontend.trace import TracedModel
+from ctxc.passes.runtime.insert_deltas import DELTA_PREFIX, delta_attr_name, insert_deltas
 from ctxc.pipeline import traced_blocks
-from ctxc.trace import TracedModel
 
 CONTEXT = list(range(3, 15))
 FULL_CONTEXT_ATOL = 1e-5

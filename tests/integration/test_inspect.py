@@ -16,8 +16,8 @@ import pytest
 from custom_decoder import ToyLM
 from tiny_models import shared, tiny_tokenizer
 
-from ctxc.cli import main
-from ctxc.inspect_model import inspect_model
+from ctxc.cli.app import main
+from ctxc.inspect.model import inspect_model
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["gpt2", "olmo2", "qwen2_moe"]

@@ -8,9 +8,9 @@ from helpers import diff_msg, random_ids
 from tiny_models import build
 
 import ctxc
-from ctxc.passes import run_graph
-from ctxc.passes.run_graph import record_targets
-from ctxc.patched_forward import patched_logits
+from ctxc.models.patched_forward import patched_logits
+from ctxc.passes.runtime import run_graph
+from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.pipeline import traced_blocks
 
 N = 2000  # past one query chunk (1792 rows), so the full run bands its attention

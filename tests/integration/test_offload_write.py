@@ -1,4 +1,4 @@
-"""Writing a dispersed model's folder (backends/torch_shards.py): each unchanged offloaded weight
+"""Writing a dispersed model's folder (backends/torch/shards.py): each unchanged offloaded weight
 is copied from its file in chunks, byte for byte; patched ones come from where they live; each
 shard's header puts the patched weights at the addresses the solver computed them at."""
 
@@ -15,10 +15,10 @@ from tiny_models import build_any, tiny_tokenizer
 from transformers import AutoModelForCausalLM
 
 import ctxc
-import ctxc.backends.torch_shards as shards
-from ctxc.backends.torch_model import emit_torch, shard_kwargs
-from ctxc.backends.torch_shards import copy_range, saved_tensors, shard_header, write_shards
-from ctxc.offload import read_param, safetensors_header, stored_range
+import ctxc.backends.torch.shards as shards
+from ctxc.backends.torch.model import emit_torch, shard_kwargs
+from ctxc.backends.torch.shards import copy_range, saved_tensors, shard_header, write_shards
+from ctxc.models.offload import read_param, safetensors_header, stored_range
 
 
 def _offloaded(folder: Path):

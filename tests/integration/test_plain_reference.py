@@ -21,8 +21,8 @@ from tiny_models import build, tiny_tokenizer
 from tiny_vlms import build_vlm, make_image
 
 import ctxc
-from ctxc.passes import plain_head
-from ctxc.passes.plain_head import PROBE_COLUMNS, default_forward_rows
+from ctxc.passes.runtime import plain_head
+from ctxc.passes.runtime.plain_head import PROBE_COLUMNS, default_forward_rows
 
 EXACT = 1e-5
 FAR = 1e-2
@@ -197,7 +197,7 @@ def test_image_report_is_what_a_fresh_process_measures(tmp_path) -> None:
 
 def test_a_graph_that_is_not_the_runtime_is_refused(tmp_path, monkeypatch) -> None:
     """When the graph cannot compute what the runtime computes on the query, no folder."""
-    from ctxc import runtime_attention
+    from ctxc.models import runtime_attention
 
     real = runtime_attention.sdpa_calls
 

@@ -36,7 +36,7 @@ print(json.dumps({"max": float((got - full).abs().max()), "mean": float((got - f
 
 @pytest.mark.parametrize("update", ["standard", "stable"])
 def test_emitted_model_matches_full_context(tmp_path, update):
-    from ctxc.models import DEFAULT_MODEL, bundled_model_dir
+    from ctxc.models.load import DEFAULT_MODEL, bundled_model_dir
 
     base = bundled_model_dir()  # the converted cache folder ctxc loads DEFAULT_MODEL from
     args = ["--model", DEFAULT_MODEL, "--context", str(SHORT), "--update", update]

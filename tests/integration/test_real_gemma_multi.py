@@ -1,7 +1,8 @@
 """The real Gemma 3 270M (bundled GGUF, float32) with a multi-token query (issue 15, item 8).
 
 Every block of this model ends in a scaled post norm, so the query's 9 positions share one scale
-per block (passes/multi_scale.py). The emitted model, reloaded by plain Transformers in a process
+per block (passes/solver/multi_scale.py). The emitted model, reloaded by plain Transformers in a
+process
 without ctxc, must match the model fed context + query at every query position.
 """
 
@@ -39,7 +40,7 @@ print(json.dumps({"per_position": (got - full).abs().amax(-1).tolist(),
 
 
 def test_nine_token_query_is_exact_at_every_position(tmp_path):
-    from ctxc.models import DEFAULT_MODEL, bundled_model_dir
+    from ctxc.models.load import DEFAULT_MODEL, bundled_model_dir
 
     base = bundled_model_dir()
     args = ["--model", DEFAULT_MODEL, "--context", str(SHORT), "--query", QUERY]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 import ctxc
-from ctxc.backends.gguf_lora import emit_gguf_lora
-from ctxc.backends.lora_adapter import emit_lora
+from ctxc.backends.gguf.lora import emit_gguf_lora
+from ctxc.backends.peft.lora_adapter import emit_lora
 
 pytestmark = pytest.mark.slow
 

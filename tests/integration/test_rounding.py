@@ -11,8 +11,8 @@ import torch
 import transformers
 
 import ctxc
-from ctxc.backends.torch_model import emit_torch
-from ctxc.thresholds import EXACT_ATOL
+from ctxc.backends.torch.model import emit_torch
+from ctxc.core.thresholds import EXACT_ATOL
 
 
 def _flex_olmo(seed: int, hidden: int) -> torch.nn.Module:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from helpers import diff_msg
 
-from ctxc.passes.banded_attention import KEY_BLOCK, banded_sdpa, mask_bands, usable
+from ctxc.passes.runtime.banded_attention import KEY_BLOCK, banded_sdpa, mask_bands, usable
 
 
 def _masks(n: int) -> dict[str, torch.Tensor]:

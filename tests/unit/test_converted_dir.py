@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from ctxc.models import converted_dir
+from ctxc.models.load import converted_dir
 
 
 def test_a_linked_or_relative_path_maps_to_the_same_entry(tmp_path, monkeypatch) -> None:

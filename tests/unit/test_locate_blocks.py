@@ -15,11 +15,12 @@ from tiny_models import FAMILIES, build, build_any
 from transformers.pytorch_utils import Conv1D
 
 import ctxc
-from ctxc.passes.block_map import LinearSite
-from ctxc.passes.classify import INPUT_CONTROLLABLE, OUTPUT_CONTROLLABLE, classify
-from ctxc.passes.graph_view import GraphView, op_name
-from ctxc.passes.locate_blocks import locate_blocks
-from ctxc.passes.match_linears import (
+from ctxc.frontend.trace import trace
+from ctxc.passes.locate.block_map import LinearSite
+from ctxc.passes.locate.classify import INPUT_CONTROLLABLE, OUTPUT_CONTROLLABLE, classify
+from ctxc.passes.locate.graph_view import GraphView, op_name
+from ctxc.passes.locate.locate_blocks import locate_blocks
+from ctxc.passes.locate.match_linears import (
     LINEAR_MATCHERS,
     find_linear_sites,
     match_conv1d,
@@ -29,7 +30,6 @@ from ctxc.passes.match_linears import (
     match_transposed_matmul,
     routing_nodes,
 )
-from ctxc.trace import trace
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

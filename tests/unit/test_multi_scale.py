@@ -1,4 +1,5 @@
-"""One post-norm scale for k query positions (passes/multi_scale.py), and tiny models with it."""
+"""One post-norm scale for k query positions (passes/solver/multi_scale.py), and tiny models with
+it."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 from tiny_models import VOCAB, build_any
 
 import ctxc
-from ctxc.passes.multi_scale import fit_shared_scale, shared_scale_targets
-from ctxc.passes.update_rules import SCALE_FLOOR, ConditionError, stable_post_norm_target
+from ctxc.passes.solver.multi_scale import fit_shared_scale, shared_scale_targets
+from ctxc.passes.solver.update_rules import SCALE_FLOOR, ConditionError, stable_post_norm_target
 
 EPS = 1e-6
 
@@ -173,8 +174,8 @@ def test_three_token_query_through_post_norm_scales(family: str, update: str) ->
 
 
 def test_post_norm_bias_with_several_positions_is_refused_up_front() -> None:
-    from ctxc.passes.block_map import MlpBlock, NormSite
-    from ctxc.passes.multi_scale import multi_refusal
+    from ctxc.passes.locate.block_map import MlpBlock, NormSite
+    from ctxc.passes.solver.multi_scale import multi_refusal
 
     block = MlpBlock(
         path="model.layers.0.mlp",

@@ -1,4 +1,5 @@
-"""The magnitude of least rounding behind a post norm (passes/output_magnitude.py, MATH.md 12)."""
+"""The magnitude of least rounding behind a post norm (passes/solver/output_magnitude.py, MATH.md
+12)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ctxc.passes import block_moves as moves
-from ctxc.passes.multi_scale import shared_scale_targets
-from ctxc.passes.output_magnitude import (
+from ctxc.passes.solver import block_moves as moves
+from ctxc.passes.solver.multi_scale import shared_scale_targets
+from ctxc.passes.solver.output_magnitude import (
     MAGNITUDE_CAP,
     choose_magnitude,
     rounding_gain,

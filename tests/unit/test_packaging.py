@@ -40,7 +40,9 @@ def test_wheel_builds_without_warnings_holds_its_data_and_wins_over_a_clone(tmp_
     # The license table and ctxc.templates absent from `packages` each warned on every install.
     assert "Warning" not in log and "deprecated" not in log, log
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"ctxc/templates/inspect.html", "ctxc/py.typed", "ctxc/passes/solve.py"} <= set(names)
+    assert {"ctxc/templates/inspect.html", "ctxc/py.typed", "ctxc/passes/solver/solve.py"} <= set(
+        names
+    )
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # Python run from the folder above a clone named ctxc: the clone (no __init__.py at its root)

@@ -7,7 +7,7 @@ import torch
 from tiny_models import build
 
 import ctxc
-from ctxc.fingerprint import fingerprint
+from ctxc.models.fingerprint import fingerprint
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_context_past_the_positions_is_refused_before_any_run() -> None:
 def test_positions_are_found_in_a_text_config() -> None:
     from types import SimpleNamespace
 
-    from ctxc.models import max_positions
+    from ctxc.models.load import max_positions
 
     multimodal = SimpleNamespace(text_config=SimpleNamespace(max_position_embeddings=512))
     assert max_positions(multimodal) == (512, "max_position_embeddings")

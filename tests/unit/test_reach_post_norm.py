@@ -1,4 +1,4 @@
-"""The lora rule's target behind a fixed post-norm scale (passes/reach_post_norm.py)."""
+"""The lora rule's target behind a fixed post-norm scale (passes/solver/reach_post_norm.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import pytest
 import torch
 from helpers import diff_msg, max_diff
 
-from ctxc.passes.reach_post_norm import reachable_outputs
-from ctxc.passes.update_rules import ConditionError
+from ctxc.passes.solver.reach_post_norm import reachable_outputs
+from ctxc.passes.solver.update_rules import ConditionError
 
 
 def _scaled(s: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ctxc.passes.rms_inversion import nearest_unit_rms
+from ctxc.passes.solver.rms_inversion import nearest_unit_rms
 
 vectors = st.integers(min_value=0, max_value=2**31 - 1)
 

@@ -1,4 +1,5 @@
-"""The shared-scale dual's start (passes/scale_start.py): the batched halvings give, bit for bit,
+"""The shared-scale dual's start (passes/solver/scale_start.py): the batched halvings give, bit for
+bit,
 the one-halving-at-a-time bisection they replace (issue 11)."""
 
 from __future__ import annotations
@@ -8,8 +9,8 @@ import math
 import pytest
 import torch
 
-from ctxc.passes import scale_start
-from ctxc.passes.scale_start import HALVINGS, bisect_start
+from ctxc.passes.solver import scale_start
+from ctxc.passes.solver.scale_start import HALVINGS, bisect_start
 
 
 def _one_at_a_time(tt, b, a2, q_of) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Every fidelity bound in one torch-free module (compiler/thresholds.py, issue 21)."""
+"""Every fidelity bound in one torch-free module (compiler/core/thresholds.py, issue 21)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxc.thresholds import (
+from ctxc.core.thresholds import (
     EXACT_ATOL,
     ONNX_ATOL,
     ONNX_FLOOR_FACTOR,
@@ -25,7 +25,7 @@ _BOUND = re.compile(r"^[A-Z][A-Z_]*(?:ATOL|RTOL|TOL)\s*=\s*[0-9.]+(?:e-?[0-9]+)?
 
 
 def test_the_module_imports_without_torch():
-    code = "import sys, ctxc.thresholds; print('torch' in sys.modules)"
+    code = "import sys, ctxc.core.thresholds; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 

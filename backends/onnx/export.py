@@ -1,0 +1,198 @@
+"""ONNX export machinery shared by the baked and the patchable emitters.
+
+The baked route (:func:`patched_graph`, then :func:`export_program`):
+
+1. ``ctxc.frontend.trace.trace(model)`` under :func:`export_settings` (no KV cache, an exportable
+MoE
+   expert implementation): a ``torch.export`` of the logits-only wrapper, sequence length dynamic.
+2. ``program.module()``: the unlifted ``GraphModule``. Its parameters are ``get_attr`` nodes that
+   read the model's own tensors (shared, not copied).
+3. :func:`ctxc.passes.runtime.insert_deltas.insert_deltas` mutates that GraphModule: the patch's
+factors
+   become new frozen parameters of the GraphModule, and nodes computing
+   ``(W.float() + u v^T).to(W.dtype)`` (``Delta.materialize``, op for op) feed every reader of
+   ``W``. The model's tensors are never written, so the export cannot leave the model modified,
+   and the file does not have to be written while a patch is applied.
+4. ``torch.onnx.export(gm, dynamo=True)`` re-exports the GraphModule (an ``nn.Module`` like any
+   other) with the same dynamic ``seq`` dimension. Handing the exporter the first
+   ``ExportedProgram`` instead would need the new parameters spliced into its lifted graph
+   signature by hand; re-exporting a GraphModule is supported by ``torch.export``, cheap (there
+   is no Transformers Python left to run) and lets the exporter lift the new parameters itself.
+   The example input must be at least 2 tokens long: ``torch.export`` specialises a dimension
+   whose example size is 1, and the file would then take one length only.
+
+The exporter's optimizer folds the inserted nodes into plain initializers when their inputs are
+small (onnxscript folds tensors up to 8192 elements); for larger weights the file keeps
+``W``, ``u``, ``v`` and the Cast/MatMul/Add over them, which onnxruntime's constant folding
+evaluates once when a session is created, so inference costs what a baked file costs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import warnings
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch.export import Dim
+from torch.func import functional_call
+
+from ctxc.backends import backend
+from ctxc.core.errors import CtxcError
+from ctxc.core.patch import Patch
+from ctxc.frontend.trace import MAX_SEQ, no_cache, trace
+from ctxc.passes.runtime.insert_deltas import InsertResult, insert_deltas
+
+__all__ = [
+    "EXPORTABLE_EXPERTS",
+    "experts_implementation",
+    "export_program",
+    "export_settings",
+    "patched_graph",
+    "patched_logits",
+    "require_onnx",
+    "root_cause",
+    "seq_dim",
+]
+
+# The exporter's own tracing would stop at the others; a dense rewrite exports (ARCHITECTURES.md).
+EXPORTABLE_EXPERTS = "batched_mm"
+
+
+def require_onnx() -> None:
+    """Raise a one-line CtxcError when the ONNX extras are not installed."""
+    backend("onnx").require()
+
+
+def experts_implementation(model: torch.nn.Module) -> str:
+    """``"dense"`` for a model without MoE expert modules, else its experts implementation.
+
+    Transformers dispatches expert modules through ``config._experts_implementation``
+    (``grouped_mm``, ``batched_mm``, ``eager``); models without them cannot set it.
+    """
+    can_set = getattr(model, "_can_set_experts_implementation", None)
+    if not (callable(can_set) and can_set()):
+        return "dense"
+    return str(getattr(model.config, "_experts_implementation", None) or "eager")
+
+
+@contextlib.contextmanager
+def export_settings(model: torch.nn.Module) -> Iterator[str]:
+    """No KV cache and an exportable expert implementation, restored afterwards; eval mode.
+
+    ``grouped_mm`` leaves a custom op in the graph and the ``eager`` expert loop does not trace;
+    ``batched_mm`` (index + bmm) exports (ARCHITECTURES.md, export facts). The model is left in
+    eval mode, as :func:`ctxc.frontend.trace.trace` leaves it. No parameter is touched.
+
+    Yields:
+        the expert implementation in force (``"dense"`` for a dense model), for the report.
+    """
+    model.eval()
+    before = experts_implementation(model)
+    used = before
+    if before not in ("dense", EXPORTABLE_EXPERTS):
+        model.set_experts_implementation(EXPORTABLE_EXPERTS)
+        used = f"{EXPORTABLE_EXPERTS} (the model's {before} does not export to ONNX)"
+    try:
+        with no_cache(model):
+            yield used
+    finally:
+        if used != before:
+            model.set_experts_implementation(before)
+
+
+def seq_dim(model: torch.nn.Module) -> Dim:
+    """The dynamic sequence dimension, bounded as :func:`ctxc.frontend.trace.trace` bounds it."""
+    max_pos = getattr(getattr(model, "config", None), "max_position_embeddings", None) or MAX_SEQ
+    return Dim("seq", min=1, max=max(2, min(int(max_pos), MAX_SEQ)))
+
+
+def patched_graph(model: torch.nn.Module, patch: Patch) -> InsertResult:
+    """The model's graph with ``patch`` inserted as in-graph deltas; ``model`` is not modified.
+
+    Call it under :func:`export_settings` (the trace must see the exportable experts).
+
+    Args:
+        model: the model the patch was computed on.
+        patch: the patch to insert (expert-bank deltas included).
+
+    Returns:
+        :func:`insert_deltas`'s result: ``gm`` computes ``input_ids`` [1, seq] -> logits
+        [1, seq, vocab] of the patched model, reading the model's own (unchanged) tensors.
+    """
+    gm = trace(model).program.module()
+    return insert_deltas(gm, patch)
+
+
+def patched_logits(
+    model: torch.nn.Module, patch: Patch, ids: Sequence[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The torch patched model's logits, computed without writing into ``model``.
+
+    ``torch.func.functional_call`` runs ``model`` with each patched parameter replaced by
+    ``Delta.materialize`` of it: the weights ``Patch.apply`` would write, bit for bit.
+
+    Args:
+        model: the model the patch was computed on.
+        patch: the patch.
+        ids: int64 inputs, each [1, n].
+
+    Returns:
+        float32 [n, vocab] on the CPU, one per input.
+    """
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        params = {n: d.materialize(model.get_parameter(n)) for n, d in patch.deltas.items()}
+        return [
+            functional_call(model, params, (), {"input_ids": x.to(device)}).logits[0].float().cpu()
+            for x in ids
+        ]
+
+
+def root_cause(exc: BaseException) -> str:
+    """The first line of the innermost cause, without terminal colour codes."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc)).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def export_program(
+    module: torch.nn.Module,
+    args: tuple,
+    dynamic_shapes: tuple,
+    input_names: Sequence[str],
+    opset: int | None,
+):
+    """``torch.onnx.export(..., dynamo=True)``; any failure becomes a one-line CtxcError.
+
+    Args:
+        module: what to export (a GraphModule from :func:`patched_graph`, or any module).
+        args: example inputs; the sequence length at least 2 (1 would be specialised).
+        dynamic_shapes: per input, axis -> ``Dim``.
+        input_names: the graph input names, in ``args`` order.
+        opset: the ONNX opset (None: the exporter's default).
+
+    Returns:
+        the ``torch.onnx.ONNXProgram``; its initializers alias ``module``'s tensors.
+    """
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            # Dims shared by several inputs (a patch factor pair's rank) draw one warning each.
+            warnings.filterwarnings("ignore", message=r"# The axis name")
+            # An exported program's GraphModule reports training mode and refuses eval(); its
+            # graph was traced in eval mode (trace() sets it), so the flag changes nothing.
+            warnings.filterwarnings("ignore", message=r"Exporting a model while it is in training")
+            return torch.onnx.export(
+                module,
+                args,
+                dynamo=True,
+                dynamic_shapes=dynamic_shapes,
+                input_names=list(input_names),
+                output_names=["logits"],
+                opset_version=opset,
+                verbose=False,
+            )
+    except Exception as exc:  # the exporter raises many types; all mean the same to a user
+        raise CtxcError(f"ONNX export failed: {root_cause(exc)}") from exc

@@ -1,0 +1,153 @@
+"""The data a thought patch is fitted on and judged by: queries, sampled continuations, targets.
+
+A query ``q`` (token ids, no special tokens) is fed to the patched model as ``prefix + q``, the
+tokenizer's usual form (its BOS); the original model gets ``context + q``. The last
+``len(prefix + q)`` positions of the full input correspond to the patched input's positions (the
+BOS position to the context's last token: both predict the query's first token), and each is a
+constraint of the fit (issue 13).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ctxc.core.errors import CtxcError
+from ctxc.frontend.trace import TracedModel
+from ctxc.passes.locate.block_map import BlockMap
+from ctxc.passes.runtime.run_graph import BlockTargets, record_targets
+
+__all__ = [
+    "FitData",
+    "read_queries",
+    "record_fit_targets",
+    "sample_continuations",
+    "special_prefix",
+    "text_queries",
+]
+
+
+@dataclass(frozen=True)
+class FitData:
+    """Queries for one context, as token ids.
+
+    Attributes:
+        context_ids: the context as the tokenizer gives it (with its special tokens).
+        prefix: the tokens the tokenizer puts before a text (its BOS), fed before each query.
+        queries: each query's ids, without special tokens.
+        kinds: ``file`` or ``sample`` per query.
+    """
+
+    context_ids: list[int]
+    prefix: list[int]
+    queries: list[list[int]]
+    kinds: list[str]
+
+    def reduced(self, i: int) -> list[int]:
+        """What the patched model is fed for query ``i``."""
+        return self.prefix + self.queries[i]
+
+    def full(self, i: int) -> list[int]:
+        """What the original model is fed for query ``i``."""
+        return self.context_ids + self.queries[i]
+
+    @property
+    def positions(self) -> int:
+        """N: the fit's constraints, every position of every reduced input."""
+        return sum(len(self.prefix) + len(q) for q in self.queries)
+
+
+def special_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before a text (``tokenizer("x")`` minus the text's ids).
+
+    Raises:
+        CtxcError: the tokenizer adds tokens after the text (the positions would not align).
+    """
+    probe = "Hello"
+    with_special = list(tokenizer(probe).input_ids)
+    plain = list(tokenizer(probe, add_special_tokens=False).input_ids)
+    n = len(with_special) - len(plain)
+    if n < 0 or with_special[n:] != plain:
+        raise CtxcError("the tokenizer adds tokens after a text: bake needs them before it only")
+    return with_special[:n]
+
+
+def read_queries(path: Path) -> list[str]:
+    """The non-blank lines of a UTF-8 query file; a CtxcError if it has none."""
+    if not path.is_file():
+        raise CtxcError(f"query file not found: {path}")
+    try:
+        lines = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise CtxcError(f"query file is not UTF-8 text: {path} (byte {exc.start})") from None
+    queries = [line.strip() for line in lines if line.strip()]
+    if not queries:
+        raise CtxcError(f"query file is empty: {path}")
+    return queries
+
+
+def text_queries(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Each text's ids without special tokens (a leading space joins it to the context)."""
+    out = []
+    for text in texts:
+        ids = list(tokenizer(" " + text.strip(), add_special_tokens=False).input_ids)
+        if not ids:
+            raise CtxcError(f"query {text!r} tokenizes to no tokens")
+        out.append(ids)
+    return out
+
+
+def sample_continuations(
+    model: torch.nn.Module, context_ids: list[int], count: int, length: int, seed: int
+) -> list[list[int]]:
+    """``count`` continuations of ``length`` tokens sampled (temperature 1) from ``model`` fed
+    the context; the context is run once and its cache shared by every sample.
+
+    Args:
+        model: the unpatched causal LM.
+        context_ids: the context ids.
+        count: K, the number of samples.
+        length: tokens per sample.
+        seed: the sampling seed (a ``torch.Generator``: the global RNG is left alone).
+
+    Returns:
+        the samples' ids, [count][length].
+    """
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        ids = torch.tensor([context_ids], device=device)
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(count)
+        logits = out.logits[:, -1].float().expand(count, -1)  # [K, vocab]
+        picked = []
+        for _ in range(length):
+            probs = logits.double().softmax(-1).cpu()
+            tok = torch.multinomial(probs, 1, generator=gen)  # [K, 1]
+            picked.append(tok)
+            out = model(input_ids=tok.to(device), past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()
+    return torch.cat(picked, dim=1).tolist()
+
+
+def record_fit_targets(
+    traced: TracedModel, blocks: BlockMap, data: FitData
+) -> dict[str, BlockTargets]:
+    """The full runs' targets at every fit position, rows stacked query by query.
+
+    Returns:
+        block path -> stacked :class:`BlockTargets` (``z`` [N, d_in], ``y`` [N, d]).
+    """
+    zs: dict[str, list[torch.Tensor]] = {b.path: [] for b in blocks.blocks}
+    ys: dict[str, list[torch.Tensor]] = {b.path: [] for b in blocks.blocks}
+    for i in range(len(data.queries)):
+        k = len(data.reduced(i))
+        run = record_targets(traced, blocks, torch.tensor([data.full(i)]), k)
+        for path, tg in run.targets.items():
+            zs[path].append(tg.z)
+            ys[path].append(tg.y)
+    return {p: BlockTargets(z=torch.cat(zs[p]), y=torch.cat(ys[p])) for p in zs}

@@ -1,0 +1,192 @@
+"""``method="distill"``: a LoRA of the patch's rank trained by context distillation.
+
+The student is the model with a PEFT LoRA on every MLP linear the fit patches, fed the query
+alone; the teacher is the same model fed the context and the query. The loss is KL(teacher ||
+student) at every position of the fit data (the fit's constraints), over the teacher's top
+``TOP`` tokens (the rest of the vocabulary carries under 1e-3 of the mass on the contexts
+measured; storing all 262k logits per position would not fit). Seeded; AdamW. The trained
+factors become a :class:`~ctxc.core.patch.Patch` (``dW = (alpha / r) B A``), so every backend takes
+it. The model is left as it was (the LoRA layers are unloaded). Training runs for a step count
+or, given a time budget (``options.distill_seconds``), until that wall time is spent; the
+:class:`DistillRun` says how many steps it reached.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ctxc.bake.data import FitData
+from ctxc.core.patch import Delta, Patch, PatchMeta
+
+__all__ = ["TOP", "DistillRun", "distill", "teacher_top"]
+
+TOP = 256  # teacher tokens kept per position
+
+
+@dataclass(frozen=True)
+class DistillRun:
+    """What :func:`distill` trained.
+
+    Attributes:
+        patch: the distilled :class:`Patch`.
+        rank: the LoRA's rank.
+        steps: optimiser steps taken.
+        seconds: wall time of the training loop (the teacher's runs not included).
+        loss: the last step's loss (mean KL per position over the teacher's top tokens).
+    """
+
+    patch: Patch
+    rank: int
+    steps: int
+    seconds: float
+    loss: float
+
+
+def teacher_top(model: torch.nn.Module, data: FitData) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The teacher's top-``TOP`` log-probabilities and their token ids at each fit position.
+
+    Returns:
+        per query ``(logp [k, TOP] float32, ids [k, TOP] int64)``.
+    """
+    out = []
+    with torch.no_grad():
+        for i in range(len(data.queries)):
+            k = len(data.reduced(i))
+            x = torch.tensor([data.full(i)])
+            logits = model(input_ids=x, logits_to_keep=k).logits[0].float()
+            logp = logits.log_softmax(-1)  # [k, vocab]
+            top = logp.topk(min(TOP, logp.shape[-1]), dim=-1)
+            out.append((top.values, top.indices))
+    return out
+
+
+def _lora_targets(blocks) -> dict[str, str]:
+    """Module path -> block path of every linear the fit moves (inner and outer)."""
+    return {s.module: b.path for b in blocks.blocks for s in (*b.inner, b.outer)}
+
+
+def distill(
+    model: torch.nn.Module,
+    blocks,
+    data: FitData,
+    options,
+    meta: PatchMeta,
+    start: Patch | None = None,
+    on_step: Callable[[int, int, str], None] | None = None,
+    teacher: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+) -> DistillRun:
+    """Train the LoRA and return it as a patch (the model is restored afterwards).
+
+    Args:
+        model: the unpatched model.
+        blocks: its block map (which linears get a LoRA).
+        data: the fit data.
+        options: the :class:`~ctxc.bake.fit.BakeOptions` (rank, steps or seconds, lr, seed); rank
+            None: full rank (each matrix's smallest side, the largest of them).
+        meta: the patch's metadata.
+        start: the fit's patch to start from: its matrices initialise the LoRA (truncated to
+            the rank), its vector deltas stay applied during training and join the result.
+        on_step: progress callback ``(step, steps, "distill")`` (steps 0 under a time budget).
+        teacher: :func:`teacher_top` of ``data``, when already computed.
+
+    Returns:
+        the :class:`DistillRun`.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = _lora_targets(blocks)
+    rank = options.rank or max(min(model.get_submodule(m).weight.shape) for m in targets)
+    teacher = teacher if teacher is not None else teacher_top(model, data)
+    vectors = {n: d for n, d in (start.deltas if start else {}).items() if d.vector is not None}
+    fixed = Patch(vectors, meta) if vectors else None
+    torch.manual_seed(options.seed)
+    config = LoraConfig(r=rank, lora_alpha=rank, target_modules=list(targets), lora_dropout=0.0)
+    if fixed is not None:
+        fixed.apply(model, check=False)
+    peft_model = get_peft_model(model, config)
+    try:
+        if start is not None:
+            _init_from(peft_model, start, targets, rank)
+        steps, seconds, loss = _train(peft_model, data, teacher, options, on_step)
+        deltas = _deltas(peft_model, targets, rank)
+    finally:
+        peft_model.unload()
+        if fixed is not None:
+            fixed.remove(model)
+    deltas.update(vectors)
+    ordered = {n: deltas[n] for n in _param_order(model, deltas)}
+    return DistillRun(Patch(ordered, meta), rank, steps, seconds, loss)
+
+
+def _param_order(model: torch.nn.Module, deltas: dict) -> list[str]:
+    return [n for n, _ in model.named_parameters() if n in deltas]
+
+
+def _lora_layers(peft_model, targets: dict[str, str]):
+    for name, module in peft_model.base_model.model.named_modules():
+        if name in targets and hasattr(module, "lora_A"):
+            yield name, module
+
+
+def _init_from(peft_model, start: Patch, targets: dict[str, str], rank: int) -> None:
+    """LoRA factors from the fit's deltas: the top-``rank`` SVD split evenly (scaling 1)."""
+    with torch.no_grad():
+        for name, module in _lora_layers(peft_model, targets):
+            delta = start.deltas.get(f"{name}.weight")
+            if delta is None or delta.u is None:
+                continue
+            dw = delta.dense() if delta.layout == "out_in" else delta.dense().T  # [out, in]
+            u, s, vh = torch.linalg.svd(dw, full_matrices=False)
+            r = min(rank, s.numel())
+            root = s[:r].sqrt()
+            module.lora_B["default"].weight.zero_()
+            module.lora_A["default"].weight.zero_()
+            module.lora_B["default"].weight[:, :r] = u[:, :r] * root  # [out, r]
+            module.lora_A["default"].weight[:r] = root[:, None] * vh[:r]  # [r, in]
+
+
+def _train(peft_model, data: FitData, teacher, options, on_step) -> tuple[int, float, float]:
+    """The training loop; (steps taken, seconds, last loss)."""
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=options.distill_lr, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(options.seed)
+    n, batch = len(data.queries), min(4, len(data.queries))
+    budget = options.distill_seconds
+    steps = 0 if budget is not None else options.distill_steps
+    clock, step, last = time.perf_counter(), 0, float("nan")
+    # A time budget checks the clock before each step: at least one step, then until spent.
+    while (step < steps) if budget is None else (step == 0 or time.perf_counter() - clock < budget):
+        picks = torch.randperm(n, generator=gen)[:batch].tolist()
+        loss = torch.zeros(())
+        count = 0
+        for i in picks:
+            logits = peft_model(input_ids=torch.tensor([data.reduced(i)])).logits[0].float()
+            logp = logits.log_softmax(-1)  # [k, vocab]
+            t_logp, t_ids = teacher[i]  # [k, TOP]
+            got = logp.gather(-1, t_ids)  # [k, TOP]
+            loss = loss + (t_logp.exp() * (t_logp - got)).sum()
+            count += t_ids.shape[0]
+        loss = loss / count
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step, last = step + 1, float(loss)
+        if on_step is not None:
+            on_step(step, steps, "distill")
+    return step, time.perf_counter() - clock, last
+
+
+def _deltas(peft_model, targets: dict[str, str], rank: int) -> dict[str, Delta]:
+    out = {}
+    for name, module in _lora_layers(peft_model, targets):
+        a = module.lora_A["default"].weight.detach().float()  # [r, in]
+        b = module.lora_B["default"].weight.detach().float()  # [out, r]
+        scale = float(module.scaling["default"])
+        out[f"{name}.weight"] = Delta(
+            f"{name}.weight", targets[name], u=(b * scale).contiguous(), v=a.T.contiguous()
+        )
+    return out

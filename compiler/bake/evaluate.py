@@ -1,0 +1,274 @@
+"""How well a thought patch stands in for its context on queries (issue 13, Evaluation).
+
+For each query ``q`` the patched model is fed ``prefix + q`` (no context) and compared with the
+original model fed ``context + q`` at every position of the patched input: mean KL(full ||
+patched) per token, top-1 agreement, and free generation: greedy tokens from each, counted until
+the first difference. Without a patch the same figures are the unpatched control's.
+
+The original model's side (the :class:`Reference`) is computed once per query set and reused by
+every patch: the context is run once and its KV cache continued by each query, and its greedy
+continuation is kept as tokens. A patch then costs one forward per query, batched: the patched
+model fed ``prefix + q + g[:-1]`` (``g`` the reference's greedy tokens) gives the KL/top-1
+positions and, at each generated position, the token the patched model would pick. By causality
+its free greedy generation equals ``g`` exactly up to the first position where that pick differs,
+so the matched count is the leading run of agreements (up to rounding at a near-tie, as between
+any two runs). Memory: one batch's logits and the reference's float32 logits at the compared
+positions (1 MiB per position for a 262k vocabulary); :func:`evaluate_many` holds one chunk of
+queries' reference at a time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ctxc.bake.data import FitData
+from ctxc.core.patch import Patch
+
+__all__ = [
+    "BakeEval",
+    "Reference",
+    "evaluate",
+    "evaluate_against",
+    "evaluate_many",
+    "greedy",
+    "position_figures",
+    "reference",
+]
+
+_BATCH = 4  # patched queries per forward: 4 x 64 positions x 1 MiB of logits for Gemma 3
+_CHUNK = 8  # queries whose reference evaluate_many holds at a time
+
+
+@dataclass(frozen=True)
+class BakeEval:
+    """Figures of a patched model (or the control) on a set of queries.
+
+    Attributes:
+        queries: how many queries.
+        positions: how many positions were compared.
+        kl: mean KL(full-context || patched) per position, nats.
+        top1: fraction of positions whose argmax agrees.
+        matched: mean greedy tokens generated before the first difference (of ``gen_tokens``).
+        gen_tokens: tokens generated per query (0: no generation).
+        matched_all: each query's matched tokens.
+    """
+
+    queries: int
+    positions: int
+    kl: float
+    top1: float
+    matched: float
+    gen_tokens: int
+    matched_all: list[int]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Reference:
+    """The original model fed the context, on a set of queries: computed once, reused.
+
+    Attributes:
+        data: the context and the queries.
+        gen_tokens: greedy tokens kept per query.
+        logits: per query, the full-context logits at the patched input's positions
+            [len(prefix + q), vocab], float32.
+        tokens: per query, its greedy continuation (``gen_tokens`` ids).
+    """
+
+    data: FitData
+    gen_tokens: int
+    logits: tuple[torch.Tensor, ...]
+    tokens: tuple[tuple[int, ...], ...]
+
+
+def position_figures(
+    patched: torch.Tensor, full: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(full || patched) and top-1 agreement at each position.
+
+    Args:
+        patched: logits [k, vocab].
+        full: the full-context logits [k, vocab].
+
+    Returns:
+        (kl [k] float64, agree [k] bool).
+    """
+    lp = patched.double().log_softmax(-1)  # [k, vocab]
+    lf = full.double().log_softmax(-1)  # [k, vocab]
+    kl = (lf.exp() * (lf - lp)).sum(-1)  # [k]
+    return kl, patched.argmax(-1) == full.argmax(-1)
+
+
+def greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
+    """``steps`` greedy tokens after ``ids`` (KV cache, no sampling)."""
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids], device=device), use_cache=True, logits_to_keep=1)
+    return _continue(model, out, steps)
+
+
+def _continue(model: torch.nn.Module, out, steps: int) -> list[int]:
+    """Greedy tokens from a forward's output (its last logits and its cache)."""
+    device = next(model.parameters()).device
+    got: list[int] = []
+    for i in range(steps):
+        tok = int(out.logits[0, -1].argmax())
+        got.append(tok)
+        if i + 1 < steps:
+            nxt = torch.tensor([[tok]], device=device)
+            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
+    return got
+
+
+def reference(
+    model: torch.nn.Module, data: FitData, gen_tokens: int = 32, on_query=None
+) -> Reference:
+    """The original model fed ``context + q`` for each query: logits and greedy tokens.
+
+    The context runs once; each query continues a copy of its KV cache (the same computation
+    as the full input, up to rounding).
+
+    Args:
+        model: the unpatched model.
+        data: the context and the queries.
+        gen_tokens: greedy tokens per query (0: none).
+        on_query: progress callback ``(done, total)``.
+    """
+    device = next(model.parameters()).device
+    p = len(data.prefix)
+    logits, tokens = [], []
+    with torch.no_grad():
+        ctx = torch.tensor([data.context_ids], device=device)
+        first = model(input_ids=ctx, use_cache=True, logits_to_keep=max(p, 1))
+        head = first.logits[0, first.logits.shape[1] - p :].float().cpu()  # [p, vocab]
+        for i, q in enumerate(data.queries):
+            cache = copy.deepcopy(first.past_key_values)
+            x = torch.tensor([q], device=device)
+            out = model(input_ids=x, past_key_values=cache, use_cache=True)
+            # The patched input's positions: the context's last p (matched to the prefix), then
+            # every query position.
+            logits.append(torch.cat([head, out.logits[0].float().cpu()]))
+            tokens.append(tuple(_continue(model, out, gen_tokens)))
+            if on_query is not None:
+                on_query(i + 1, len(data.queries))
+    return Reference(data, gen_tokens, tuple(logits), tuple(tokens))
+
+
+def _matched(picks: list[int], want: tuple[int, ...]) -> int:
+    n = 0
+    for x, y in zip(picks, want, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _query_figures(model, patch: Patch | None, ref: Reference, batch: int):
+    """Per query (kl [k], agree [k], matched) of the model with ``patch``."""
+    device = next(model.parameters()).device
+    data, gen = ref.data, ref.gen_tokens
+    rows = [
+        data.reduced(i) + list(ref.tokens[i][: max(gen - 1, 0)]) for i in range(len(ref.tokens))
+    ]
+    applied = patch.applied(model, check=False) if patch is not None else contextlib.nullcontext()
+    found = []
+    with torch.no_grad(), applied:
+        for start in range(0, len(rows), batch):
+            group = rows[start : start + batch]
+            width = max(len(r) for r in group)
+            # Right padding: a causal model's earlier positions never see the padding.
+            x = torch.tensor([r + [0] * (width - len(r)) for r in group], device=device)
+            out = model(input_ids=x).logits.float().cpu()  # [b, width, vocab]
+            for j in range(len(group)):
+                i, k = start + j, len(data.reduced(start + j))
+                kl, agree = position_figures(out[j, :k], ref.logits[i])
+                picks = out[j, k - 1 : k - 1 + gen].argmax(-1).tolist() if gen else []
+                found.append((kl, agree, _matched(picks, ref.tokens[i])))
+            del out
+    return found
+
+
+def evaluate_against(
+    model: torch.nn.Module, patch: Patch | None, ref: Reference, batch: int = _BATCH
+) -> BakeEval:
+    """The figures of ``model`` with ``patch`` (None: the control) against a reference.
+
+    Args:
+        model: the unpatched model the patch was computed on (left as it was).
+        patch: the thought patch, or None.
+        ref: the :class:`Reference` of the queries.
+        batch: queries per forward.
+    """
+    found = _query_figures(model, patch, ref, batch)
+    return _summarise(*map(list, zip(*found, strict=True)), gen_tokens=ref.gen_tokens)
+
+
+def evaluate(
+    model: torch.nn.Module,
+    patch: Patch | None,
+    data: FitData,
+    gen_tokens: int = 32,
+    on_query=None,
+) -> BakeEval:
+    """The figures of ``model`` with ``patch`` applied (None: the unpatched control) on
+    ``data``'s queries; the model is left as it was.
+
+    Args:
+        model: the unpatched model the patch was computed on.
+        patch: the thought patch, or None.
+        data: the context and the queries.
+        gen_tokens: greedy tokens per query for the free-generation figure (0: skip).
+        on_query: progress callback ``(done, total)``.
+
+    Returns:
+        the :class:`BakeEval`.
+    """
+    return evaluate_many(model, [patch], data, gen_tokens, on_query)[0]
+
+
+def evaluate_many(
+    model: torch.nn.Module,
+    patches: list[Patch | None],
+    data: FitData,
+    gen_tokens: int = 32,
+    on_query=None,
+) -> list[BakeEval]:
+    """:func:`evaluate` for several patches (None: the control), sharing the reference runs;
+    ``_CHUNK`` queries' reference in memory at a time.
+
+    Returns:
+        one :class:`BakeEval` per patch, in order.
+    """
+    figs: list[list] = [[] for _ in patches]
+    n = len(data.queries)
+    for start in range(0, n, _CHUNK):
+        sub = FitData(
+            data.context_ids,
+            data.prefix,
+            data.queries[start : start + _CHUNK],
+            data.kinds[start : start + _CHUNK],
+        )
+        ref = reference(model, sub, gen_tokens)
+        for patch, acc in zip(patches, figs, strict=True):
+            acc.extend(_query_figures(model, patch, ref, _BATCH))
+        if on_query is not None:
+            on_query(min(start + _CHUNK, n), n)
+    return [_summarise(*map(list, zip(*f, strict=True)), gen_tokens=gen_tokens) for f in figs]
+
+
+def _summarise(kls: list, agrees: list, matched: list[int], gen_tokens: int) -> BakeEval:
+    kl_all, agree_all = torch.cat(kls), torch.cat(agrees)
+    return BakeEval(
+        queries=len(matched),
+        positions=int(kl_all.numel()),
+        kl=float(kl_all.mean()),
+        top1=float(agree_all.double().mean()),
+        matched=float(sum(matched) / max(len(matched), 1)),
+        gen_tokens=gen_tokens,
+        matched_all=matched,
+    )

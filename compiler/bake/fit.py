@@ -1,0 +1,288 @@
+"""``ctxc.bake.fit``: one reusable patch per context, fitted over many queries (issue 13).
+
+The exact compiler patches one query; a thought patch must serve queries it has never seen. The
+fit data are a query file's lines and/or K continuations sampled from the model fed the context;
+every position of every query is a constraint. ``method="fit"`` solves the exact moves in the
+least-squares sense over all positions, block by block along the patched run
+(:func:`~ctxc.passes.solver.fit_solve.fit_solve`); ``method="distill"`` trains a LoRA of the same
+rank
+by context distillation (:mod:`ctxc.bake.distill`). Both give a :class:`~ctxc.core.patch.Patch`, so
+every backend takes it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ctxc._version import __version__
+from ctxc.bake.data import (
+    FitData,
+    record_fit_targets,
+    sample_continuations,
+    special_prefix,
+    text_queries,
+)
+from ctxc.core.errors import CtxcError, UnpatchableError
+from ctxc.core.patch import Patch, PatchMeta
+from ctxc.models.fingerprint import fingerprint
+from ctxc.models.load import check_length
+from ctxc.passes.runtime.run_graph import BlockTargets
+from ctxc.passes.solver.fit_moves import FitOptions
+from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
+from ctxc.pipeline import traced_blocks
+
+__all__ = ["BAKE_METHODS", "BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]
+
+BAKE_METHODS = ("fit", "distill")
+
+
+@dataclass(frozen=True)
+class BakeOptions:
+    """How a thought patch is made.
+
+    Attributes:
+        samples: K, continuations sampled from the model fed the context.
+        sample_tokens: tokens per sampled continuation.
+        rank: rank budget per matrix; None: no budget.
+        method: ``fit`` or ``distill``.
+        ridge: relative ridge of the matrix fits
+        (:class:`~ctxc.passes.solver.fit_moves.FitOptions`);
+            among 0.05-5, 1.0 was best held out on the hand-written questions and within
+            0.02 of 5 on fresh samples (docs/thought_patches.md, levers).
+        scale_ridge: relative ridge of the post-norm scale fit (0.1: best among 0.01-1).
+        seed: the sampling (and training) seed.
+        distill_steps: optimiser steps of ``distill``.
+        distill_seconds: a wall-time budget for ``distill`` instead of ``distill_steps`` (the
+            training loop's time; the report gives the steps reached). None: the step count.
+        distill_lr: its learning rate.
+        distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
+        fit_prefix: the prefix positions (BOS, matched to the context's last token) are
+            constraints too; False (default): they are run but not fitted. The BOS position is
+            the same in every query (K identical rows of a very large norm): fitted, it
+            dominated the least squares and held-out KL on fresh samples was 0.71 against
+            0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
+        input_moves: fit the inner linears' input moves too; False: the output move only.
+    """
+
+    samples: int = 32
+    sample_tokens: int = 32
+    rank: int | None = None
+    method: str = "fit"
+    ridge: float = 1.0
+    scale_ridge: float = 0.1
+    seed: int = 0
+    distill_steps: int = 200
+    distill_seconds: float | None = None
+    distill_lr: float = 1e-3
+    distill_from_fit: bool = False
+    fit_prefix: bool = False
+    input_moves: bool = True
+
+
+@dataclass(frozen=True)
+class BakeResult:
+    """What :func:`bake` returns.
+
+    Attributes:
+        patch: the thought patch (its ``query_ids`` are the first fit query's).
+        data: the fit data.
+        fit: the fit's per-block figures (None for ``distill`` from scratch).
+        report: JSON-ready figures: options, sizes, per-block fit figures, timings.
+    """
+
+    patch: Patch
+    data: FitData
+    fit: FitSolution | None
+    report: dict
+
+
+def bake_data(
+    model: torch.nn.Module,
+    tokenizer,
+    context_ids: list[int],
+    queries: Sequence[str] | None,
+    samples: int,
+    sample_tokens: int,
+    seed: int,
+    prefix: list[int] | None = None,
+) -> FitData:
+    """The fit data: the query texts' ids, then ``samples`` sampled continuations.
+
+    Raises:
+        CtxcError: nothing to fit (no query and K = 0), or an input past the model's positions.
+    """
+    if samples < 0:
+        raise CtxcError(f"--samples must be at least 0 (got {samples})")
+    if not queries and samples == 0:
+        raise CtxcError("--samples 0 and no query file: nothing to fit the patch on")
+    if prefix is None:
+        prefix = special_prefix(tokenizer) if tokenizer is not None else []
+    given = text_queries(tokenizer, queries) if queries else []
+    longest = max([len(q) for q in given] + [sample_tokens if samples else 0])
+    check_length(model, len(context_ids) + longest, "context + longest query")
+    sampled = (
+        sample_continuations(model, context_ids, samples, sample_tokens, seed) if samples else []
+    )
+    return FitData(
+        list(context_ids),
+        list(prefix),
+        given + sampled,
+        ["file"] * len(given) + ["sample"] * samples,
+    )
+
+
+def check_rank(rank: int | None, model: torch.nn.Module, blocks) -> None:
+    """Refuse a rank of 0 or past every patched matrix's size (one line)."""
+    if rank is None:
+        return
+    if rank < 1:
+        raise CtxcError(f"--rank must be at least 1 (got {rank})")
+    largest = 0
+    for block in blocks.blocks:
+        for site in (*block.inner, block.outer):
+            largest = max(largest, min(model.get_parameter(site.weight).shape[-2:]))
+    if rank > largest:
+        raise CtxcError(f"--rank {rank} is past the matrix size: the largest rank is {largest}")
+
+
+def bake(
+    model: torch.nn.Module,
+    tokenizer=None,
+    context: str | None = None,
+    queries: Sequence[str] | None = None,
+    *,
+    options: BakeOptions | None = None,
+    context_ids: list[int] | None = None,
+    data: FitData | None = None,
+    targets: dict[str, BlockTargets] | None = None,
+    teacher: list | None = None,
+    on_stage: Callable[[str], None] | None = None,
+    on_block: Callable[[int, int, str], None] | None = None,
+) -> BakeResult:
+    """Bake ``context`` into one patch for every query; the model is left unmodified.
+
+    Args:
+        model: a causal LM (float32 advised: the patch is fitted in float32).
+        tokenizer: its tokenizer (for text, the prefix and the query file).
+        context: the context text; or ``context_ids``.
+        queries: query texts to fit on (besides the ``options.samples`` sampled ones).
+        options: :class:`BakeOptions`.
+        context_ids: the context's ids instead of text.
+        data: ready fit data (context, prefix, query ids) instead of the above.
+        targets: :func:`~ctxc.bake.data.record_fit_targets` of ``data``, when already recorded
+            (reused between ranks and methods; rows of a longer set's leading queries serve).
+        teacher: :func:`~ctxc.bake.distill.teacher_top` of ``data``, likewise (``distill``).
+        on_stage: progress callback with a stage name.
+        on_block: progress callback ``(done, total, block)`` of the fit.
+
+    Returns:
+        the :class:`BakeResult`.
+
+    Raises:
+        CtxcError: bad input (empty context, nothing to fit, a bad rank, too long), a model
+            whose blocks cannot be fitted, or a failed condition (with the block).
+    """
+    o = options or BakeOptions()
+    stage = on_stage or (lambda _name: None)
+    if o.method not in BAKE_METHODS:
+        raise CtxcError(f"unknown method {o.method!r}; expected one of {', '.join(BAKE_METHODS)}")
+    if Patch.is_applied(model):
+        raise CtxcError("a patch is applied to this model: remove it before baking")
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    if data is None:
+        ids = _context_ids(tokenizer, context, context_ids)
+        stage("sampling")
+        data = bake_data(model, tokenizer, ids, queries, o.samples, o.sample_tokens, o.seed)
+    timings["data"] = round(time.perf_counter() - clock, 3)
+    traced, blocks = _fit_blocks(model, o)
+    fit, extra = None, {}
+    if o.method == "fit" or o.distill_from_fit:
+        if targets is None:
+            clock = time.perf_counter()
+            stage("full runs")
+            targets = record_fit_targets(traced, blocks, data)
+            timings["targets"] = round(time.perf_counter() - clock, 3)
+        stage("fitting")
+        clock = time.perf_counter()
+        queries_t = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
+        opts = FitOptions(o.ridge, o.rank, o.scale_ridge, o.input_moves)
+        rows = None if o.fit_prefix else _query_rows(data)
+        fit = fit_solve(traced, blocks, targets, queries_t, opts, on_block, rows)
+        timings["fit"] = round(time.perf_counter() - clock, 3)
+    meta = _meta(model, traced.dtype, data, o)
+    patch = Patch(fit.deltas, meta) if fit is not None else None
+    if o.method == "distill":
+        from ctxc.bake.distill import distill
+
+        stage("distilling")
+        clock = time.perf_counter()
+        run = distill(model, blocks, data, o, meta, start=patch, teacher=teacher)
+        timings["distill"] = round(time.perf_counter() - clock, 3)
+        patch = run.patch
+        extra["distill"] = {"rank": run.rank, "steps": run.steps, "seconds": run.seconds}
+        extra["distill"]["last_loss"] = run.loss
+    assert patch is not None
+    return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra})
+
+
+def _fit_blocks(model: torch.nn.Module, o: BakeOptions):
+    """The traced model and its blocks, refused in one line when bake cannot fit them."""
+    traced, blocks = traced_blocks(model)
+    if traced.frontend == "static":
+        raise CtxcError("bake needs one export for every query length; this model has none")
+    if not blocks.blocks or blocks.rejections:
+        raise UnpatchableError(
+            "bake needs every block patchable: " + "; ".join(str(r) for r in blocks.rejections)
+            if blocks.rejections
+            else "no MLP block found"
+        )
+    check_rank(o.rank, model, blocks)
+    return traced, blocks
+
+
+def _query_rows(data: FitData) -> torch.Tensor:
+    """[N] bool: True at the query tokens' positions, False at each prefix position."""
+    n = len(data.prefix)
+    return torch.cat([torch.arange(n + len(q)) >= n for q in data.queries])
+
+
+def _context_ids(tokenizer, context: str | None, context_ids: list[int] | None) -> list[int]:
+    if context_ids is not None:
+        if not context_ids:
+            raise CtxcError("the context is empty")
+        return [int(i) for i in context_ids]
+    if context is None or not context.strip():
+        raise CtxcError("the context is empty")
+    if tokenizer is None:
+        raise CtxcError("a tokenizer is needed for text input")
+    return list(tokenizer(context).input_ids)
+
+
+def _meta(model, dtype: torch.dtype, data: FitData, o: BakeOptions) -> PatchMeta:
+    return PatchMeta(
+        fingerprint=fingerprint(model),
+        context_ids=data.context_ids,
+        query_ids=data.queries[0],
+        update=f"bake-{o.method}",
+        dtype=str(dtype).removeprefix("torch."),
+        ctxc_version=__version__,
+        model=str(getattr(model, "ctxc_name", getattr(model, "name_or_path", ""))),
+    )
+
+
+def _report(o: BakeOptions, data: FitData, fit: FitSolution | None, timings: dict) -> dict:
+    return {
+        "options": asdict(o),
+        "context_tokens": len(data.context_ids),
+        "fit_queries": len(data.queries),
+        "fit_positions": data.positions,
+        "fit_kinds": {k: data.kinds.count(k) for k in sorted(set(data.kinds))},
+        "blocks": [asdict(b) for b in fit.blocks] if fit is not None else [],
+        "timings": timings,
+        "ctxc_version": __version__,
+    }

@@ -1,0 +1,194 @@
+"""``ctxc bake`` and ``ctxc eval-bake``: thought patches from the command line (issue 13).
+
+No torch import at module level (``ctxc --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from ctxc.cli.output import output_folder
+from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
+from ctxc.cli.support import emit_checked, load, parse_emit, read_context
+from ctxc.core.errors import CtxcError
+
+__all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
+
+
+class Method(str, Enum):
+    fit = "fit"
+    distill = "distill"
+
+
+def parse_rank(rank: str) -> int | None:
+    """``full`` -> None, else a positive integer; a CtxcError otherwise."""
+    if rank.strip().lower() == "full":
+        return None
+    try:
+        value = int(rank)
+    except ValueError:
+        raise CtxcError(f"--rank {rank!r} is not an integer or 'full'") from None
+    if value < 1:
+        raise CtxcError(f"--rank must be at least 1 (got {value})")
+    return value
+
+
+def bake_cmd(
+    context: Path = typer.Option(..., "--context", help="UTF-8 text file with the context."),
+    queries: Path = typer.Option(None, "--queries", help="Fit queries, one per line."),
+    samples: int = typer.Option(32, "--samples", help="K continuations sampled to fit on."),
+    sample_tokens: int = typer.Option(32, "--sample-tokens", help="Tokens per sample."),
+    rank: str = typer.Option("64", "--rank", help="Rank budget per matrix, or 'full'."),
+    method: Method = typer.Option(Method.fit, "--method", help="fit (closed form) or distill."),
+    ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
+    seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
+    steps: int = typer.Option(200, "--steps", help="distill: optimiser steps."),
+    seconds: float = typer.Option(
+        None, "--seconds", help="distill: train for this wall time instead of --steps."
+    ),
+    from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
+    eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
+    eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out samples (seed + 1)."),
+    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
+    emit: str = typer.Option("torch", "--emit", help="Comma list: torch, onnx, peft."),
+    out_dir: Path = typer.Option(Path("ctxc-bake"), "--out", help="Output folder."),
+    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    verbose: bool = VERBOSE,
+) -> None:
+    """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
+    from ctxc.bake.data import read_queries
+
+    text = read_context(context)
+    fit_texts = read_queries(queries) if queries is not None else None
+    held_texts = read_queries(eval_queries) if eval_queries is not None else None
+    r = parse_rank(rank)
+    for flag, value, low in (("--samples", samples, 0), ("--sample-tokens", sample_tokens, 1)):
+        if value < low:
+            raise CtxcError(f"{flag} must be at least {low} (got {value})")
+    if samples == 0 and fit_texts is None:
+        raise CtxcError("--samples 0 and no --queries: nothing to fit the patch on")
+    if eval_samples < 0 or steps < 1:
+        raise CtxcError("--eval-samples must be at least 0 and --steps at least 1")
+    if seconds is not None and not seconds > 0:
+        raise CtxcError(f"--seconds must be positive (got {seconds})")
+    if method is Method.distill and importlib.util.find_spec("peft") is None:
+        raise CtxcError("--method distill needs peft: pip install 'ctxc[peft]'")
+    kinds = parse_emit(emit)
+    with output_folder(out_dir, force, "bake") as tmp:
+        from ctxc.bake.fit import BakeOptions, bake
+
+        net, tokenizer = load(model, "float32")
+        opts = BakeOptions(
+            samples=samples,
+            sample_tokens=sample_tokens,
+            rank=r,
+            method=method.value,
+            ridge=ridge,
+            seed=seed,
+            distill_steps=steps,
+            distill_seconds=seconds,
+            distill_from_fit=from_fit,
+        )
+        with stage_progress("baking", "fitting") as (on_stage, on_block):
+            result = bake(
+                net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage, on_block=on_block
+            )
+        report = result.report
+        report["figures"] = _figures(net, tokenizer, result, held_texts, eval_samples, seed)
+        result.patch.save(tmp / "patch.safetensors")
+        report["artefacts"] = _emit(net, tokenizer, result.patch, tmp, kinds)
+        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    for line in _summary(report["figures"]):
+        say(line)
+    say(f"wrote {out_dir}/")
+
+
+def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -> dict:
+    """Fit-data and held-out figures of the patch beside the unpatched control's."""
+    from ctxc.bake.evaluate import evaluate_many
+    from ctxc.bake.fit import bake_data
+
+    data = result.data
+    sets = {"fit": data}
+    ids = data.context_ids
+    if eval_samples:
+        sets["held_out_samples"] = bake_data(
+            net, tokenizer, ids, None, eval_samples, 32, seed + 1, data.prefix
+        )
+    if held_texts:
+        sets["held_out_queries"] = bake_data(net, tokenizer, ids, held_texts, 0, 32, seed)
+    figures = {}
+    for name, d in sets.items():
+        gen = 0 if name == "fit" else 32
+        stage(f"evaluating on {name}, {len(d.queries)} queries")
+        patched, control = evaluate_many(net, [result.patch, None], d, gen)
+        figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
+    return figures
+
+
+def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
+    """The artefacts of ``kinds``; their check figures (fidelity on the first fit query)."""
+    figures = {}
+    if "torch" in kinds:
+        from ctxc.backends.torch.model import emit_torch
+
+        stage("writing model/")
+        emit_torch(net, tokenizer, patch, tmp / "model")
+        figures["torch"] = {"written": "model/"}
+    found = emit_checked(net, patch, tmp, kinds, tokenizer=tokenizer)
+    figures.update({k: f.to_dict() for k, f in found.items()})
+    return figures
+
+
+def _summary(figures: dict) -> list[str]:
+    lines = []
+    for name, pair in figures.items():
+        p, c = pair["patched"], pair["control"]
+        gen = (
+            f", free generation {p['matched']:.1f} vs {c['matched']:.1f}" if p["gen_tokens"] else ""
+        )
+        lines.append(
+            f"{name}: KL {p['kl']:.3g} (unpatched {c['kl']:.3g}), top-1 {p['top1']:.1%} "
+            f"(unpatched {c['top1']:.1%}){gen}"
+        )
+    return lines
+
+
+def eval_bake_cmd(
+    folder: Path = typer.Argument(..., help="A ctxc bake output folder."),
+    queries: Path = typer.Option(None, "--queries", help="Held-out queries, one per line."),
+    samples: int = typer.Option(0, "--samples", help="Held-out samples to draw."),
+    seed: int = typer.Option(1, "--seed", help="Seed of the held-out samples."),
+    gen_tokens: int = typer.Option(32, "--gen-tokens", help="Greedy tokens per query."),
+    model: str = typer.Option(None, "--model", help="The model the patch was baked on."),
+    verbose: bool = VERBOSE,
+) -> None:
+    """Measure a baked patch on held-out queries against the model fed the context."""
+    from ctxc.bake.data import read_queries
+    from ctxc.core.patch import Patch
+
+    texts = read_queries(queries) if queries is not None else None
+    if not texts and samples < 1:
+        raise CtxcError("give --queries FILE or --samples K (at least 1) to evaluate on")
+    if gen_tokens < 0:
+        raise CtxcError(f"--gen-tokens must be at least 0 (got {gen_tokens})")
+    patch = Patch.load(folder)
+    if not patch.meta.update.startswith("bake"):
+        raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
+    from ctxc.bake.evaluate import evaluate_many
+    from ctxc.bake.fit import bake_data
+
+    net, tokenizer = load(model, patch.meta.dtype)
+    patch.check(net)
+    data = bake_data(net, tokenizer, patch.meta.context_ids, texts, max(samples, 0), 32, seed)
+    stage(f"evaluating on {len(data.queries)} queries")
+    patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
+    figures = {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
+    for line in _summary(figures):
+        say(line)
+    say(json.dumps(figures))

@@ -1,0 +1,297 @@
+"""``ctxc compile --contexts FILE.jsonl``: many contexts, one model load and trace (issue 11).
+
+Each line is a JSON object: ``context`` (required), ``query`` and ``name`` (optional). Every
+good line gets DIR/<name>/, exactly what a single ``ctxc compile`` writes; DIR/index.json
+lists every line with its status and headline figures. No torch import at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+from ctxc._version import __version__
+from ctxc.cli.output import MARKER
+from ctxc.cli.progress import progress, stage
+from ctxc.cli.support import emit_checked, err, out, reload_fidelity, written
+from ctxc.core.checks import ArtefactError
+from ctxc.core.errors import CtxcError
+from ctxc.core.interrupts import pause_point
+
+__all__ = ["compile_batch", "compile_into", "read_lines"]
+
+_NAME = re.compile(r"[A-Za-z0-9._-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The compile options shared by every context of a run."""
+
+    update: str
+    start_layer: int
+    skip_unpatchable: bool
+    kinds: list[str]
+    gguf_type: str = "F32"
+    images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
+    placement: object = None  # a ctxc.models.devices.Placement: where the model is loaded
+
+
+def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
+    """Compile one context and write patch.safetensors, report.json and artefacts into ``tmp``.
+
+    Returns:
+        (the report as written, the emitted artefacts' figures).
+
+    Raises:
+        ArtefactError: an artefact failed; ``tmp`` then holds the patch, the artefacts that
+            passed and report.json with the failure under ``"failed"``.
+    """
+    import ctxc
+    from ctxc.backends import precheck
+
+    precheck(net, opts.kinds)
+    result = ctxc.compile(
+        net,
+        tokenizer,
+        context=text,
+        query=query,
+        update=opts.update,
+        start_layer=opts.start_layer,
+        skip_unpatchable=opts.skip_unpatchable,
+        images=list(opts.images) or None,
+        # With model/ written, its reload measures the same weights at the same addresses
+        # (README: 3.1e-6 both ways): the in-memory run would be a second forward pass and a
+        # second materialisation of every patched weight for the same figure.
+        verify="torch" not in opts.kinds,
+        **hooks,
+    )
+    result.patch.save(tmp / "patch.safetensors")
+    pause_point("writing")
+    state = {"report": result.report, "figures": {}}
+    state["measured"] = "the patched model in memory (no model/ written)"
+    try:
+        _emit_all(net, tokenizer, tmp, result, opts, state)
+    except ArtefactError as exc:
+        _write_report(tmp, state, {**exc.passed, **state["figures"]}, exc)
+        raise
+    _write_report(tmp, state, state["figures"])
+    return state["report"], state["figures"]
+
+
+def _emit_all(net, tokenizer, tmp: Path, result, opts: Options, state: dict) -> None:
+    """model/ (reloaded and gated), then the checked artefacts; ``state`` gathers figures."""
+    from ctxc.backends.torch.model import emit_torch
+    from ctxc.core.checks import gate, staged
+    from ctxc.models.vlm import auto_model_class
+
+    if "torch" in opts.kinds:
+        state["measured"] = "the solver's pass (model/ failed its check)"  # until it passed
+        stage("writing model/ and reloading it")
+        with staged(tmp, "torch", "model/") as sub:
+            emit_torch(net, tokenizer, result.patch, sub / "model")
+            full, dtype = result.full_logits, state["report"].dtype
+            reloaded = reload_fidelity(sub / "model", result.patch, dtype, full, net)
+            gate("torch", "model/", reloaded, result.patch.meta, full)
+        state["report"] = dataclasses.replace(state["report"], emitted=reloaded)
+        name = auto_model_class(net.config).__name__
+        state["measured"] = f"model/ reloaded with {name}.from_pretrained"
+    state["figures"] = emit_checked(
+        net,
+        result.patch,
+        tmp,
+        opts.kinds,
+        full=result.full_logits,
+        tokenizer=tokenizer,
+        gguf_type=opts.gguf_type,
+        baked=result.patched_logits,
+    )
+
+
+def _write_report(tmp: Path, state: dict, figures: dict, failed=None) -> None:
+    """report.json: the compile's figures, the artefacts' and, when one failed, the failure."""
+    data = state["report"].to_dict()
+    data["emitted_measured_on"] = state["measured"]
+    data.update({kind: f.to_dict() for kind, f in figures.items()})
+    if failed is not None:
+        data["failed"] = {"artefact": failed.artefact, "error": str(failed)}
+    (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+
+
+def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
+    """(line number, parsed entry or None, error or None) for every non-blank line of ``path``."""
+    if path.is_dir():
+        raise CtxcError(f"--contexts takes a JSON Lines file; {path} is a folder")
+    if not path.is_file():
+        raise CtxcError(f"contexts file not found: {path}")
+    try:
+        raw = path.read_bytes().decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise CtxcError(f"contexts file is not UTF-8 text: {path} (byte {exc.start})") from None
+    except OSError as exc:
+        raise CtxcError(f"cannot read contexts file {path}: {exc.strerror}") from None
+    numbered = [(n, line) for n, line in enumerate(raw, 1) if line.strip()]
+    if not numbered:
+        raise CtxcError(f"contexts file is empty: {path}")
+    width = max(4, len(str(numbered[-1][0])))
+    seen: set[str] = set()
+    lines = []
+    for n, line in numbered:
+        entry, problem = _parse(line, n, width)
+        if entry is not None:
+            if entry["name"] in seen:
+                entry, problem = None, f"duplicate name {entry['name']!r}"
+            else:
+                seen.add(entry["name"])
+        lines.append((n, entry, problem))
+    return lines
+
+
+def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        return None, f"not JSON: {exc.msg} (column {exc.colno})"
+    if not isinstance(obj, dict):
+        return None, "not a JSON object"
+    context, query = obj.get("context"), obj.get("query")
+    name = obj.get("name", f"{n:0{width}d}")
+    if not isinstance(context, str) or not context.strip():
+        return None, "missing or empty 'context' (a non-empty string)"
+    if query is not None and (not isinstance(query, str) or query == ""):
+        return None, "'query' must be a non-empty string"  # " " is a query: real tokens
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+        return None, f"bad name {name!r} (letters, digits, '.', '_', '-')"
+    if name in ("index.json", MARKER) or name.startswith(".") or name.endswith(".failed"):
+        return None, f"bad name {name!r} (reserved: index.json, a leading '.', '.failed')"
+    return {"context": context, "query": query, "name": name}, None
+
+
+def compile_batch(
+    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: Options, resume=False
+):
+    """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
+
+    ``index.json`` is rewritten after every line (the lines not reached: ``"not run"``); an
+    interrupt keeps the finished lines. ``resume``: keep the lines an earlier run wrote
+    (``compiler/cli/batch_out.py``).
+
+    Returns:
+        the exit status: 0 when every line succeeded, 1 when some failed.
+    """
+    from ctxc.cli.batch_out import batch_folder
+
+    lines = read_lines(contexts)
+    rows = [
+        {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
+        for n, entry, _ in lines
+    ]
+    with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
+        from ctxc.cli.support import load
+        from ctxc.models.fingerprint import fingerprint
+
+        net, tokenizer = load(model, dtype, opts.placement)
+        folder.check_model(fingerprint(net))
+        folder.write_index(rows)
+        try:
+            _run_lines(net, tokenizer, folder, lines, rows, opts)
+        finally:  # an interrupt too: the finished lines are listed, the rest "not run"
+            folder.write_index(rows)
+    failed = sum(row["status"] == "error" for row in rows)
+    done = len(rows) - failed
+    if failed:
+        err.print(
+            f"compiled {done} of {len(rows)} contexts; {failed} failed "
+            f"(see {out_dir / 'index.json'})",
+            **_PLAIN,
+        )
+        return 1
+    kinds = ", ".join(written(opts.kinds))
+    out.print(f"compiled {done} of {len(rows)} contexts into {out_dir}/ ({kinds})", **_PLAIN)
+    return 0
+
+
+def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: Options) -> None:
+    """Compile each line (or keep it, resuming), updating ``rows`` and index.json after each."""
+    with _progress() as bar:
+        task = bar.add_task("contexts", total=len(lines))
+        for i, (n, entry, problem) in enumerate(lines):
+            if entry is not None:
+                problem, figures = _one(net, tokenizer, folder, entry, opts)
+            row = {"line": n, "name": entry["name"] if entry else None}
+            if problem is None:
+                row.update(status="ok", **figures, folder=entry["name"])
+            else:
+                row.update(status="error", error=problem)
+                err.print(f"ctxc: error: line {n}: {problem}", **_PLAIN)
+            rows[i] = row
+            folder.write_index(rows)
+            bar.update(task, advance=1)
+            pause_point(f"line {n} done")
+
+
+def _options(opts: Options, dtype: str) -> dict:
+    """What must match for a --resume to keep earlier lines (the model: its fingerprint)."""
+    where = opts.placement
+    return {
+        "ctxc_version": __version__,
+        "dtype": dtype,
+        "update": opts.update,
+        "start_layer": opts.start_layer,
+        "skip_unpatchable": opts.skip_unpatchable,
+        "emit": list(opts.kinds),
+        "gguf_type": opts.gguf_type,
+        "device": getattr(where, "device", None),
+        "device_map": getattr(where, "device_map", None),
+        "max_memory": None if where is None else repr(where.max_memory),
+    }
+
+
+_PLAIN = {"highlight": False, "markup": False, "soft_wrap": True}
+
+
+def _progress():
+    """Contexts done of all and the rate, on the command's progress trail (cli_progress.py)."""
+    return progress(rate="contexts/s")
+
+
+def _one(net, tokenizer, folder, entry: dict, opts: Options):
+    """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
+
+    A line already written by an earlier run (``--resume``) is kept; an artefact that fails
+    keeps the rest in DIR/<name>.failed/; an unexpected error is recorded for this line only.
+    """
+    import os
+
+    from ctxc.cli.batch_out import headline, input_digest
+
+    digest = input_digest(entry)
+    kept = folder.finished(entry["name"], digest)
+    if kept is not None:
+        return None, kept
+    staging = folder.staging(entry["name"])
+    try:
+        compile_into(
+            net, tokenizer, staging, entry["context"], entry["query"], opts, on_stage=pause_point
+        )
+        folder.commit(staging, entry["name"], digest)
+    except ArtefactError as exc:
+        where = folder.keep_failed(staging, entry["name"], exc.artefact)
+        return f"{_line(exc)}; the patch and what passed are kept in {where}/", None
+    except CtxcError as exc:
+        folder.discard(staging)
+        return _line(exc), None
+    except Exception as exc:  # a bug on one line: recorded, and the other lines still run
+        folder.discard(staging)
+        if os.environ.get("CTXC_DEBUG"):
+            raise
+        return f"internal error: {type(exc).__name__}: {_line(exc)}", None
+    except BaseException:
+        folder.discard(staging)
+        raise
+    return None, headline(json.loads((folder.final / entry["name"] / "report.json").read_text()))
+
+
+def _line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())

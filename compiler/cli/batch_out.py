@@ -1,0 +1,312 @@
+"""The output folder of ``ctxc compile --contexts``: every finished line kept as it completes.
+
+DIR is created (or taken over, with ``--resume`` or ``--force``) at the start and held for the
+whole run by an ``flock`` on the folder itself, so a second run into it is refused in one line.
+Each line is compiled into ``DIR/.NAME.partial-PID-HEX`` and renamed to ``DIR/NAME`` when it is
+complete; ``index.json`` and the marker are rewritten whole (a temporary file renamed over
+them) after every line, the lines not reached marked ``"not run"``. An interrupt or a crash
+therefore leaves finished lines and an index that says which they are.
+
+``--resume`` keeps the lines already written: a line is skipped when its folder's marker has
+the same input (SHA-256 of its context and query), every file it lists at its size, and a
+patch whose tensors match their stored digest and the marker's; any other folder of that name
+is compiled again. The options and the model's fingerprint are stored in DIR's marker; a resume
+with others is refused in one line.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from ctxc.cli.output import (
+    MARKER,
+    check_out,
+    clean_dead,
+    follow_umask,
+    foreign,
+    is_busy,
+    is_ctxc_output,
+    missing_parents,
+    placing_lock,
+    remove_parents,
+    replace_text,
+    write_marker,
+)
+from ctxc.core.errors import CtxcError
+from ctxc.core.interrupts import deferred_signals
+
+__all__ = ["BatchFolder", "batch_folder", "input_digest"]
+
+INDEX = "index.json"
+
+
+def input_digest(entry: dict) -> str:
+    """SHA-256 of a line's context and query: what its folder was compiled from."""
+    return hashlib.sha256(json.dumps([entry["context"], entry["query"]]).encode()).hexdigest()
+
+
+class BatchFolder:
+    """DIR of a running ``--contexts`` run (see the module docstring).
+
+    Attributes:
+        final: the resolved DIR.
+        shown: DIR as the user typed it, for messages.
+        options: the run's options (stored in the marker; compared on ``--resume``).
+        resuming: an earlier run's lines may be kept.
+        written: lines this run moved into DIR (finished, or kept after a failed artefact).
+    """
+
+    def __init__(self, final: Path, shown: Path, options: dict, earlier: dict | None) -> None:
+        self.final = final
+        self.shown = shown
+        self.options = options
+        self.resuming = earlier is not None
+        self.written = 0
+        earlier = earlier or {}
+        self._model = earlier.get("model_fingerprint")  # of the run that wrote DIR, if any
+        # What ctxc wrote in DIR: only these names are ever replaced or removed.
+        self._entries = {INDEX, *earlier.get("entries", ())}
+
+    def check_model(self, fingerprint: dict) -> None:
+        """Refuse to resume lines computed on another model; record this one's fingerprint."""
+        if self.resuming and self._model not in (None, fingerprint):
+            raise CtxcError(
+                f"--resume: output folder {self.shown} was compiled on another model (its "
+                "fingerprint differs): give the same model, or --force to start afresh"
+            )
+        self._model = fingerprint
+        self._marker()
+
+    def _marker(self) -> None:
+        batch = {"options": self.options, "model_fingerprint": self._model}
+        write_marker(self.final, "compile", self._entries, batch=batch)
+
+    def write_index(self, rows: list[dict]) -> None:
+        """Rewrite ``index.json`` whole (a temporary file renamed over it)."""
+        with deferred_signals():
+            replace_text(self.final / INDEX, json.dumps(rows, indent=2) + "\n")
+
+    def staging(self, name: str) -> Path:
+        """A new folder to compile line ``name`` into."""
+        path = self.final / f".{name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+        path.mkdir()
+        return path
+
+    def discard(self, staging: Path) -> None:
+        """Remove a line's staging folder (its compile failed or was interrupted)."""
+        with deferred_signals():
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def commit(self, staging: Path, name: str, digest: str) -> None:
+        """Move a finished line's folder into place as ``DIR/name`` (replacing a damaged one).
+
+        Its marker records the input digest, each file's size and the patch's digest.
+
+        Raises:
+            CtxcError: ``DIR/name`` is there and not ctxc's (it appeared during the run).
+        """
+        from ctxc.core.patch_checks import stored_digest
+
+        files = _sizes(staging)
+        patch = stored_digest(staging / "patch.safetensors")
+        with deferred_signals():
+            write_marker(staging, "compile", input_sha256=digest, files=files, patch_sha256=patch)
+            follow_umask(staging)
+            self._replace(staging, name)
+            self._remove(f"{name}.failed")  # an earlier failure of this line, now superseded
+            self._marker()
+            self.written += 1
+
+    def keep_failed(self, staging: Path, name: str, artefact: str) -> Path:
+        """Keep a line whose artefact failed as ``DIR/name.failed``; the path shown."""
+        with deferred_signals():
+            write_marker(staging, "compile", failed=artefact)
+            follow_umask(staging)
+            self._replace(staging, f"{name}.failed")
+            self._marker()
+            self.written += 1
+        return self.shown / f"{name}.failed"
+
+    def _replace(self, staging: Path, name: str) -> None:
+        target = self.final / name
+        if (target.exists() or target.is_symlink()) and name not in self._entries:
+            raise CtxcError(f"{self.shown / name} appeared during the run; it was left as it is")
+        self._remove(name)
+        self._entries.add(name)
+        self._marker()  # listed before it is there: DIR stays recognisable at every step
+        staging.rename(target)
+
+    def _remove(self, name: str) -> None:
+        if name not in self._entries:
+            return  # never anything ctxc did not write
+        target = self.final / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            target.unlink()
+        self._entries.discard(name)
+
+    def finished(self, name: str, digest: str) -> dict | None:
+        """The headline figures of line ``name`` as an earlier run wrote it, or None when its
+        folder is missing, damaged, or was compiled from another input."""
+        folder = self.final / name
+        if not self.resuming or name not in self._entries or not folder.is_dir():
+            return None
+        try:
+            marker = json.loads((folder / MARKER).read_text())
+            if marker.get("input_sha256") != digest:
+                return None
+            if any((folder / f).stat().st_size != n for f, n in marker["files"].items()):
+                return None
+            from ctxc.core.patch import Patch
+            from ctxc.core.patch_checks import stored_digest
+
+            Patch.load(folder / "patch.safetensors")  # its tensors against its stored digest
+            if stored_digest(folder / "patch.safetensors") != marker["patch_sha256"]:
+                return None
+            return headline(json.loads((folder / "report.json").read_text()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError, CtxcError):
+            return None
+
+    def remove_if_empty(self, created: list[Path]) -> None:
+        """After a run that kept nothing: remove what it wrote, and DIR if it made it."""
+        with deferred_signals():
+            for name in (MARKER, INDEX):
+                (self.final / name).unlink(missing_ok=True)
+            if created and created[0] == self.final:
+                remove_parents(created)
+
+
+def headline(report: dict) -> dict:
+    """A line's figures for index.json, from its report.json."""
+    return {
+        "max_abs_logit_diff": report["max_abs_logit_diff"],
+        "total_variation": report["total_variation"],
+        "top1_match": report["top1_match"],
+        "control": {"max_abs_logit_diff": report["control"]["max_abs_logit_diff"]},
+    }
+
+
+def _sizes(folder: Path) -> dict[str, int]:
+    return {
+        str(p.relative_to(folder)): p.stat().st_size
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
+
+
+@contextmanager
+def batch_folder(path: Path, force: bool, resume: bool, options: dict) -> Iterator[BatchFolder]:
+    """Create (or take over) DIR for a ``--contexts`` run and hold it until the body ends.
+
+    Args:
+        path: the ``--out`` value.
+        force: ``--force``: an earlier ctxc output there is removed now.
+        resume: ``--resume``: an earlier ``--contexts`` run's lines are kept when the options
+            match (refused in one line otherwise); nothing there: every line runs.
+        options: the run's options, stored in the marker.
+
+    Yields:
+        the :class:`BatchFolder`.
+
+    Raises:
+        CtxcError: DIR is refused (see :func:`~ctxc.cli.output.check_out`), is held by another
+            run, holds no ``--contexts`` run to resume, or one with other options.
+    """
+    if force and resume:
+        raise CtxcError(
+            "--resume and --force are exclusive: --resume keeps the lines written, "
+            "--force starts afresh"
+        )
+    final = check_out(path, force or resume)
+    created = missing_parents(final)
+    with deferred_signals():
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)  # the lock file goes there
+            fd, earlier, old = _take(final, path, force, resume, options)
+        except BaseException as exc:
+            remove_parents(created)
+            if isinstance(exc, OSError):
+                raise CtxcError(f"cannot write the output folder {path}: {exc.strerror}") from None
+            raise
+    folder = BatchFolder(final, path, options, earlier)
+    try:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        clean_dead(final, ".*.partial-*")
+        yield folder
+    except BaseException:
+        if folder.written == 0 and not folder.resuming:  # nothing kept: leave nothing
+            folder.remove_if_empty(created)
+        raise
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _take(final: Path, shown: Path, force: bool, resume: bool, options: dict):
+    """Under the placing lock: check DIR again, set an earlier output aside (``--force``),
+    create DIR, lock it, write the marker.
+
+    Returns:
+        (the locked folder's fd; the earlier run's marker when resuming one, else None; the
+        set-aside folder to delete, or None).
+    """
+    old = earlier = None
+    with placing_lock(final):
+        if final.is_dir() and any(final.iterdir()):
+            if not is_ctxc_output(final):
+                raise CtxcError(
+                    f"output folder {shown} holds files ctxc did not write ({foreign(final)!r})"
+                )
+            if is_busy(final):
+                raise CtxcError(f"output folder {shown} is being written by another ctxc run")
+            if resume:
+                earlier = _resumable(final, shown, options)
+            else:  # --force (check_out refused an earlier output without it)
+                old = final.parent / f".{final.name}.replaced-{os.getpid()}-{secrets.token_hex(4)}"
+                final.rename(old)
+        try:
+            final.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CtxcError(f"cannot write the output folder {shown}: {exc.strerror}") from None
+        fd = os.open(final, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise CtxcError(f"output folder {shown} is being written by another ctxc run") from None
+        if earlier is None:
+            batch = {"options": options, "model_fingerprint": None}
+            write_marker(final, "compile", [INDEX], batch=batch)
+    return fd, earlier, old
+
+
+def _resumable(final: Path, shown: Path, options: dict) -> dict:
+    """What an earlier ``--contexts`` run in ``final`` recorded (its entries and model
+    fingerprint); a CtxcError when it is no such run or its options differ."""
+    try:
+        marker = json.loads((final / MARKER).read_text())
+        earlier = marker["batch"]["options"]
+        entries = [str(e) for e in marker["entries"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise CtxcError(
+            f"--resume: output folder {shown} holds no --contexts run to resume "
+            "(--force replaces it)"
+        ) from None
+    differ = sorted(k for k in {*earlier, *options} if earlier.get(k) != options.get(k))
+    if differ:
+        key = differ[0]
+        raise CtxcError(
+            f"--resume: output folder {shown} was compiled with other options ({key} "
+            f"{earlier.get(key)!r}, now {options.get(key)!r}): give the same options, or "
+            "--force to start afresh"
+        )
+    return {"entries": entries, "model_fingerprint": marker["batch"].get("model_fingerprint")}

@@ -1,0 +1,372 @@
+"""The Patch: per-parameter deltas as factors, with the metadata to apply them safely.
+
+A patch stores each matrix delta as low-rank factors ``dW = u @ v.T`` and each vector delta
+densely, all in float32. Applying it materialises ``(W.float() + dW).to(W.dtype)`` with
+:meth:`Delta.materialize`, the same function the solver used, so the applied weights are bit for
+bit those the solver computed with. Removing it restores the original tensors, which were kept
+(subtracting would not be exact). Saved as safetensors, never pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from ctxc.core.errors import CtxcError
+from ctxc.core.patch_checks import (
+    canonical,
+    check_factors,
+    check_fits,
+    check_tensor,
+    tensors_digest,
+)
+from ctxc.models.fingerprint import fingerprint
+from ctxc.models.offload import put_param, read_param, restore_param
+from ctxc.passes.solver.delta_math import add_in_float32, lowrank_dense
+
+__all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta"]
+
+FORMAT_VERSION = "1"
+
+# model -> {param name: original tensor}; weak so a dropped model frees its originals.
+_ORIGINALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+@dataclass(frozen=True)
+class Delta:
+    """A change to one parameter.
+
+    Attributes:
+        param: parameter name (``model.layers.0.mlp.up_proj.weight``).
+        block: module path of the block it belongs to.
+        u: [out, r] float32, with ``v`` the factors of a matrix delta ``u @ v.T``.
+        v: [in, r] float32.
+        vector: [d] float32, a dense delta for a vector parameter.
+        layout: ``"out_in"`` (``nn.Linear``) or ``"in_out"`` (Conv1D stores ``W.T``).
+        experts: for a stacked expert bank (parameter [E, ., .]): the experts it changes, in
+            order; ``u`` is then [n, out, r] and ``v`` [n, in, r], one pair per listed expert.
+    """
+
+    param: str
+    block: str
+    u: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    vector: torch.Tensor | None = None
+    layout: str = "out_in"
+    experts: tuple[int, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return 0 if self.u is None else int(self.u.shape[-1])
+
+    def dense(self) -> torch.Tensor:
+        """The delta as a dense float32 tensor in the parameter's own layout."""
+        if self.vector is not None:
+            return self.vector
+        assert self.u is not None and self.v is not None
+        # [out, in] (or [n, out, in]: the listed experts' slices only)
+        return lowrank_dense(self.u, self.v, self.layout)
+
+    def materialize(self, base: torch.Tensor) -> torch.Tensor:
+        """``(base.float() + delta).to(base.dtype)``: the patched parameter value."""
+        if self.experts:
+            w = base.detach().float().clone()  # [E, ., .]
+            index = torch.tensor(self.experts, dtype=torch.long, device=base.device)
+            w[index] = w[index] + self.dense().to(base.device)
+            return w.to(base.dtype)
+        return add_in_float32(base.detach(), self.dense().to(base.device))
+
+    def norm(self) -> float:
+        """Frobenius norm of the delta (from the factors, without materialising)."""
+        if self.vector is not None:
+            return float(self.vector.norm())
+        assert self.u is not None and self.v is not None
+        gram = (self.u.mT @ self.u) * (self.v.mT @ self.v)  # [r, r] (or [n, r, r] for experts)
+        return float(gram.sum().clamp_min(0).sqrt())
+
+    def max_abs(self) -> float:
+        return float(self.dense().abs().max())
+
+
+@dataclass(frozen=True)
+class PatchMeta:
+    """Where a patch came from and what it applies to."""
+
+    fingerprint: dict[str, str]
+    context_ids: list[int]
+    query_ids: list[int]
+    update: str
+    dtype: str
+    ctxc_version: str
+    model: str = ""
+    start_layer: int = 0
+    # The solver pass's max |logit diff| from the full context: what an artefact of this
+    # patch is expected to reproduce (ctxc.core.checks.gate). None: not recorded (older patches).
+    solver_max_abs_logit_diff: float | None = None
+
+
+@dataclass
+class Patch:
+    """Per-parameter deltas for one context (and query), with their metadata.
+
+    Attributes:
+        deltas: parameter name -> :class:`Delta`, in graph order.
+        meta: the :class:`PatchMeta`.
+    """
+
+    deltas: dict[str, Delta]
+    meta: PatchMeta
+
+    # -- application -------------------------------------------------------------------------
+
+    def apply(self, model: torch.nn.Module, check: bool = True) -> None:
+        """Write the patched weights into ``model`` in place, keeping the originals.
+
+        Args:
+            model: a model with the fingerprint this patch was computed on.
+            check: compare fingerprints first (disable only for a model just checked).
+
+        Raises:
+            CtxcError: another fingerprint, or a patch already applied to this model.
+        """
+        if model in _ORIGINALS:
+            raise CtxcError("a patch is already applied to this model: remove it first")
+        if check:
+            self.check(model)
+        originals: dict[str, object] = {}
+        with torch.no_grad():
+            for name, delta in self.deltas.items():
+                # In place where the parameter lives: its device, or its offload store.
+                value = delta.materialize(read_param(model, name))
+                originals[name] = put_param(model, name, value)
+        _ORIGINALS[model] = originals
+
+    def remove(self, model: torch.nn.Module) -> None:
+        """Restore the original weights of ``model`` exactly (they were kept, not recomputed)."""
+        originals = _ORIGINALS.pop(model, None)
+        if originals is None:
+            raise CtxcError("no patch is applied to this model")
+        for name, token in originals.items():
+            restore_param(model, name, token)
+
+    @staticmethod
+    def is_applied(model: torch.nn.Module) -> bool:
+        return model in _ORIGINALS
+
+    @contextmanager
+    def applied(self, model: torch.nn.Module, check: bool = True) -> Iterator[torch.nn.Module]:
+        """Apply the patch for the ``with`` body and always remove it afterwards.
+
+        Args:
+            model: as for :meth:`apply`.
+            check: as for :meth:`apply`.
+
+        Yields:
+            ``model``, patched; its original weights are back when the body ends, however.
+        """
+        self.apply(model, check=check)
+        try:
+            yield model
+        finally:
+            self.remove(model)
+
+    def check(self, model: torch.nn.Module) -> None:
+        """Check that the patch fits ``model`` without applying it.
+
+        Args:
+            model: the model to patch.
+
+        Raises:
+            CtxcError: another fingerprint, a parameter the model lacks, a delta whose shape
+                differs from its parameter's, or a rank past the parameter's dimensions; the
+                message names the tensor.
+        """
+        got = fingerprint(model)
+        if got != self.meta.fingerprint:
+            key = "arch" if got["arch"] != self.meta.fingerprint["arch"] else "weights"
+            what = {"arch": "architecture", "weights": "weights"}[key]
+            raise CtxcError(
+                f"patch does not fit this model: its {what} fingerprint differs "
+                f"({self.meta.fingerprint[key][:12]} expected, {got[key][:12]} found)"
+            )
+        for name, delta in self.deltas.items():
+            try:
+                param = model.get_parameter(name)
+            except AttributeError:
+                raise CtxcError(f"patch tensor {name!r}: the model has no such parameter") from None
+            check_fits(delta, tuple(param.shape))
+
+    # -- figures -----------------------------------------------------------------------------
+
+    def norms(self) -> dict[str, float]:
+        """Frobenius norm of every delta, by parameter name."""
+        return {name: d.norm() for name, d in self.deltas.items()}
+
+    def blocks(self) -> dict[str, list[str]]:
+        """Block module path -> names of the parameters patched in it."""
+        out: dict[str, list[str]] = {}
+        for name, d in self.deltas.items():
+            out.setdefault(d.block, []).append(name)
+        return out
+
+    # -- storage -----------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write the patch as safetensors (factors + JSON metadata). Returns the path."""
+        path = Path(path)
+        tensors: dict[str, torch.Tensor] = {}
+        index = []
+        for name, d in self.deltas.items():
+            if d.vector is not None:
+                tensors[f"{name}::vector"] = d.vector.cpu().contiguous()
+            else:
+                assert d.u is not None and d.v is not None
+                # Linears that read the same input share one v: store a copy per delta.
+                tensors[f"{name}::u"] = d.u.cpu().contiguous().clone()
+                tensors[f"{name}::v"] = d.v.cpu().contiguous().clone()
+            entry = {"param": name, "block": d.block, "layout": d.layout}
+            if d.experts:
+                entry["experts"] = list(d.experts)
+            index.append(entry)
+        m = self.meta
+        metadata = {
+            "format": "ctxc-patch",
+            "format_version": FORMAT_VERSION,
+            "deltas": json.dumps(index),
+            "fingerprint": json.dumps(m.fingerprint),
+            "context_ids": json.dumps(m.context_ids),
+            "query_ids": json.dumps(m.query_ids),
+            "update": m.update,
+            "dtype": m.dtype,
+            "ctxc_version": m.ctxc_version,
+            "model": m.model,
+            "start_layer": str(m.start_layer),
+            "tensors_sha256": tensors_digest(tensors),
+        }
+        if m.solver_max_abs_logit_diff is not None:
+            metadata["solver_max_abs_logit_diff"] = repr(float(m.solver_max_abs_logit_diff))
+        # Written by Python, not safetensors' save_file: that creates the file 0600, ignoring the
+        # umask, and writes the metadata in hash-map order, which differs between runs.
+        path.write_bytes(canonical(save(tensors, metadata=metadata)))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, model: torch.nn.Module | None = None) -> Patch:
+        """Read and validate a patch written by :meth:`save`.
+
+        Args:
+            path: ``patch.safetensors``, or a folder that holds one (a ``ctxc compile`` output).
+            model: when given, the patch is also checked against it (:meth:`check`).
+
+        Raises:
+            CtxcError: the file is missing, is not a ctxc patch, or fails a check: a
+                non-finite value, inconsistent factor shapes, a rank out of bounds, a malformed
+                fingerprint (the one-line message names the tensor), or tensors that differ
+                from the digest stored with them (the message names the file).
+        """
+        path = Path(path)
+        if path.is_dir():
+            if not (path / "patch.safetensors").is_file():
+                raise CtxcError(f"patch folder {path} holds no patch.safetensors")
+            path = path / "patch.safetensors"
+        if not path.is_file():
+            raise CtxcError(f"patch file not found: {path}")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                md = f.metadata() or {}
+                if md.get("format") != "ctxc-patch":
+                    raise CtxcError(f"{path} is not a ctxc patch (no ctxc metadata)")
+                tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        except CtxcError:
+            raise
+        except Exception as exc:
+            first = (str(exc).splitlines() or [""])[0]
+            raise CtxcError(f"{path} is not a readable safetensors file: {first}") from exc
+        try:
+            patch = cls(_deltas(md, tensors), _meta(md))
+        except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
+            raise CtxcError(
+                f"patch {path}: malformed metadata ({type(exc).__name__}: {exc})"
+            ) from None
+        except CtxcError as exc:
+            raise CtxcError(f"patch {path}: {exc}") from None
+        stored = md.get("tensors_sha256")  # absent in patches written before it existed
+        if stored is not None and stored != tensors_digest(tensors):
+            raise CtxcError(
+                f"patch {path}: its tensors do not match the digest ctxc stored "
+                "(the file was changed after it was written)"
+            )
+        if model is not None:
+            patch.check(model)
+        return patch
+
+
+def _deltas(md: dict[str, str], tensors: dict[str, torch.Tensor]) -> dict[str, Delta]:
+    """The validated deltas of a patch file's metadata and tensors."""
+    deltas: dict[str, Delta] = {}
+    used: set[str] = set()
+    for entry in json.loads(md["deltas"]):
+        name = entry["param"]
+        common = {
+            "param": name,
+            "block": str(entry["block"]),
+            "layout": entry["layout"],
+            "experts": tuple(int(e) for e in entry.get("experts", ())),
+        }
+        if common["layout"] not in ("out_in", "in_out"):
+            raise CtxcError(f"tensor {name!r}: unknown layout {common['layout']!r}")
+        keys = [f"{name}::vector"] if f"{name}::vector" in tensors else [f"{name}::u", f"{name}::v"]
+        for key in keys:
+            if key not in tensors:
+                raise CtxcError(f"tensor {key!r} is missing")
+            check_tensor(key, tensors[key])
+        used.update(keys)
+        if len(keys) == 1:
+            deltas[name] = Delta(vector=tensors[keys[0]], **common)
+        else:
+            deltas[name] = Delta(u=tensors[keys[0]], v=tensors[keys[1]], **common)
+        check_factors(deltas[name], len(json.loads(md["query_ids"])))
+    extra = sorted(set(tensors) - used)
+    if extra:
+        raise CtxcError(f"tensor {extra[0]!r} belongs to no listed delta")
+    return deltas
+
+
+def _meta(md: dict[str, str]) -> PatchMeta:
+    """The validated :class:`PatchMeta` of a patch file's metadata."""
+    fp = json.loads(md["fingerprint"])
+    if not (
+        isinstance(fp, dict)
+        and set(fp) == {"arch", "weights"}
+        and all(isinstance(v, str) and len(v) == 64 for v in fp.values())
+    ):
+        raise CtxcError("malformed fingerprint (two sha256 hex digests expected)")
+    ids = {k: json.loads(md[k]) for k in ("context_ids", "query_ids")}
+    for key, value in ids.items():
+        if not (isinstance(value, list) and all(isinstance(i, int) and i >= 0 for i in value)):
+            raise CtxcError(f"malformed {key} (a list of token ids expected)")
+    if not ids["query_ids"]:
+        raise CtxcError("empty query_ids")
+    return PatchMeta(
+        fingerprint=fp,
+        context_ids=ids["context_ids"],
+        query_ids=ids["query_ids"],
+        update=md["update"],
+        dtype=md["dtype"],
+        ctxc_version=md["ctxc_version"],
+        model=md.get("model", ""),
+        start_layer=int(md.get("start_layer", "0")),
+        solver_max_abs_logit_diff=(
+            float(md["solver_max_abs_logit_diff"]) if "solver_max_abs_logit_diff" in md else None
+        ),
+    )

@@ -1,0 +1,296 @@
+"""Solver of a thought patch: the exact solver generalised from one query position to N.
+
+One :class:`~ctxc.passes.runtime.reduced_run.ReducedRun` per fit query runs in lockstep, block by
+block,
+along the emitted computation (MATH.md 3, 8): at the MLP input, the input moves of every inner
+linear are fitted over all N positions of all queries (:mod:`fit_moves`) and baked into the
+weights before the inner linears run; at the block output, the output move (outer linear, then
+a post-norm scale; or a bias) is fitted the same way to the full run's targets ``y_C`` and baked,
+so the next block's input is what the patched model computes, and each block's target is the
+full run's block output (self-correcting). With one query, ridge 0 and no rank budget every
+fit is exact and the deltas are those of :func:`~ctxc.passes.solver.solve.solve` (stable rule).
+Pure: the model and the graph are not modified; the runs' values are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ctxc.core.errors import SolveError
+from ctxc.core.patch import Delta
+from ctxc.frontend.trace import TracedModel
+from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
+from ctxc.passes.locate.graph_view import GraphView
+from ctxc.passes.runtime.reduced_run import ReducedRun
+from ctxc.passes.runtime.run_graph import BlockTargets
+from ctxc.passes.solver import block_moves as moves
+from ctxc.passes.solver.delta_math import at_alignment_of
+from ctxc.passes.solver.fit_moves import FitOptions, fit_bias, fit_linear, fit_scale, stable_targets
+from ctxc.passes.solver.output_magnitude import least_rounding_targets, summed_terms
+from ctxc.passes.solver.update_rules import ConditionError
+
+__all__ = ["FitBlock", "FitSolution", "effective_rank", "fit_solve"]
+
+
+@dataclass(frozen=True)
+class FitBlock:
+    """How well one block's moves fitted its N positions.
+
+    Attributes:
+        path: module path of the block.
+        move_residuals: parameter name -> relative residual of its fit (0 exact, 1 nothing).
+        residual_rms: RMS of ``y - y_C`` over all positions after the block's moves.
+        target_rms: RMS of ``y_C``, for scale.
+        effective_rank: participation ratio of the per-position exact input moves of the
+            first inner linear (1: one shared patch could serve all positions; N: none).
+        delta_norms: parameter name -> Frobenius norm of its delta.
+    """
+
+    path: str
+    move_residuals: dict[str, float]
+    residual_rms: float
+    target_rms: float
+    effective_rank: float
+    delta_norms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FitSolution:
+    """The fitted deltas and each block's figures.
+
+    Attributes:
+        deltas: parameter name -> :class:`Delta`, in graph order.
+        blocks: one :class:`FitBlock` per block.
+    """
+
+    deltas: dict[str, Delta]
+    blocks: tuple[FitBlock, ...]
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def effective_rank(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Participation ratio of the rank-1 matrices ``a_j b_j^T`` (a [N, out], b [N, in]).
+
+    Their Gram is ``G = (A A^T) * (B B^T)`` (PSD: a Hadamard product of PSD matrices); the
+    ratio ``(sum l)^2 / sum l^2`` of its eigenvalues counts the directions they spread over. It
+    is ``tr(G)^2 / ||G||_F^2``, with no eigendecomposition (an N = 4224 eigvalsh took 7 s).
+    """
+    gram = (a.double() @ a.double().T) * (b.double() @ b.double().T)  # [N, N]
+    total = float(gram.pow(2).sum())
+    return float(gram.diagonal().sum() ** 2 / total) if total > 0 else 0.0
+
+
+class _Lockstep:
+    """One reduced run per query, advanced together; values no later node reads are dropped
+    (many queries' runs must fit in memory). Mutates only the runs."""
+
+    def __init__(self, traced: TracedModel, queries: Sequence[torch.Tensor], keep: set[str]):
+        self.view = view = GraphView.of(traced)
+        nodes = [view.by_name[n] for n in keep]
+        self.runs = [ReducedRun(view, nodes, traced.placeholder_values(q)) for q in queries]
+        self.last_use = {n: max((view.index[u] for u in n.users), default=-1) for n in view.nodes}
+
+    def advance(self, name: str) -> list[torch.Tensor]:
+        node = self.view.by_name[name]
+        return [_rows(run.advance_to(node)) for run in self.runs]
+
+    def values(self, name: str) -> torch.Tensor:
+        """A node's value at every position of every run, rows stacked [N, d]."""
+        node = self.view.by_name[name]
+        return torch.cat([_rows(run.value(node)) for run in self.runs])
+
+    def put(self, param: str, value: torch.Tensor, upto: str) -> None:
+        node, stop = self.view.param_node[param], self.view.by_name[upto]
+        for run in self.runs:
+            run.replace_param(node, value, stop)
+
+    def param(self, name: str) -> torch.Tensor:
+        return self.runs[0].env[self.view.param_node[name]]
+
+    def drop_before(self, name: str) -> None:
+        at = self.view.index[self.view.by_name[name]]
+        for run in self.runs:
+            for node in [n for n in run.env if n.op != "placeholder" and self.last_use[n] < at]:
+                del run.env[node]
+                run.kept.pop(node, None)
+
+
+class _Fitter:
+    """Fits and bakes each block's moves over all runs' positions."""
+
+    def __init__(
+        self,
+        runs: _Lockstep,
+        targets: dict[str, BlockTargets],
+        opts: FitOptions,
+        rows: torch.Tensor | None,
+    ):
+        self.runs, self.targets, self.opts = runs, targets, opts
+        self.rows = rows  # [N] bool: the positions that are constraints (None: all)
+        self.deltas: dict[str, Delta] = {}
+        self.resid: dict[str, float] = {}
+
+    def block(self, block: MlpBlock) -> FitBlock:
+        self.resid = {}
+        z = torch.cat(self.runs.advance(block.mlp_in)).float()  # [N, d_in]
+        z_c = self.targets[block.path].z.float()  # [N, d_in]
+        sites = [s for s in block.inner if not s.experts]
+        if len(sites) != len(block.inner) or block.output_control == "experts":
+            raise SolveError(block.path, "bake does not fit MoE expert banks (exact compile does)")
+        rank = 0.0
+        for i, site in enumerate(sites):
+            w = self._weight(site).float()  # [out, in]
+            want = self._fit_rows((z_c - z) @ w.T)  # [N', out]: W (z_C - z) at each position
+            zf = self._fit_rows(z)  # [N', d_in]
+            if i == 0:
+                rank = effective_rank(want, zf / zf.pow(2).sum(1, keepdim=True).clamp_min(1e-30))
+            if not self.opts.input_moves:
+                continue
+            fit = fit_linear(zf, want, self.opts, "MLP input z")
+            self._put(
+                Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout),
+                block.mlp_in,
+                fit.rel_residual,
+            )
+        self.runs.advance(block.residual_add)
+        self._output(block)
+        y = self.runs.values(block.residual_add).float()  # [N, d]
+        y_c = self.targets[block.path].y.float()  # [N, d]
+        return FitBlock(
+            block.path,
+            dict(self.resid),
+            residual_rms=float((y - y_c).pow(2).mean().sqrt()),
+            target_rms=float(y_c.pow(2).mean().sqrt()),
+            effective_rank=rank,
+            delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
+        )
+
+    def _output(self, block: MlpBlock) -> None:
+        y_c = self.targets[block.path].y  # [N, d]
+        tail = [(s, self.runs.values(s.side) if s.side else None) for s in block.tail]
+        t = moves.control_target(y_c, tail)  # [N, d]
+        ctl, site = block.output_control, block.outer
+        if ctl == "linear":
+            h = self.runs.values(block.activation).float()  # [N, d_ff]
+            self._put_outer(block, t - self._outer_now(site, h), h)
+        elif ctl == "bias":
+            assert block.norm is not None and block.norm.bias is not None
+            now = self.runs.values(block.control).float()  # [N, d]
+            delta = Delta(block.norm.bias, block.path, vector=fit_bias(self._fit_rows(t - now)))
+            self._put(delta, block.residual_add, 0.0)
+        elif ctl == "scale":
+            sc = block.scale
+            assert sc is not None
+            if not block.stable_ok:
+                raise SolveError(block.path, "ops between the down projection and the post norm")
+            s = sc.alpha * self.runs.param(sc.param).float() + sc.offset  # [d]
+            h = self.runs.values(block.activation).float()  # [N, d_ff]
+            u_now = self._outer_now(site, h)  # [N, d]
+            assert block.norm is not None
+            if t.shape[0] == 1 and not block.norm.centered:
+                # One position: the exact stable rule's least-ratio target at the magnitude of
+                # least rounding (MATH.md 8, 9, 12), so a one-position bake is the exact
+                # compile; N positions: each its nearest target.
+                rho = self._normalized(block).double().pow(2).mean(1)  # [1]
+                summed = summed_terms(self._weight(site), h, u_now)  # MATH.md 12
+                dtype = self.targets[block.path].y.dtype
+                want = least_rounding_targets(s, t, u_now, rho, summed, dtype)[0].targets
+            else:
+                want = stable_targets(s, t, u_now)  # [N, d]
+            self._put_outer(block, want - u_now, h)
+            f = self._fit_rows(self._normalized(block))  # [N', d], recomputed (MATH.md 8)
+            found = fit_scale(s, f, self._fit_rows(t), self.opts.scale_ridge)
+            delta = Delta(sc.param, block.path, vector=found.ds / sc.alpha)
+            self._put(delta, block.residual_add, found.rel_residual)
+        else:  # pragma: no cover - the locator makes only the kinds above
+            raise SolveError(block.path, f"unknown output control {ctl!r}")
+
+    def _fit_rows(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.rows is None else x[self.rows]
+
+    def _put_outer(self, block: MlpBlock, residual: torch.Tensor, h: torch.Tensor) -> None:
+        h, residual = self._fit_rows(h), self._fit_rows(residual)
+        fit = fit_linear(h, residual, self.opts, "MLP activation h")
+        site = block.outer
+        delta = Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout)
+        self._put(delta, block.residual_add, fit.rel_residual)
+
+    def _put(self, delta: Delta, upto: str, rel: float) -> None:
+        if delta.param in self.deltas:
+            raise SolveError(delta.block, f"{delta.param} is shared with another block")
+        self.deltas[delta.param] = delta
+        self.resid[delta.param] = rel
+        base = self.runs.param(delta.param)
+        self.runs.put(delta.param, at_alignment_of(delta.materialize(base), base), upto)
+
+    def _weight(self, site: LinearSite) -> torch.Tensor:
+        w = self.runs.param(site.weight)
+        return w.T if site.layout == "in_out" else w  # [out, in]
+
+    def _outer_now(self, site: LinearSite, h: torch.Tensor) -> torch.Tensor:
+        u_now = h @ self._weight(site).float().T  # [N, d]
+        if site.bias is not None:
+            u_now = u_now + self.runs.param(site.bias).float()
+        return u_now
+
+    def _normalized(self, block: MlpBlock) -> torch.Tensor:
+        norm, sc = block.norm, block.scale
+        assert norm is not None and sc is not None
+        if sc.normalized:
+            return self.runs.values(sc.normalized).float()
+        x = self.runs.values(norm.input).float()  # [N, d]
+        eps = norm.eps if norm.eps is not None else 1e-5
+        if norm.centered:
+            return F.layer_norm(x, (x.shape[-1],), None, None, eps)
+        return F.rms_norm(x, (x.shape[-1],), None, eps)
+
+
+def fit_solve(
+    traced: TracedModel,
+    blocks: BlockMap,
+    targets: dict[str, BlockTargets],
+    queries: Sequence[torch.Tensor],
+    opts: FitOptions,
+    on_block: Callable[[int, int, str], None] | None = None,
+    rows: torch.Tensor | None = None,
+) -> FitSolution:
+    """Fit one patch over every position of every query, block by block (pure).
+
+    Args:
+        traced: the exported model (one export for every query length).
+        blocks: the located blocks, in graph order.
+        targets: block path -> the full runs' targets at every fit position, rows in the order
+            of ``queries`` and their positions (``z`` [N, d_in], ``y`` [N, d]).
+        queries: the reduced inputs, int64 [1, k_i] each; N = sum of k_i.
+        opts: ridge and rank (:class:`FitOptions`).
+        on_block: progress callback ``(done, total, block path)``.
+        rows: [N] bool, the positions that are constraints (None: every one); the others are
+            run (later positions attend to them) but not fitted.
+
+    Returns:
+        the :class:`FitSolution`.
+
+    Raises:
+        SolveError: a block the fit cannot move (an MoE bank, a zero input), with its reason.
+    """
+    keep = set().union(*(moves.output_reads(b) for b in blocks.blocks))
+    runs = _Lockstep(traced, queries, keep)
+    fitter = _Fitter(runs, targets, opts, rows)
+    stats = []
+    with torch.no_grad():
+        for i, block in enumerate(blocks.blocks):
+            try:
+                stats.append(fitter.block(block))
+            except ConditionError as exc:
+                raise SolveError(block.path, str(exc)) from exc
+            runs.drop_before(block.residual_add)
+            if on_block is not None:
+                on_block(i + 1, len(blocks.blocks), block.path)
+    return FitSolution(dict(fitter.deltas), tuple(stats))

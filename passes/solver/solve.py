@@ -1,0 +1,358 @@
+"""Solver: compute every block's patch in one reduced pass over the query (MATH.md 3).
+
+The driver walks the reduced run (:class:`~ctxc.passes.runtime.reduced_run.ReducedRun`) block by
+block,
+doing what the block's :func:`~ctxc.passes.locate.plan.plan` says. At the MLP input it computes the
+input move from the recorded target and puts the patched weights in place before the inner
+linears run (the expert banks of an MoE: once the router has chosen the experts). At the block
+output ``y`` it computes the output move from the state actually reached: the tail ops between
+the output-controlled value and ``y`` are inverted to turn the target ``y_C`` into the value that
+part must produce; the patched parameter is put in place and the nodes already computed from it
+are computed again, so ``y`` is what the patched model gives. Each patch is baked in the model's
+dtype before the next block's input is computed: the pass computes what the emitted model does
+(MATH.md 8), and targets are the full run's block outputs: self-correcting.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import fx
+
+from ctxc.core.errors import SolveError
+from ctxc.core.patch import Delta
+from ctxc.frontend.trace import TracedModel
+from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
+from ctxc.passes.locate.graph_view import GraphView
+from ctxc.passes.locate.plan import LORA_RULE, RULES, UPDATE_RULES, BlockPlan, checked_plan
+from ctxc.passes.runtime.delta_actions import linear_action, vector_action
+from ctxc.passes.runtime.reduced_run import Action, ReducedRun
+from ctxc.passes.runtime.run_graph import FullRun
+from ctxc.passes.solver import block_moves as moves
+from ctxc.passes.solver.block_stats import BlockStats
+from ctxc.passes.solver.delta_math import at_alignment_of
+from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain
+from ctxc.passes.solver.reach_post_norm import reachable_outputs
+from ctxc.passes.solver.solver_values import SolverValues, rows
+from ctxc.passes.solver.update_rules import ConditionError, ScaleMove
+
+__all__ = ["RULES", "UPDATE_RULES", "Solution", "solve"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Solution:
+    """The deltas of every patched block, their figures and the patched logits.
+
+    Attributes:
+        deltas: parameter name -> :class:`Delta`, in graph order.
+        stats: one :class:`BlockStats` per block.
+        logits: the reduced pass's logits [k, vocab], float32: what the emitted model gives.
+    """
+
+    deltas: dict[str, Delta]
+    stats: tuple[BlockStats, ...]
+    logits: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _Output:
+    """What a block's output move did: the scale move, the smallest gate sum, the magnitude
+    factor and the rounding figure (MATH.md 12); each None where it does not apply."""
+
+    scale: ScaleMove | None = None
+    gate_sum: float | None = None
+    magnitude: float | None = None
+    rounding_gain: float | None = None
+
+
+class _Solver(SolverValues):
+    """Drives one reduced run: each block's moves (:mod:`block_moves`), put in place in turn.
+
+    Mutates only its run and its ``deltas``; the model and the graph are not modified.
+    """
+
+    def __init__(
+        self,
+        traced: TracedModel,
+        full: FullRun,
+        query_ids: torch.Tensor,
+        apply: str,
+        keep: set[str],
+        stops: set[str],  # node names the run stops at, reads or acts on
+        ops: Mapping[str, Callable],  # node name -> what computes it instead of its op
+    ) -> None:
+        self.full, self.apply = full, apply
+        self.view = view = GraphView.of(traced)
+        self.param_node, self.deltas = view.param_node, dict[str, Delta]()
+        inputs, kept = traced.placeholder_values(query_ids), (view.by_name[n] for n in keep)
+        ops_at = {view.by_name[n]: fn for n, fn in ops.items()}
+        self.run = ReducedRun(view, kept, inputs, stops, ops_at)
+
+    def logits(self) -> torch.Tensor:
+        """Finish the run: its logits [k, vocab], float32."""
+        out = self.run.finish()
+        return (out[0] if isinstance(out, tuple | list) else out)[0].float()
+
+    # -- one block ---------------------------------------------------------------------------
+
+    def skip_block(self, block: MlpBlock, rejected: str) -> BlockStats:
+        """Run through a block left unpatched; its figures."""
+        y = self.advance_to(block.residual_add)
+        return BlockStats(
+            block.path,
+            False,
+            "",
+            block.output_control,
+            residual_error=self._error(block, y),
+            delta_norms={},
+            rejected=rejected,
+        )
+
+    def patch_block(self, block: MlpBlock, todo: BlockPlan) -> BlockStats:
+        """Run through a block, putting its moves in place as its nodes are reached."""
+        z_node = self.advance_to(block.mlp_in)
+        z = rows(self.run.env[z_node]).detach().clone()  # [k, d_in]
+        z_target = self.full.targets[block.path].z  # [k, d_in]
+        if todo.moves_inputs:
+            sites = [s for s in block.inner if not s.experts]
+            found = moves.input_moves([self.weight(s) for s in sites], z, z_target)
+            for site, (u, v) in zip(sites, found, strict=True):
+                delta = Delta(site.weight, block.path, u=u, v=v, layout=site.layout)
+                self._put(delta, z_node, site)
+            self._move_banks(block, z, z_target)
+        y = self.advance_to(block.residual_add)
+        out = self._output_move(block, todo, y)
+        scale = out.scale
+        return BlockStats(
+            block.path,
+            True,
+            todo.rule,
+            block.output_control,
+            input_norm=float(z.float().norm(dim=-1).min()),
+            input_change=float((z_target.float() - z.float()).abs().max()),
+            min_divisor=scale.min_divisor if scale else None,
+            max_scale_change=scale.max_change if scale else None,
+            max_gain=scale.max_gain if scale else None,
+            residual_error=self._error(block, y),
+            unreached=scale.unreached if scale else 0,
+            max_unreached=scale.max_unreached if scale else 0.0,
+            delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
+            min_gate_sum=out.gate_sum,
+            unreached_norm=self._miss(block, y) if todo.rule == LORA_RULE else None,
+            output_magnitude=out.magnitude,
+            rounding_gain=out.rounding_gain,
+        )
+
+    def _move_banks(self, block: MlpBlock, z: torch.Tensor, z_target: torch.Tensor) -> None:
+        """Input move of the expert banks, each once the router has chosen its experts."""
+        banks: dict[str, list[LinearSite]] = {}
+        for site in (s for s in block.inner if s.experts):
+            banks.setdefault(site.experts, []).append(site)
+        for ids_name in sorted(banks, key=lambda n: self.view.index[self.view.by_name[n]]):
+            ids_node = self.advance_to(ids_name)
+            chosen = self.run.env[ids_node]  # each row's expert, or a split's chunks
+            for site in banks[ids_name]:
+                bank = self.run.param(self.param_node[site.weight])  # [E, ., .]
+                given = self.value(site.tokens) if site.tokens else None  # JetMoE: z[tokens]
+                found = moves.bank_input_move(bank, site, chosen, given, z, z_target)
+                self._put(moves.bank_delta(site, block.path, found), ids_node, site)
+
+    def _miss(self, block: MlpBlock, y: fx.Node) -> float:
+        """``max_j ||y_j - y_C,j||``: what the block left for the blocks above (``lora``)."""
+        now = rows(self.run.env[y]).float()  # [k, d]
+        return float((now - self.full.targets[block.path].y.float()).norm(dim=-1).max())
+
+    def _error(self, block: MlpBlock, y: fx.Node) -> float:
+        """``max |y - y_C|`` as the patched run now computes ``y``."""
+        now = rows(self.run.env[y]).float()  # [k, d]
+        return float((now - self.full.targets[block.path].y.float()).abs().max())
+
+    def _output_move(self, block: MlpBlock, todo: BlockPlan, y: fx.Node) -> _Output:
+        """The output move at ``y``, and its figures."""
+        y_target = self.full.targets[block.path].y  # [k, d], model dtype
+        tail = [(s, rows(self.value(s.side)) if s.side else None) for s in block.tail]
+        t = moves.control_target(y_target, tail)  # [k, d]: wanted value of the controlled part
+        ctl = block.output_control
+        if todo.rule == LORA_RULE and ctl in ("scale", "bias"):
+            if todo.output_moves:  # the outer linear feeds the post norm: reach what it can
+                return self._reach_fixed_scale(block, t, y)
+            return _Output()
+        if ctl == "scale":
+            return self._scale_move(block, todo, t, y)
+        if ctl == "bias":
+            assert block.norm is not None and block.norm.bias is not None
+            now = rows(self.value(block.control)).float()  # [1, d]
+            db = t[0] - now[0]  # [d]: a bias adds any vector, no condition (MATH.md 1)
+            self._put(Delta(block.norm.bias, block.path, vector=db), y, block)
+            return _Output()
+        if ctl not in ("linear", "experts"):  # pragma: no cover - the locator makes no other
+            raise SolveError(block.path, f"unknown output control {ctl!r}")
+        u_now = self.branch_now(block)  # [k, d]
+        figure = rounding_gain(torch.ones(1), self.summed(block, u_now), t, None)
+        gate_sum = self._put_branch(block, t - u_now, y)
+        return _Output(gate_sum=gate_sum, rounding_gain=figure)
+
+    def _reach_fixed_scale(self, block: MlpBlock, t: torch.Tensor, y: fx.Node) -> _Output:
+        """The ``lora`` rule behind a post norm: the outer output nearest the target, at the
+        magnitude of least rounding (MATH.md 10, 12); the scale stays."""
+        s, u_now = self.scale(block), self.branch_now(block)  # [d], [k, d]
+        summed = self.summed(block, u_now)  # [k, d]
+        u_star = reachable_outputs(s, t, u_now)  # [k, d], at the reached rms
+        gain = s.double().abs()[None] / u_now.double().pow(2).mean(dim=1, keepdim=True).sqrt()
+        peak = u_star.abs().amax(dim=1)
+        lam = choose_magnitude(gain, summed, t, peak, self.full.targets[block.path].y.dtype)
+        gate_sum = self._put_branch(block, lam[:, None].float() * u_star - u_now, y)
+        figure = rounding_gain(gain, summed, t, lam.tolist())
+        return _Output(None, gate_sum, float(lam.max()), figure)
+
+    def _scale_move(self, block: MlpBlock, todo: BlockPlan, t: torch.Tensor, y) -> _Output:
+        sc = block.scale
+        assert sc is not None and block.norm is not None
+        u_now = self.branch_now(block)  # [k, d]
+        summed = self.summed(block, u_now)  # [k, d], at the reached state (MATH.md 12)
+        gate_sums: list[float] = []
+
+        def reach(residual: torch.Tensor | None) -> torch.Tensor:
+            if residual is not None:
+                gate_sums.append(self._put_branch(block, residual, y) or 0.0)
+            return self.normalized(block)  # [k, d]
+
+        y_target = self.full.targets[block.path].y  # [k, d], model dtype
+        stable = todo.stable or t.shape[0] > 1  # the outer moves first (MATH.md 4, 9)
+        if t.shape[0] > 1 or (todo.stable and not block.norm.centered):  # MATH.md 9; 8: gains
+            f_now = self.normalized(block)  # [k, d]
+            move = moves.shared_scale_move(
+                self.scale(block), t, y_target, u_now, f_now, reach, summed
+            )
+        else:
+            move = moves.scale_move(self.scale(block), t, y_target[0], u_now, reach, summed, stable)
+        self._put(Delta(sc.param, block.path, vector=move.ds / sc.alpha), y, block)
+        gate_sum = min(gate_sums) if gate_sums and block.experts is not None else None
+        return _Output(move, gate_sum, move.magnitude, move.rounding_gain)
+
+    def _put_branch(self, block: MlpBlock, residual: torch.Tensor, y: fx.Node) -> float | None:
+        """Add ``residual`` [k, d] to the outer function's output: the outer linear's output
+        move, or every active expert's by the gate sum (MATH.md 1); the smallest gate sum."""
+        if block.experts is None:
+            h = rows(self.value(block.activation))  # [k, d_ff]
+            u, v = moves.outer_move(residual, h)  # u [d, k], v [d_ff, k]
+            site = block.outer
+            self._put(Delta(site.weight, block.path, u=u, v=v, layout=site.layout), y, site)
+            return None
+        got = self.expert_rows(block)
+        gate_sum, found = moves.experts_output_move(
+            residual, got.ids, got.gates, got.h, block.experts.top_k, got.tokens
+        )
+        self._put(moves.bank_delta(block.outer, block.path, found), y, block.outer)
+        return gate_sum
+
+    # -- putting a delta in place -------------------------------------------------------------
+
+    def _put(self, delta: Delta, upto: fx.Node, at: LinearSite | MlpBlock) -> None:
+        """Put ``delta`` in place: baked into the weight, or (``lowrank``) as an action on the
+        output of ``at`` (a linear site, or the block whose scale or bias it changes)."""
+        held = self.deltas.get(delta.param)
+        if held is not None and held.block != delta.block:
+            raise SolveError(
+                delta.block,
+                f"{delta.param} is shared with block {held.block}: one "
+                "parameter cannot take two blocks' patches",
+            )
+        self.deltas[delta.param] = delta
+        if self.apply == "lowrank":
+            target, act = self._action(delta, at)
+            self.run.add_action(self.view.by_name[target], act, upto)
+            return
+        node = self.param_node[delta.param]
+        base = self.run.param(node)
+        bake = lambda b: at_alignment_of(delta.materialize(b), b)  # noqa: E731
+        self.run.replace_param(node, bake(base), upto, rebake=bake)
+
+    def _action(self, delta: Delta, at: LinearSite | MlpBlock) -> tuple[str, Action]:
+        """The node a delta acts on and the action, computed in float32 beside the weights."""
+        if isinstance(at, LinearSite):
+            ids_node = self.view.by_name[at.experts or ""] if delta.experts else None
+            x_node = self.view.by_name[at.input]
+            return at.node, linear_action(delta, self.run.env, x_node, ids_node)
+        return vector_action(delta, at, self.normalized)
+
+
+def solve(
+    traced: TracedModel,
+    blocks: BlockMap,
+    full: FullRun,
+    query_ids: torch.Tensor,
+    update: str = "stable",
+    start_layer: int = 0,
+    on_block: Callable[[int, int, str], None] | None = None,
+    apply: str = "baked",
+    skip: Mapping[str, str] | None = None,
+    ops: Mapping[str, Callable] | None = None,
+    wait: Callable[[str], None] | None = None,
+) -> Solution:
+    """Compute every block's patch in one reduced pass (pure: the model is not modified).
+
+    Args:
+        traced: the exported model.
+        blocks: the located blocks, in graph order.
+        full: the full run's targets (:func:`record_targets`).
+        query_ids: int64 [1, k], the query alone.
+        update: ``standard`` (Theorem 1), ``stable`` (MATH.md 4, for scaled post norms) or
+            ``output`` (no input move: the outer function absorbs the whole difference), or
+            ``lora`` (linear weights only; behind a post norm not exact: ``unreached_norm``).
+        start_layer: blocks with index below it stay unpatched (ablation C.4).
+        on_block: progress callback ``(done, total, path)``.
+        apply: ``baked`` (each patch materialised into its weight in the model's dtype, as the
+            emitted model holds it) or ``lowrank`` (each delta added as a float32 action on its
+            linear's output, beside the unchanged weights: MATH.md 6, bfloat16 rounds a baked
+            patch away).
+        skip: block path -> reason, for blocks to leave unpatched (a condition they failed).
+        ops: node name -> ``fn(*args, **kwargs)`` computing that node instead of its op
+            (``ctxc generate`` computes the LM head with the baseline's, one weight read).
+        wait: ``wait(block path)`` returns once that block's targets are in ``full.targets``
+            (``ctxc generate`` records them on another thread while the solver runs).
+
+    Returns:
+        the :class:`Solution`.
+
+    Raises:
+        SolveError: a block's condition fails (zero norm, zero divisor, gate sum 0), with its
+            value.
+    """
+    if update not in RULES:
+        raise ValueError(f"unknown update rule {update!r}; expected one of {RULES}")
+    if apply not in ("baked", "lowrank"):
+        raise ValueError(f"unknown apply mode {apply!r}; expected baked or lowrank")
+    skip = skip or {}
+    k = int(query_ids.shape[1])
+    plans = [
+        checked_plan(GraphView.of(traced), block, update, k)
+        if i >= start_layer and block.path not in skip
+        else None
+        for i, block in enumerate(blocks.blocks)
+    ]
+    patched = [b for b, p in zip(blocks.blocks, plans, strict=True) if p is not None]
+    keep = set().union(*(moves.output_reads(b) for b in patched))
+    stops = moves.solver_nodes(*blocks.blocks)
+    solver = _Solver(traced, full, query_ids, apply, keep, stops, ops or {})
+    stats = []
+    with torch.no_grad():
+        for i, (block, todo) in enumerate(zip(blocks.blocks, plans, strict=True)):
+            if wait is not None:
+                wait(block.path)
+            if todo is None:
+                stats.append(solver.skip_block(block, skip.get(block.path, "")))
+            else:
+                try:
+                    stats.append(solver.patch_block(block, todo))
+                except ConditionError as exc:
+                    raise SolveError(block.path, str(exc)) from exc
+            solver.run.release()  # an offloaded block's patched weights: back to its store
+            if on_block is not None:
+                on_block(i + 1, len(blocks.blocks), block.path)
+        logits = solver.logits()  # [k, vocab]
+    return Solution(deltas=dict(solver.deltas), stats=tuple(stats), logits=logits)
