@@ -21,7 +21,7 @@ from ctxc.core.thresholds import EXACT_ATOL
 __all__ = ["N_IDS", "ROOT", "TOL", "first_line", "run_entry"]
 
 ROOT = Path(__file__).resolve().parents[1]
-TOL = EXACT_ATOL  # what exact means: ctxc/thresholds.py
+TOL = EXACT_ATOL  # what exact means: compiler/core/thresholds.py
 # Context 23 random ids + a one-token query, as the CLI's default query (the context's last token).
 N_IDS = 24
 # Where the next rung's reason starts in an UntraceableError's text: each begins with the rung's

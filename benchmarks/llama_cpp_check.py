@@ -37,7 +37,7 @@ from ctxc.backends.gguf.llama_cpp_run import (
     llama_cpp_unavailable,
 )
 from ctxc.backends.gguf.lora import write_gguf_lora
-from ctxc.backends.gguf.model import write_gguf
+from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.torch.verify import reference_logits, torch_logits
 from ctxc.core.metrics import fidelity
 from ctxc.models.load import source_gguf

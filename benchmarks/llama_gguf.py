@@ -49,7 +49,7 @@ def write_llama_gguf(
         ``path``. Side effect: the file is written, F32 matrices (llama.cpp's names and keys,
         by ctxc's GGUF writer).
     """
-    from ctxc.backends.gguf.model import write_gguf
+    from ctxc.backends.gguf.write import write_gguf
 
     tok = _tokenizer(vocab)
     heads = max(2, hidden // 32)

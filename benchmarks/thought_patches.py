@@ -38,8 +38,8 @@ from ctxc.bake.data import FitData, read_queries, record_fit_targets
 from ctxc.bake.distill import teacher_top
 from ctxc.bake.evaluate import evaluate_against, reference
 from ctxc.bake.fit import BakeOptions, bake, bake_data
-from ctxc.core.patch import Delta, Patch
 from ctxc.passes.runtime.run_graph import BlockTargets
+from ctxc.patch import Delta, Patch
 from ctxc.pipeline import traced_blocks
 
 DATA = Path(__file__).resolve().parent / "data"

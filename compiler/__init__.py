@@ -18,9 +18,9 @@ from ctxc._version import __version__
 from ctxc.core.errors import CtxcError, SolveError, UnpatchableError
 
 if TYPE_CHECKING:
-    from ctxc.core.patch import Delta, Patch, PatchMeta
     from ctxc.core.report import CompileReport
     from ctxc.models.load import load_model
+    from ctxc.patch import Delta, Patch, PatchMeta
     from ctxc.pipeline import CompileResult, compile
 
 __all__ = [
@@ -40,9 +40,9 @@ __all__ = [
 # Public name -> the module that defines it, imported on first attribute access.
 _LAZY = {
     "load_model": "ctxc.models.load",
-    "Delta": "ctxc.core.patch",
-    "Patch": "ctxc.core.patch",
-    "PatchMeta": "ctxc.core.patch",
+    "Delta": "ctxc.patch",
+    "Patch": "ctxc.patch",
+    "PatchMeta": "ctxc.patch",
     "CompileResult": "ctxc.pipeline",
     "compile": "ctxc.pipeline",
     "CompileReport": "ctxc.core.report",

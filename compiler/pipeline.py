@@ -12,25 +12,25 @@ import torch
 from ctxc._version import __version__
 from ctxc.core.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
 from ctxc.core.metrics import Fidelity, fidelity
-from ctxc.core.patch import Patch, PatchMeta
 from ctxc.core.report import CompileReport, reference_name
 from ctxc.core.tokens import split_tokens
-from ctxc.frontend.export_cache import frontend_for
 from ctxc.frontend.ladder import Frontend
 from ctxc.frontend.trace import TracedModel
 from ctxc.models.devices import check_on_device, describe
 from ctxc.models.fingerprint import fingerprint
-from ctxc.models.image_run import image_figures, multimodal_full_graph
 from ctxc.models.images import ImageContext
 from ctxc.models.load import check_length
 from ctxc.models.offload import input_device
-from ctxc.models.patched_forward import patched_logits
-from ctxc.models.reference_run import full_run
-from ctxc.models.runtime_attention import runtime_attention
 from ctxc.passes.locate.block_map import BlockMap, Rejection
 from ctxc.passes.locate.locate_blocks import locate_blocks
 from ctxc.passes.runtime.run_graph import run_logits
 from ctxc.passes.solver.solve import RULES, solve
+from ctxc.patch import Patch, PatchMeta
+from ctxc.runs.image_run import image_figures, multimodal_full_graph
+from ctxc.runs.patched_forward import patched_logits
+from ctxc.runs.reference_run import full_run
+from ctxc.runs.runtime_attention import runtime_attention
+from ctxc.store.export_cache import frontend_for
 
 __all__ = ["CompileResult", "compile", "traced_blocks"]
 
@@ -62,7 +62,7 @@ def traced_blocks(
     model: torch.nn.Module, length: int | None = None
 ) -> tuple[TracedModel, BlockMap]:
     """The model's export and block map for inputs of ``length`` tokens, cached per model
-    (and on disk for a model enabled for the export cache: ``compiler/frontend/export_cache.py``).
+    (and on disk for a model enabled for the export cache: ``compiler/store/export_cache.py``).
 
     Args:
         model: the causal LM.
@@ -282,7 +282,7 @@ def _traces(model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Op
             model, len(ctx_ids) + len(q_ids), len(q_ids)
         )
         return full_traced, full_blocks, traced, blocks, frontend, None
-    # The images enter through the model's own forward (compiler/models/image_run.py).
+    # The images enter through the model's own forward (compiler/runs/image_run.py).
     traced, blocks = traced_blocks(model, len(q_ids))
     _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
     run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
@@ -325,7 +325,7 @@ def _solve_skipping(args: tuple, skip_unpatchable: bool, ops: dict | None = None
     """Solve; with ``skip_unpatchable``, leave a block whose condition fails unpatched and solve
     again (the blocks above it absorb its difference), until no block fails. ``ops``: the
     reduced run's attention calls as the runtime makes them
-    (``compiler/models/runtime_attention.py``).
+    (``compiler/runs/runtime_attention.py``).
     """
     failed: list[Rejection] = []
     while True:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from tiny_models import VOCAB
 
-from ctxc.core.patch import Patch
+from ctxc.patch import Patch
 
 __all__ = [
     "TRAIL_LINE",

@@ -16,8 +16,8 @@ import torch
 
 from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures, llama_cpp_check, llama_cpp_unavailable
 from ctxc.backends.torch.verify import torch_logits
-from ctxc.core.patch import Patch
 from ctxc.models.load import source_gguf
+from ctxc.patch import Patch
 
 __all__ = ["LlamaCppRuns", "run_in_llama_cpp"]
 
@@ -72,7 +72,7 @@ def run_in_llama_cpp(
     Raises:
         CtxcError: llama.cpp cannot run a file, or the artefact fails the bound.
     """
-    from ctxc.backends.gguf.model import write_gguf
+    from ctxc.backends.gguf.write import write_gguf
 
     reason = llama_cpp_unavailable()
     source = source_gguf(model)

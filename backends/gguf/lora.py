@@ -23,14 +23,15 @@ import torch
 
 from ctxc.backends.gguf.llama_cpp import run_in_llama_cpp
 from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures
-from ctxc.backends.gguf.model import GGUF_ATOL, GGUF_TYPES, tensor_array
+from ctxc.backends.gguf.model import GGUF_ATOL, GGUF_TYPES
 from ctxc.backends.gguf.names import gguf_arch, gguf_name
+from ctxc.backends.gguf.write import tensor_array
 from ctxc.backends.peft.lora_adapter import servable_deltas
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
-from ctxc.core.patch import Patch
+from ctxc.patch import Patch
 
 __all__ = ["GGUF_LORA_FILE", "GgufLoraFigures", "emit_gguf_lora", "write_gguf_lora"]
 

@@ -19,20 +19,18 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ctxc.backends.gguf.llama_cpp import run_in_llama_cpp
 from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures
-from ctxc.backends.gguf.metadata import copy_metadata, write_metadata
-from ctxc.backends.gguf.names import gguf_arch, gguf_tensors
+from ctxc.backends.gguf.names import gguf_arch
+from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
-from ctxc.core.patch import Patch
-from ctxc.core.thresholds import GGUF_ATOL  # the bound and why: ctxc/thresholds.py
-from ctxc.models.load import source_gguf
+from ctxc.core.thresholds import GGUF_ATOL
+from ctxc.patch import Patch
 
 __all__ = [
     "GGUF_ATOL",
@@ -40,8 +38,6 @@ __all__ = [
     "GGUF_TYPES",
     "GgufFigures",
     "emit_gguf",
-    "tensor_array",
-    "write_gguf",
 ]
 
 GGUF_FILE = "model.gguf"
@@ -101,56 +97,6 @@ class GgufFigures:
             f"{'match' if r.top1_match else 'MISMATCH'}; vs patched {self.reloaded_vs_patched:.3g}"
             f"{runtime}"
         )
-
-
-def tensor_array(w: np.ndarray, gguf_type: str):
-    """``(data, raw_dtype)`` for ``GGUFWriter.add_tensor``: matrices in ``gguf_type``, else F32."""
-    import gguf
-
-    if w.ndim < 2 or gguf_type == "F32":
-        return w.astype(np.float32), None
-    if gguf_type == "F16":
-        return w.astype(np.float16), None
-    bf16 = gguf.GGMLQuantizationType.BF16
-    return gguf.quants.quantize(w.astype(np.float32), bf16), bf16
-
-
-def write_gguf(model, tokenizer, path: Path, gguf_type: str = "F32") -> tuple[int, str]:
-    """Write ``model`` as it is now (no patch applied here) to the GGUF file ``path``.
-
-    Args:
-        model: a model of a known architecture (:func:`gguf_arch`).
-        tokenizer: its tokenizer (unused when the model came from a GGUF file).
-        path: the file to write.
-        gguf_type: ``F32``, ``F16`` or ``BF16`` for the matrices.
-
-    Returns:
-        ``(tensors written, where the metadata came from)``.
-    """
-    import gguf
-
-    arch = gguf_arch(model)
-    writer = gguf.GGUFWriter(str(path), arch.arch)
-    source = source_gguf(model)
-    if source is not None:
-        copy_metadata(writer, source)
-        metadata = f"source GGUF {source.name}"
-    else:
-        write_metadata(writer, model, tokenizer, arch)
-        metadata = "config"
-    file_types = {"F32": 0, "F16": 1, "BF16": 32}  # llama.cpp's LlamaFileType
-    writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_file_type(file_types[gguf_type])
-    count = 0
-    for name, w in gguf_tensors(model, arch):
-        data, raw = tensor_array(w, gguf_type)
-        writer.add_tensor(name, data, raw_dtype=raw)
-        count += 1
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return count, metadata
 
 
 def _rounded(w: torch.Tensor, gguf_type: str) -> torch.Tensor:

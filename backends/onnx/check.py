@@ -23,7 +23,7 @@ from ctxc.backends.onnx.files import file_size
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
-from ctxc.core.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR, floor_bound  # ctxc/thresholds.py
+from ctxc.core.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR, floor_bound
 
 __all__ = [
     "ONNX_ATOL",
@@ -203,7 +203,7 @@ def runtime_floor(
     ids: Sequence[torch.Tensor],
     unpatched: Sequence[torch.Tensor],
 ) -> float:
-    """onnxruntime's own distance from torch on the unpatched model (ctxc/thresholds.py).
+    """onnxruntime's own distance from torch on the unpatched model (compiler/core/thresholds.py).
 
     Args:
         run: int64 ids [1, n] -> the unpatched model's logits [1, n, vocab] in onnxruntime

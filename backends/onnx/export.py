@@ -40,9 +40,9 @@ from torch.func import functional_call
 
 from ctxc.backends import backend
 from ctxc.core.errors import CtxcError
-from ctxc.core.patch import Patch
 from ctxc.frontend.trace import MAX_SEQ, no_cache, trace
 from ctxc.passes.runtime.insert_deltas import InsertResult, insert_deltas
+from ctxc.patch import Patch
 
 __all__ = [
     "EXPORTABLE_EXPERTS",

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from ctxc import __version__
-from ctxc.core.patch import Patch
+from ctxc._version import __version__
+from ctxc.patch import Patch
 
 __all__ = ["ONNX_FILE", "file_size", "patch_metadata", "save_program"]
 

@@ -27,7 +27,7 @@ from ctxc.backends.onnx.export import (
 )
 from ctxc.backends.onnx.files import ONNX_FILE, patch_metadata, save_program
 from ctxc.backends.torch.verify import check_ids, reference_logits
-from ctxc.core.patch import Patch
+from ctxc.patch import Patch
 
 # The CLI reaches the backend through this module: require_onnx and ONNX_FILE stay importable.
 __all__ = ["ONNX_ATOL", "ONNX_FILE", "OnnxFigures", "emit_onnx", "require_onnx"]

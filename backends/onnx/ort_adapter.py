@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ctxc import __version__
+from ctxc._version import __version__
 from ctxc.backends.onnx.check import (
     ONNX_ATOL,
     LengthCheck,
@@ -41,8 +41,8 @@ from ctxc.backends.onnx.patchable import emit_onnx_patchable, inputs_of, patch_f
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
-from ctxc.core.patch import Patch
 from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
+from ctxc.patch import Patch
 
 __all__ = [
     "ADAPTER_FILE",

@@ -44,9 +44,9 @@ from ctxc.backends.onnx.export import (
 )
 from ctxc.backends.onnx.files import ONNX_FILE, patch_metadata, save_program
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
+from ctxc.core.delta_math import add_in_float32, lowrank_dense
 from ctxc.core.errors import CtxcError
-from ctxc.core.patch import Delta, Patch
-from ctxc.passes.solver.delta_math import add_in_float32, lowrank_dense
+from ctxc.patch import Delta, Patch
 
 __all__ = [
     "Slot",
@@ -215,7 +215,7 @@ def emit_onnx_patchable(
         if full is None:
             full = reference_logits(model, patch)
         expected = patched_logits(model, patch, ids)
-        unpatched = torch_logits(model, ids)  # onnxruntime's floor (ctxc/thresholds.py)
+        unpatched = torch_logits(model, ids)  # onnxruntime's floor (compiler/core/thresholds.py)
         program = export_program(
             _Patchable(model, slots).eval(),
             (ids[-1], *_example(slots, patch)),

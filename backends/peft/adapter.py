@@ -31,16 +31,16 @@ from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
-from ctxc.core.patch import Delta, Patch
 from ctxc.core.thresholds import PEFT_RTOL
 from ctxc.models.offload import input_device
-from ctxc.models.patched_forward import patched_logits
+from ctxc.patch import Delta, Patch
+from ctxc.runs.patched_forward import patched_logits
 
 __all__ = ["ADAPTER_DIR", "DEFAULT_RTOL", "AdapterPlan", "PeftFigures", "emit_peft", "plan_adapter"]
 
 ADAPTER_DIR = "adapter"
 
-DEFAULT_RTOL = PEFT_RTOL  # the bound and why: ctxc/thresholds.py
+DEFAULT_RTOL = PEFT_RTOL  # the bound and why: compiler/core/thresholds.py
 
 
 @dataclass(frozen=True)

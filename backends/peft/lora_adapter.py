@@ -17,7 +17,7 @@ import torch
 from ctxc.backends.peft.adapter import PeftFigures, emit_peft
 from ctxc.backends.peft.lora_rules import VllmCheck, check_vllm_adapter
 from ctxc.core.errors import CtxcError
-from ctxc.core.patch import Delta, Patch
+from ctxc.patch import Delta, Patch
 
 __all__ = ["LORA_DIR", "LoraFigures", "emit_lora", "servable_deltas"]
 

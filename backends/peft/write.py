@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from ctxc.core.patch import Delta, Patch
-from ctxc.passes.solver.delta_math import at_alignment_of
+from ctxc.core.delta_math import at_alignment_of
+from ctxc.patch import Delta, Patch
 
 __all__ = ["bank_factors", "fill_adapter", "flags_kept", "shared_copy", "write_card"]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from ctxc.backends.torch.shards import realign_shards, source_alignments, write_shards
-from ctxc.core.patch import Patch
 from ctxc.models.offload import is_dispersed
-from ctxc.models.patched_forward import patched_values
+from ctxc.patch import Patch
+from ctxc.runs.patched_forward import patched_values
 
 __all__ = ["emit_torch", "save_tokenizer", "shard_kwargs"]
 
@@ -34,7 +34,7 @@ def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Pa
 
     The patched weights are those :meth:`Patch.apply` writes (the weights the solver computed
     with, bit for bit), swapped in for the save by
-    :func:`~ctxc.models.patched_forward.patched_values`
+    :func:`~ctxc.runs.patched_forward.patched_values`
     and out again: ``model`` is left as it was, and its own tensors (memory-mapped from its
     checkpoint) are never written or cloned. In memory, the one file ``save_pretrained`` would
     write (the same bytes for a model loaded from such a file: the header padded so that each

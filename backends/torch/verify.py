@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-from ctxc.core.patch import Patch
 from ctxc.frontend.trace import no_cache, trace
 from ctxc.models.devices import block_device_map, placement_of
 from ctxc.models.offload import input_device
 from ctxc.passes.runtime.run_graph import run_logits
+from ctxc.patch import Patch
 
 __all__ = ["check_ids", "reference_logits", "reloaded_logits", "torch_logits"]
 

@@ -5,7 +5,7 @@ alone; the teacher is the same model fed the context and the query. The loss is 
 student) at every position of the fit data (the fit's constraints), over the teacher's top
 ``TOP`` tokens (the rest of the vocabulary carries under 1e-3 of the mass on the contexts
 measured; storing all 262k logits per position would not fit). Seeded; AdamW. The trained
-factors become a :class:`~ctxc.core.patch.Patch` (``dW = (alpha / r) B A``), so every backend takes
+factors become a :class:`~ctxc.patch.Patch` (``dW = (alpha / r) B A``), so every backend takes
 it. The model is left as it was (the LoRA layers are unloaded). Training runs for a step count
 or, given a time budget (``options.distill_seconds``), until that wall time is spent; the
 :class:`DistillRun` says how many steps it reached.
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxc.bake.data import FitData
-from ctxc.core.patch import Delta, Patch, PatchMeta
+from ctxc.patch import Delta, Patch, PatchMeta
 
 __all__ = ["TOP", "DistillRun", "distill", "teacher_top"]
 

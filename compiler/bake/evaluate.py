@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ctxc.bake.data import FitData
-from ctxc.core.patch import Patch
+from ctxc.patch import Patch
 
 __all__ = [
     "BakeEval",

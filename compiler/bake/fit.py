@@ -6,7 +6,7 @@ every position of every query is a constraint. ``method="fit"`` solves the exact
 least-squares sense over all positions, block by block along the patched run
 (:func:`~ctxc.passes.solver.fit_solve.fit_solve`); ``method="distill"`` trains a LoRA of the same
 rank
-by context distillation (:mod:`ctxc.bake.distill`). Both give a :class:`~ctxc.core.patch.Patch`, so
+by context distillation (:mod:`ctxc.bake.distill`). Both give a :class:`~ctxc.patch.Patch`, so
 every backend takes it.
 """
 
@@ -27,12 +27,12 @@ from ctxc.bake.data import (
     text_queries,
 )
 from ctxc.core.errors import CtxcError, UnpatchableError
-from ctxc.core.patch import Patch, PatchMeta
 from ctxc.models.fingerprint import fingerprint
 from ctxc.models.load import check_length
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver.fit_moves import FitOptions
 from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
+from ctxc.patch import Patch, PatchMeta
 from ctxc.pipeline import traced_blocks
 
 __all__ = ["BAKE_METHODS", "BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]

@@ -190,7 +190,7 @@ def export_cmd(
     verbose: bool = VERBOSE,
 ) -> None:
     """Emit an artefact from a saved patch."""
-    from ctxc.core.patch import Patch
+    from ctxc.patch import Patch
 
     kinds = parse_emit(to, "--to")
     if patchable and "onnx" not in kinds:
@@ -282,14 +282,17 @@ def inspect_cmd(
     update rule, or why a block cannot be patched."""
     net, _ = load(model, "float32", placement_for(device, device_map, max_memory))
     from ctxc.inspect.model import inspect_model
+    from ctxc.inspect.render_html import render_html
+    from ctxc.inspect.render_json import render_json
+    from ctxc.inspect.render_text import render_text
 
     stage("tracing the model")
     info = inspect_model(net)
     if fmt is Format.text:
-        say(info.to_text())
+        say(render_text(info))
     else:  # plain bytes on stdout: no console wrapping or markup in machine-read formats
         finish()  # the progress trail ends before the bytes go out
-        sys.stdout.write(info.to_json() if fmt is Format.json else info.to_html())
+        sys.stdout.write(render_json(info) if fmt is Format.json else render_html(info))
         sys.stdout.flush()
 
 

@@ -170,7 +170,7 @@ def eval_bake_cmd(
 ) -> None:
     """Measure a baked patch on held-out queries against the model fed the context."""
     from ctxc.bake.data import read_queries
-    from ctxc.core.patch import Patch
+    from ctxc.patch import Patch
 
     texts = read_queries(queries) if queries is not None else None
     if not texts and samples < 1:

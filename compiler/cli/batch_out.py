@@ -113,7 +113,7 @@ class BatchFolder:
         Raises:
             CtxcError: ``DIR/name`` is there and not ctxc's (it appeared during the run).
         """
-        from ctxc.core.patch_checks import stored_digest
+        from ctxc.patch import stored_digest
 
         files = _sizes(staging)
         patch = stored_digest(staging / "patch.safetensors")
@@ -166,8 +166,7 @@ class BatchFolder:
                 return None
             if any((folder / f).stat().st_size != n for f, n in marker["files"].items()):
                 return None
-            from ctxc.core.patch import Patch
-            from ctxc.core.patch_checks import stored_digest
+            from ctxc.patch import Patch, stored_digest
 
             Patch.load(folder / "patch.safetensors")  # its tensors against its stored digest
             if stored_digest(folder / "patch.safetensors") != marker["patch_sha256"]:

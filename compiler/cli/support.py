@@ -50,7 +50,7 @@ def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
 def load(model: str | None, dtype: str, placement=None):
     """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
 
-    The model is enabled for the export cache (``compiler/frontend/export_cache.py``).
+    The model is enabled for the export cache (``compiler/store/export_cache.py``).
 
     Args:
         placement: a :class:`~ctxc.models.devices.Placement` (checked already), or None: the CPU.
@@ -72,7 +72,7 @@ def load(model: str | None, dtype: str, placement=None):
         }
     # Conversion steps take minutes: each stays as a line, on a terminal too.
     net, tokenizer = load_model(model, dtype, on_stage=lambda line: stage(line, keep=True), **where)
-    from ctxc.frontend.export_cache import enable
+    from ctxc.store.export_cache import enable
 
     enable(net)  # every command is a new process: reuse the export on disk (issue 11)
     source = str(getattr(tokenizer, "name_or_path", "") or "")

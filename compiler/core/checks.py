@@ -111,7 +111,7 @@ def fidelity_limit(meta, full, gguf_type: str | None = None) -> float | None:
     """The bound on an artefact's max |logit diff| from the full-context model.
 
     Args:
-        meta: the patch's :class:`~ctxc.core.patch.PatchMeta`: its dtype, rule and solver figure.
+        meta: the patch's :class:`~ctxc.patch.PatchMeta`: its dtype, rule and solver figure.
         full: the full-context logits at the query positions [k, vocab].
         gguf_type: the artefact's matrix type when it rounds the weights (GGUF ``F16``).
 

@@ -6,8 +6,8 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
+from ctxc.core.block_stats import BlockStats
 from ctxc.core.metrics import Fidelity
-from ctxc.passes.solver.block_stats import BlockStats
 
 __all__ = ["SOLVER_REFERENCE", "CompileReport", "reference_name"]
 
@@ -59,7 +59,7 @@ class CompileReport:
         timings: seconds per stage.
         frontend: the export ladder's rung: ``dynamic``, ``bounded`` or ``static``
             (``compiler/frontend/ladder.py``).
-        images: for an image context, what ``compiler/models/image_run.py`` reports (the images,
+        images: for an image context, what ``compiler/runs/image_run.py`` reports (the images,
             the image token count, the full run against the model's own forward); else None.
         device: the device the runs started on (the input embedding's).
         placement: parameters per device (``disk``: offloaded), ``compiler/models/devices.py``.

@@ -20,7 +20,7 @@ from torch.export.graph_signature import InputKind
 
 from ctxc.core.errors import CtxcError
 from ctxc.models.offload import input_device, is_dispersed, meta_skeleton, weight_source
-from ctxc.passes.runtime.placement import Placer
+from ctxc.models.placement import Placer
 
 __all__ = [
     "MAX_SEQ",
@@ -58,7 +58,7 @@ class TracedModel:
 
     Attributes:
         program: the ``ExportedProgram`` (lifted: parameters are placeholders), or the
-            ``StoredProgram`` of the export cache (``compiler/frontend/export_cache.py``).
+            ``StoredProgram`` of the export cache (``compiler/store/export_cache.py``).
         param_of: placeholder node name -> parameter name in ``model.state_dict()``.
         input_name: the placeholder name of ``input_ids``.
         dtype: the floating dtype of the model's parameters.
@@ -207,7 +207,7 @@ def trace(
         frontend: the ladder rung recorded in the result.
         wrapper: the module to export in place of :class:`LogitsOnly` (same contract:
             ``forward(input_ids) -> logits``, the model held under ``WRAPPED``); the
-            multimodal full run (``compiler/models/image_run.py``) passes one.
+            multimodal full run (``compiler/runs/image_run.py``) passes one.
         example: the wrapper's example input, when it takes another than token ids (the
             multimodal full run: ``inputs_embeds`` [1, n, d]); its length must be static.
 

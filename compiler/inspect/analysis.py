@@ -13,10 +13,6 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from ctxc.inspect.render_html import render_html
-from ctxc.inspect.render_json import inspection_dict, render_json
-from ctxc.inspect.render_text import render_text
-
 __all__ = [
     "RANK_NOTE",
     "BlockInspection",
@@ -216,19 +212,3 @@ class ModelInspection:
                 (r, sum(e.floats for p in patches for e in p[r])) for r in self.rules
             ),
         )
-
-    def to_dict(self) -> dict:
-        """The JSON document as Python data (see :mod:`ctxc.inspect.render_json`)."""
-        return inspection_dict(self)
-
-    def to_json(self) -> str:
-        """The JSON document, indented, with a final newline."""
-        return render_json(self)
-
-    def to_text(self) -> str:
-        """A readable report, one line per part (no final newline)."""
-        return render_text(self)
-
-    def to_html(self) -> str:
-        """A page with one diagram per distinct block shape."""
-        return render_html(self)

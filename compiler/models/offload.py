@@ -8,7 +8,7 @@ safetensors files, or files accelerate wrote). This module is ctxc's one door to
 - :func:`meta_skeleton`: the model rebuilt on the meta device, traced instead of the model, so
   tracing never holds a second copy of the weights (``torch.export`` only reads shapes);
 - :func:`weight_source`: what each graph input is in a run: the model's own tensor where it
-  lives, or a :class:`~ctxc.passes.runtime.placement.LazyWeight` read from the store at use;
+  lives, or a :class:`~ctxc.models.placement.LazyWeight` read from the store at use;
 - :func:`read_param`, :func:`put_param`, :func:`restore_param`: a parameter's value, and a
   patched value written where the parameter lives (in place on its device, or into a file of
   ctxc's own that the store is pointed at: the checkpoint is never written), and undone.
@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ctxc.passes.runtime.placement import LazyWeight
+from ctxc.models.placement import LazyWeight
 
 _ALIGN = 64  # bytes: the widest SIMD load the CPU BLAS kernels peel for (delta_math.py)
 

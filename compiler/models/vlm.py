@@ -2,7 +2,7 @@
 
 A vision-language model is a Transformers model whose config has a ``vision_config``. ctxc
 patches its language model only: the blocks are found in the text path's graph, which the vision
-tower and projector never enter (``compiler/models/image_run.py``). What stays untouched is read
+tower and projector never enter (``compiler/runs/image_run.py``). What stays untouched is read
 from
 that graph too: the parameters the text path never reads.
 """

@@ -2,7 +2,7 @@
 
 The reduced run adds ``(x v) u^T`` to a linear's output in float32, beside the unchanged
 weights, instead of materialising ``W + u v^T``
-(:func:`~ctxc.passes.solver.delta_math.lowrank_action`);
+(:func:`~ctxc.core.delta_math.lowrank_action`);
 for a stacked expert bank, each bank row gets its own expert's factors. A vector delta of a post
 norm's scale adds ``f * alpha * ds`` to the scaled output, of its bias the vector itself.
 Analysis: an action reads the run's values when it is applied and mutates nothing.
@@ -15,10 +15,10 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from ctxc.core.patch import Delta
+from ctxc.core.delta_math import add_in_float32, lowrank_action
 from ctxc.passes.locate.block_map import MlpBlock
 from ctxc.passes.solver.block_moves import row_experts
-from ctxc.passes.solver.delta_math import add_in_float32, lowrank_action
+from ctxc.patch import Delta
 
 __all__ = ["linear_action", "vector_action"]
 

@@ -1,4 +1,4 @@
-"""Graph transform: bake a :class:`~ctxc.core.patch.Patch` into an exported graph as in-graph
+"""Graph transform: bake a :class:`~ctxc.patch.Patch` into an exported graph as in-graph
 deltas.
 
 ``Patch.apply`` overwrites a model's weights; this pass instead leaves the weights alone and adds
@@ -27,8 +27,8 @@ import torch
 from torch import fx
 
 from ctxc.core.errors import CtxcError
-from ctxc.core.patch import Delta, Patch
 from ctxc.frontend.trace import WRAPPED
+from ctxc.patch import Delta, Patch
 
 __all__ = ["DELTA_PREFIX", "InsertResult", "ParamOf", "delta_attr_name", "insert_deltas"]
 
@@ -279,7 +279,7 @@ def _emit(
         new.append(node)
         return node
 
-    # Mirror passes/solver/delta_math.py (what Delta.materialize calls) as graph nodes: the same ops
+    # Mirror compiler/core/delta_math.py (what Delta.materialize calls) as graph nodes: the same ops
     # on the same tensors give the same bits, so this graph is interchangeable with patch.apply.
     parts = _parts(delta)
     w32 = call(aten.to.dtype, (source, torch.float32), "w32")

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from ctxc.passes.runtime.placement import LazyWeight
+from ctxc.models.placement import LazyWeight
 
 __all__ = ["PROBE_COLUMNS", "default_forward_rows"]
 

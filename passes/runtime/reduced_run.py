@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import fx
 
+from ctxc.models.placement import LazyWeight, PlacingInterpreter, materialize
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.compile_segments import compile_segments
-from ctxc.passes.runtime.placement import LazyWeight, PlacingInterpreter, materialize
 
 __all__ = ["Action", "ReducedRun"]
 

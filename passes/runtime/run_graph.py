@@ -17,9 +17,9 @@ import torch
 from torch import fx
 
 from ctxc.frontend.trace import TracedModel
+from ctxc.models.placement import Placer, PlacingInterpreter
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.banded_attention import Band, banded_sdpa, mask_bands, sdpa_call, usable
-from ctxc.passes.runtime.placement import Placer, PlacingInterpreter
 from ctxc.passes.runtime.plain_head import default_forward_rows
 
 __all__ = ["BlockTargets", "FullRun", "record_targets", "run_logits"]
@@ -65,7 +65,7 @@ class _Recorder(PlacingInterpreter):
         reference: also compute the head's query rows as the default forward does (the head's
             output is then ``[1, 2k, vocab]``: the query rows alone, then those).
         ops: node name -> ``fn(*args, **kwargs)`` computing that node instead of its op (an
-            attention call given the runtime's own mask: ``compiler/models/runtime_attention.py``).
+            attention call given the runtime's own mask: ``compiler/runs/runtime_attention.py``).
     """
 
     def __init__(

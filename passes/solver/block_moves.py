@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ctxc.core.patch import Delta
 from ctxc.passes.locate.block_map import LinearSite, MlpBlock, TailStep
 from ctxc.passes.solver.multi_scale import SharedScaleFit, fit_shared_scale
 from ctxc.passes.solver.output_magnitude import (
@@ -31,6 +30,7 @@ from ctxc.passes.solver.update_rules import (
     scale_output_move,
     stable_post_norm_target,
 )
+from ctxc.patch import Delta
 
 __all__ = [
     "ExpertFactors",

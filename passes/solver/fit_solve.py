@@ -20,18 +20,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ctxc.core.delta_math import at_alignment_of
 from ctxc.core.errors import SolveError
-from ctxc.core.patch import Delta
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver import block_moves as moves
-from ctxc.passes.solver.delta_math import at_alignment_of
 from ctxc.passes.solver.fit_moves import FitOptions, fit_bias, fit_linear, fit_scale, stable_targets
 from ctxc.passes.solver.output_magnitude import least_rounding_targets, summed_terms
 from ctxc.passes.solver.update_rules import ConditionError
+from ctxc.patch import Delta
 
 __all__ = ["FitBlock", "FitSolution", "effective_rank", "fit_solve"]
 

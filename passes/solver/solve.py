@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
+from ctxc.core.block_stats import BlockStats
+from ctxc.core.delta_math import at_alignment_of
 from ctxc.core.errors import SolveError
-from ctxc.core.patch import Delta
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
@@ -31,12 +32,11 @@ from ctxc.passes.runtime.delta_actions import linear_action, vector_action
 from ctxc.passes.runtime.reduced_run import Action, ReducedRun
 from ctxc.passes.runtime.run_graph import FullRun
 from ctxc.passes.solver import block_moves as moves
-from ctxc.passes.solver.block_stats import BlockStats
-from ctxc.passes.solver.delta_math import at_alignment_of
 from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
 from ctxc.passes.solver.solver_values import SolverValues, rows
 from ctxc.passes.solver.update_rules import ConditionError, ScaleMove
+from ctxc.patch import Delta
 
 __all__ = ["RULES", "UPDATE_RULES", "Solution", "solve"]
 

@@ -167,7 +167,7 @@ def test_a_scaled_value_without_digest_fails_the_gate(scaled, tiny_model_dir, to
 
 
 def test_a_patch_without_digest_still_loads(scaled):
-    from ctxc.core.patch import Patch
+    from ctxc.patch import Patch
 
     work, _, meta = scaled
     tensors = load_file(str(work / "out" / "patch.safetensors"))

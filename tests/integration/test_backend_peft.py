@@ -13,7 +13,7 @@ from tiny_models import build, build_any
 
 import ctxc
 from ctxc.backends.peft.adapter import ADAPTER_DIR, emit_peft, plan_adapter
-from ctxc.core.patch import Delta, Patch
+from ctxc.patch import Delta, Patch
 
 
 def _adapter_logits(family: str, adapter, query: list[int], merge: bool) -> torch.Tensor:

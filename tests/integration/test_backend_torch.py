@@ -12,7 +12,7 @@ from tiny_models import build
 
 import ctxc
 from ctxc.backends.torch.model import emit_torch
-from ctxc.models.patched_forward import patched_values
+from ctxc.runs.patched_forward import patched_values
 
 
 def _saved(folder) -> dict[str, torch.Tensor]:

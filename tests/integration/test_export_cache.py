@@ -19,9 +19,9 @@ from tiny_models import build_any as build
 from tiny_models import tiny_tokenizer
 
 import ctxc
-from ctxc.frontend import export_cache
-from ctxc.frontend.export_cache import StoredProgram, enable, entry_key, entry_path
 from ctxc.pipeline import traced_blocks
+from ctxc.store import export_cache
+from ctxc.store.export_cache import StoredProgram, enable, entry_key, entry_path
 
 CONTEXT = random_ids(11, 12)
 QUERY = random_ids(12, 2)

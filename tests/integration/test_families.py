@@ -20,6 +20,7 @@ from ctxc.core.errors import CtxcError
 from ctxc.frontend.ladder import build_frontend, suggested_range
 from ctxc.frontend.trace import LogitsOnly
 from ctxc.inspect.model import inspect_model
+from ctxc.inspect.render_text import render_text
 from ctxc.pipeline import traced_blocks
 
 _PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "coverage.py"
@@ -64,7 +65,7 @@ def test_non_branches_are_notes(family: str) -> None:
     _, blocks = traced_blocks(model)
     assert blocks.blocks and not blocks.rejections, blocks.rejections
     assert blocks.notes and all(NOTES[family] in n.reason for n in blocks.notes), blocks.notes
-    text = inspect_model(model).to_text()
+    text = render_text(inspect_model(model))
     assert "note: not" in text and "REJECTED" not in text, text
     rec = coverage.run_entry(_entry(family))
     assert rec["status"] == "exact" and rec["max_abs_logit_diff"] <= coverage.TOL, _fig(rec)

@@ -23,9 +23,9 @@ from torch import fx
 
 import ctxc
 from ctxc.core.errors import CtxcError
-from ctxc.core.patch import Delta, Patch
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.runtime.insert_deltas import DELTA_PREFIX, delta_attr_name, insert_deltas
+from ctxc.patch import Delta, Patch
 from ctxc.pipeline import traced_blocks
 
 CONTEXT = list(range(3, 15))

@@ -18,6 +18,9 @@ from tiny_models import shared, tiny_tokenizer
 
 from ctxc.cli.app import main
 from ctxc.inspect.model import inspect_model
+from ctxc.inspect.render_html import render_html
+from ctxc.inspect.render_json import inspection_dict
+from ctxc.inspect.render_text import render_text
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["gpt2", "olmo2", "qwen2_moe"]
@@ -25,7 +28,7 @@ GOLDEN_MODELS = ["gpt2", "olmo2", "qwen2_moe"]
 
 @pytest.mark.parametrize("name", GOLDEN_MODELS)
 def test_json_matches_the_golden_file(name: str) -> None:
-    got = inspect_model(shared(name)).to_dict()
+    got = inspection_dict(inspect_model(shared(name)))
     path = GOLDEN / f"{name}.json"
     if os.environ.get("CTXC_UPDATE_GOLDEN"):
         path.write_text(json.dumps(got, indent=2) + "\n")
@@ -37,7 +40,7 @@ def test_json_matches_the_golden_file(name: str) -> None:
 
 
 def test_text_names_shapes_roles_patches_and_rejections() -> None:
-    text = inspect_model(ToyLM(post=["scaled", "plain"])).to_text()
+    text = render_text(inspect_model(ToyLM(post=["scaled", "plain"])))
     assert "trunk.0.ffn [shape A]" in text
     assert "post-sublayer norm" in text or "sandwich norms" in text
     assert "trunk.0.ffn.w_a.weight: input-controllable" in text
@@ -46,7 +49,7 @@ def test_text_names_shapes_roles_patches_and_rejections() -> None:
 
 
 def test_html_draws_each_shape_once_with_patched_parameters(tmp_path) -> None:
-    page = inspect_model(shared("qwen2_moe")).to_html()
+    page = render_html(inspect_model(shared("qwen2_moe")))
     assert page.count("<svg") == 1  # both blocks share one shape
     assert "mixture of experts (4 experts, top 2) + shared expert with a sigmoid gate" in page
     assert page.count(">P</text>") >= 5  # router, expert banks, shared gate/up, shared gate

@@ -8,10 +8,10 @@ from helpers import diff_msg, random_ids
 from tiny_models import build
 
 import ctxc
-from ctxc.models.patched_forward import patched_logits
 from ctxc.passes.runtime import run_graph
 from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.pipeline import traced_blocks
+from ctxc.runs.patched_forward import patched_logits
 
 N = 2000  # past one query chunk (1792 rows), so the full run bands its attention
 

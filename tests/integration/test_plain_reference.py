@@ -197,7 +197,7 @@ def test_image_report_is_what_a_fresh_process_measures(tmp_path) -> None:
 
 def test_a_graph_that_is_not_the_runtime_is_refused(tmp_path, monkeypatch) -> None:
     """When the graph cannot compute what the runtime computes on the query, no folder."""
-    from ctxc.models import runtime_attention
+    from ctxc.runs import runtime_attention
 
     real = runtime_attention.sdpa_calls
 

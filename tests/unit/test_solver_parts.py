@@ -9,13 +9,13 @@ import torch
 from tiny_models import VOCAB, shared
 
 import ctxc
+from ctxc.core.delta_math import add_in_float32, lowrank_dense
 from ctxc.passes.locate.classify import classify
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.locate.plan import UPDATE_RULES, plan
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import run_logits
 from ctxc.passes.solver import block_moves as moves
-from ctxc.passes.solver.delta_math import add_in_float32, lowrank_dense
 from ctxc.pipeline import traced_blocks
 
 IDS = torch.randint(4, VOCAB, (16,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -1,6 +1,6 @@
 """The one arithmetic of a delta: its dense form, the patched value, its low-rank action.
 
-Every place that turns a :class:`~ctxc.core.patch.Delta` into numbers (the Patch applied to a model,
+Every place that turns a :class:`~ctxc.patch.Delta` into numbers (the Patch applied to a model,
 the solver's reduced pass, the exported graphs) must compute the same ops on the same tensors,
 or the emitted model's bits differ from those the solver computed with, and post-norm gains of
 1e3 amplify the difference (MATH.md 8). They call these functions.

@@ -32,8 +32,8 @@ from torch.overrides import TorchFunctionMode
 
 from ctxc.core.errors import CtxcError
 from ctxc.frontend.trace import WRAPPED, TracedModel, no_cache
+from ctxc.models.placement import PlacingInterpreter
 from ctxc.passes.runtime.banded_attention import sdpa_call
-from ctxc.passes.runtime.placement import PlacingInterpreter
 
 __all__ = ["RuntimeAttention", "SdpaCall", "graph_ops", "runtime_attention", "sdpa_calls"]
 

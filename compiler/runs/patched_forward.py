@@ -19,8 +19,8 @@ from contextlib import contextmanager
 
 import torch
 
-from ctxc.core.patch import Patch
-from ctxc.passes.solver.delta_math import at_alignment_of
+from ctxc.core.delta_math import at_alignment_of
+from ctxc.patch import Patch
 
 __all__ = ["patched_logits", "patched_values"]
 

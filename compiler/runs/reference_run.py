@@ -5,7 +5,7 @@ query: plain Transformers, the model's default attention, every position's logit
 "Which reference"). The full run over the traced graph gives those values at the query
 positions: its blocks compute the forward's ops, its head is applied as the default forward
 applies it (``passes/runtime/plain_head.py``), and its attention calls are the runtime's where the
-runtime's attention differs from the graph's (``compiler/models/runtime_attention.py``).
+runtime's attention differs from the graph's (``compiler/runs/runtime_attention.py``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from ctxc.frontend.trace import TracedModel
-from ctxc.models.image_run import MultimodalRun
-from ctxc.models.runtime_attention import RuntimeAttention, graph_ops, sdpa_calls
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.run_graph import FullRun, record_targets
+from ctxc.runs.image_run import MultimodalRun
+from ctxc.runs.runtime_attention import RuntimeAttention, graph_ops, sdpa_calls
 
 __all__ = ["full_run"]
 

@@ -11,7 +11,7 @@ export, never trusted. Entries are written to a partial file and renamed into pl
 processes that start at once both end with a correct entry (the last rename wins).
 
 The entry is one safetensors file: the tensors the graph reads that are not the model's own
-(lifted constants), and in its metadata the graph (:mod:`ctxc.frontend.graph_codec`), the block
+(lifted constants), and in its metadata the graph (:mod:`ctxc.store.graph_codec`), the block
 map, the
 input signature and a SHA-256 digest of all of it. The model's parameters and buffers are not
 stored: the loaded graph reads the live model's tensors, as a fresh export does.
@@ -32,17 +32,17 @@ from torch import fx
 
 from ctxc._version import __version__
 from ctxc.core.cache import cache_dir, partial_entry
-from ctxc.frontend.graph_codec import (
+from ctxc.frontend.ladder import Frontend, build_frontend
+from ctxc.frontend.trace import WRAPPED, TracedModel
+from ctxc.models.fingerprint import fingerprint
+from ctxc.models.offload import is_dispersed
+from ctxc.store.graph_codec import (
     Unstorable,
     decode_blocks,
     decode_graph,
     encode_blocks,
     encode_graph,
 )
-from ctxc.frontend.ladder import Frontend, build_frontend
-from ctxc.frontend.trace import WRAPPED, TracedModel
-from ctxc.models.fingerprint import fingerprint
-from ctxc.models.offload import is_dispersed
 
 __all__ = ["FORMAT", "StoredProgram", "enable", "entry_key", "entry_path", "frontend_for"]
 
