@@ -1,13 +1,10 @@
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from tiny_models import build, tiny_tokenizer
+from tests.fixtures.tiny_models import build, tiny_tokenizer
 
 
 @pytest.fixture(scope="session")

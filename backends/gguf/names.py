@@ -41,7 +41,7 @@ class GgufArch:
 
 
 # The architectures whose round trip through Transformers' GGUF loader ctxc checks
-# (tests/integration/test_backend_gguf.py: Llama tiny, Gemma 3 270M bundled).
+# (tests/backends/test_backend_gguf.py: Llama tiny, Gemma 3 270M bundled).
 _ARCHS = {
     a.model_type: a
     for a in (

@@ -184,7 +184,7 @@ def _write_parallel(path: Path, header: bytes, entries: list, state: dict, worke
 
     The bytes are those the sequential path writes. Why threads: the page-cache copy of a
     write runs on the writing core (about 0.5 GB/s per writer on the 2-core machine of
-    benchmarks/cli_cost.py, where Gemma 3 270M's 1 GB file took 1.6-2.5 s from one writer and
+    benchmarks/cost/cli.py, where Gemma 3 270M's 1 GB file took 1.6-2.5 s from one writer and
     0.5-1.4 s from two); ``os.pwrite`` releases the GIL.
     """
     import os

@@ -54,7 +54,7 @@ _EPS = {"float32": 2.0**-23, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 # patched model, at the query and a 16-token tail. onnxruntime by itself, on the unpatched
 # model, is 6.3e-5 to 6.9e-5 from torch on a one-token query and 1.6e-5 to 5e-5 on context +
 # query (7.3e-4 at 1075 tokens: other summation orders, post-norm gains up to 1.66e3). The
-# patched model's check measured 1.7e-5 to 3.8e-5 (benchmarks/onnx_fidelity.py --baked 13), at
+# patched model's check measured 1.7e-5 to 3.8e-5 (benchmarks/fidelity/onnx.py --baked 13), at
 # or under that floor: its rounding gain is at most 1 per block (MATH.md 12; before, up to
 # 7.4e-4, and 1.1e-3 to 1.5e-3 on new texts, which refused the export). The absolute bound is
 # what a baked export, which has no unpatched twin to measure, must meet: the largest floor seen

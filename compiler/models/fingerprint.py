@@ -32,7 +32,7 @@ _VOLATILE = {
 _SAMPLES = 8192
 # Bytes of an offloaded parameter read at once while sampling it: a slab is in memory twice
 # while it is read (the file's pages and the copy), so 64 MiB slabs made the fingerprint the
-# offloaded compile's peak (+194 MiB on Gemma 3 270M; benchmarks/offload.py).
+# offloaded compile's peak (+194 MiB on Gemma 3 270M; benchmarks/cost/offload.py).
 SLAB_BYTES = 16 << 20
 
 

@@ -106,7 +106,7 @@ def _fetch(model: torch.nn.Module, name: str, device: torch.device) -> Callable:
         else:  # read only the rows asked for (the head over a 262k vocabulary)
             # A copy, so that nothing keeps the file's mapping: without it an embedding lookup
             # (one slice per id) held 244 MiB more of Gemma 3's file resident (RssFile) at its
-            # peak, the offloaded compile's whole peak (benchmarks/offload.py: 988 -> 776 MiB).
+            # peak, the offloaded compile's whole peak (benchmarks/cost/offload.py: 988 -> 776 MiB).
             with safe_open(info["safetensors_file"], framework="pt") as f:
                 value = f.get_slice(info.get("weight_name", key))[rows[0] : rows[1]].clone()
             if "dtype" in info:

@@ -6,7 +6,7 @@ A plain Transformers forward applies the head to every position (``[n, d] @ W^T`
 would be 34 GB of logits. The sums are the same but a BLAS kernel rounds a row by how many rows
 its call has: MKL on AVX-512 gives a call of fewer than 4 rows (fewer than 12 on two threads)
 other kernels than a long one. On Gemma 3 270M that moves a one-token query's logits by
-1.2e-5..3.2e-5 (13 texts, ``benchmarks/fresh_fidelity.py``): the runtime's own floor, which a
+1.2e-5..3.2e-5 (13 texts, ``benchmarks/fidelity/fresh.py``): the runtime's own floor, which a
 model fed the query alone cannot go under, and which a reference computed the full run's way
 would hide.
 

@@ -6,8 +6,11 @@ import json
 
 import pytest
 import torch
-from helpers import run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.fixtures.helpers import run_cli
+
+pytestmark = pytest.mark.tiny
 
 
 def test_compile_writes_patch_report_and_a_plain_transformers_model(tiny_model_dir, tmp_path):

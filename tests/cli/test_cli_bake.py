@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from helpers import run_cli
+
+from tests.fixtures.helpers import run_cli
+
+pytestmark = pytest.mark.tiny
 
 
 @pytest.fixture

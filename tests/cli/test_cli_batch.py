@@ -7,7 +7,10 @@ import re
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+
+from tests.fixtures.helpers import run_cli
+
+pytestmark = pytest.mark.tiny
 
 GOOD = [
     {"context": "w5 w6 w7 w8 w9", "name": "first"},
@@ -187,7 +190,7 @@ def test_interrupt_leaves_nothing(tiny_model_dir, tmp_path) -> None:
     """Ctrl-C while writing a context's folder: exit 130, no DIR, no staging folder."""
     import signal
 
-    from test_cli_interrupt import _interrupted
+    from tests.cli.test_cli_interrupt import _interrupted
 
     _write(tmp_path / "c.jsonl", GOOD[:2])
     args = ["compile", "--model", str(tiny_model_dir), "--contexts", "c.jsonl", "--out", "out"]

@@ -9,8 +9,11 @@ import signal
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
-from test_cli_races import _finish, _start, _wait_paused
+
+from tests.cli.test_cli_races import _finish, _start, _wait_paused
+from tests.fixtures.helpers import run_cli
+
+pytestmark = pytest.mark.tiny
 
 ROWS = [
     {"context": "w5 w6 w7 w8 w9", "name": "first"},

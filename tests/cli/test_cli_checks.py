@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import random_ids, run_cli
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from tiny_models import bpe_tokenizer, shared
+
+from tests.fixtures.helpers import random_ids, run_cli
+from tests.fixtures.tiny_models import bpe_tokenizer, shared
+
+pytestmark = pytest.mark.tiny
 
 # kind -> (update rule, the artefact named in the message, what it would have written)
 KINDS = {

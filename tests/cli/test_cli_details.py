@@ -7,10 +7,12 @@ import os
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
 
 from ctxc.cli.batch import _parse
 from ctxc.core.tokens import split_tokens
+from tests.fixtures.helpers import run_cli
+
+pytestmark = pytest.mark.tiny
 
 
 def test_help_shows_flags_without_a_value_type() -> None:

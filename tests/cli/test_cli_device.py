@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import run_cli
+
+from tests.fixtures.helpers import run_cli
+
+pytestmark = pytest.mark.tiny
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -84,8 +86,7 @@ def test_device_map_refuses_onnx_before_loading(tiny_model_dir, context, tmp_pat
 
 
 def test_gpu_check_runs_on_cpu(tiny_model_dir, context, capsys):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from gpu_check import main
+    from benchmarks.fidelity.gpu_check import main
 
     argv = ["--device", "cpu", "--model", str(tiny_model_dir), "--context", str(context)]
     rc = main([*argv, "--steps", "2", "--prompts", "1", "--no-onnx", "--dtypes", "float32"])

@@ -8,11 +8,13 @@ import sys
 
 import pytest
 import torch
-from helpers import without_trail
-from tiny_models import VOCAB, build_any, tiny_tokenizer
 
 import ctxc
 from ctxc.cli.app import main
+from tests.fixtures.helpers import without_trail
+from tests.fixtures.tiny_models import VOCAB, build_any, tiny_tokenizer
+
+pytestmark = pytest.mark.tiny
 
 IDS = torch.randint(4, VOCAB, (24,), generator=torch.Generator().manual_seed(1)).tolist()
 

@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import diff_msg, max_diff, run_cli
-from tiny_vlms import build_vlm, make_image
 from transformers import AutoModelForImageTextToText, AutoProcessor
+
+from tests.fixtures.helpers import diff_msg, max_diff, run_cli
+from tests.fixtures.tiny_vlms import build_vlm, make_image
+
+pytestmark = pytest.mark.tiny
 
 TEXT = "w5 w6 w7 w8 w9 w10"
 QUERY = "w20 w21"

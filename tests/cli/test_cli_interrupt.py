@@ -21,6 +21,8 @@ import pytest
 from ctxc.cli.app import main
 from ctxc.core.cache import clean_stale, partial_entry
 
+pytestmark = pytest.mark.tiny
+
 CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 
 

@@ -10,12 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
-from helpers import without_trail
 from safetensors.torch import save_file
-from tiny_vlms import _tokenizer, build_qwen2_vl, build_vlm, make_image
 
 from ctxc.core.errors import missing_package
+from tests.fixtures.helpers import without_trail
+from tests.fixtures.tiny_vlms import _tokenizer, build_qwen2_vl, build_vlm, make_image
+
+pytestmark = pytest.mark.tiny
 
 _BLOCKED_RUN = (
     "import sys\n"
@@ -75,7 +78,8 @@ def test_processor_without_torchvision(tmp_path) -> None:
 def test_model_without_timm(tmp_path) -> None:
     # FastVLM's vision tower is a timm model: the model itself cannot be built without timm.
     import transformers as tf
-    from tiny_vlms import _TEXT
+
+    from tests.fixtures.tiny_vlms import _TEXT
 
     folder = tmp_path / "fast-vlm"
     tf.FastVlmConfig(text_config=dict(model_type="qwen2", **_TEXT)).save_pretrained(str(folder))

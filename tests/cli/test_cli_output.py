@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import without_trail
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from ctxc.cli.app import main
+from tests.fixtures.helpers import without_trail
+
+pytestmark = pytest.mark.tiny
 
 CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 

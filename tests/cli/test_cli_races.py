@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
+pytestmark = pytest.mark.tiny
+
 CONTEXTS = {
     "a.txt": "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12",
     "b.txt": "w20 w21 w22 w23 w24 w25 w26 w27 w28",

@@ -15,6 +15,8 @@ import pytest
 from ctxc import __version__
 from ctxc.cli.app import main
 
+pytestmark = pytest.mark.tiny
+
 CASES = {
     "compile without options": (
         ["compile"],

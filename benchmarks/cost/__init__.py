@@ -1,0 +1,1 @@
+"""What ctxc costs: time and memory of compile, generate, long contexts, offload."""

@@ -1,0 +1,1 @@
+"""How close each artefact is to the full-context model, in the runtime that serves it."""

@@ -1,0 +1,1 @@
+"""Thought patches: a context's effect compiled from the model's own generated text."""

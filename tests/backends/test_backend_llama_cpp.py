@@ -1,0 +1,119 @@
+"""The GGUF artefacts run in llama.cpp itself (``ctxc[llamacpp]``, issue 21): each against
+llama.cpp's own full-context run on the unpatched GGUF, within twice llama.cpp's own distance
+from Transformers; a failed check is one line, exit 2, no folder. The tests that run llama.cpp
+skip, with the reason, where its library cannot load.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import ctxc
+from ctxc.backends.gguf import llama_cpp as gguf_llama_cpp
+from ctxc.backends.gguf import llama_cpp_run
+from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures, llama_cpp_unavailable
+from ctxc.backends.gguf.lora import emit_gguf_lora
+from ctxc.backends.gguf.model import emit_gguf
+from tests.backends.test_backend_gguf import _model_dir, bpe_tokenizer
+from tests.fixtures.helpers import random_ids, run_cli
+from tests.fixtures.tiny_models import shared
+
+pytestmark = pytest.mark.tiny
+
+_REASON = llama_cpp_unavailable()
+needs_llama_cpp = pytest.mark.skipif(_REASON is not None, reason=f"llama.cpp: {_REASON}")
+
+
+def _fig(f: LlamaCppFigures) -> str:
+    return (
+        f"in llama.cpp: patched max {f.patched.max_abs_logit_diff:.3g} mean "
+        f"{f.patched.mean_abs_logit_diff:.3g}, bound {f.tolerance}, floor {f.floor:.3g}, "
+        f"full vs Transformers {f.full_vs_transformers:.3g}, own {f.own:.3g}, control max "
+        f"{f.control.max_abs_logit_diff:.3g}"
+    )
+
+
+def _assert_checked(f: LlamaCppFigures | None) -> None:
+    assert f is not None
+    assert f.reference.startswith("llama.cpp b") and f.reference.endswith(
+        "unpatched GGUF, context+query"
+    ), f.reference
+    assert f.tolerance is not None and f.patched.max_abs_logit_diff <= f.tolerance, _fig(f)
+    assert f.patched.top1_match, _fig(f)
+    # The control must be far, or the check could not fail.
+    assert f.control.max_abs_logit_diff > 100 * f.patched.max_abs_logit_diff, _fig(f)
+
+
+@needs_llama_cpp
+def test_gguf_model_runs_in_llama_cpp(tmp_path) -> None:
+    model = shared("llama")
+    patch = ctxc.compile(model, context_ids=random_ids(7, 24)).patch
+    _, figures = emit_gguf(model, patch, tmp_path, tokenizer=bpe_tokenizer())
+    _assert_checked(figures.llama_cpp)
+    assert figures.llama_cpp_skipped is None
+    assert "model.gguf" not in figures.llama_cpp.base  # the unpatched base, not the artefact
+
+
+@needs_llama_cpp
+def test_gguf_lora_runs_in_llama_cpp(tmp_path) -> None:
+    model = shared("llama")
+    patch = ctxc.compile(model, context_ids=random_ids(8, 24), update="lora").patch
+    _, figures = emit_gguf_lora(model, patch, tmp_path, tokenizer=bpe_tokenizer())
+    _assert_checked(figures.llama_cpp)
+    assert figures.llama_cpp_source is None  # no source GGUF: the tiny model is not a file
+
+
+@needs_llama_cpp
+def test_cli_reports_the_llama_cpp_figures(tmp_path) -> None:
+    folder, ctx = _model_dir(tmp_path, "llama")
+    out = tmp_path / "out"
+    args = ["--model", str(folder), "--context", str(ctx), "--update", "lora"]
+    proc = run_cli("compile", *args, "--emit", "gguf,gguf-lora", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    for kind in ("gguf", "gguf-lora"):
+        f = report[kind]["llama_cpp"]
+        assert f["reference"].endswith("unpatched GGUF, context+query"), f
+        assert f["patched"]["max_abs_logit_diff"] <= f["tolerance"], f
+    assert "in llama.cpp b" in proc.stdout, proc.stdout
+
+
+@needs_llama_cpp
+@pytest.mark.parametrize(("emit", "artefact"), [("gguf", "model.gguf"), ("gguf-lora", "lora.gguf")])
+def test_failed_llama_cpp_check_is_one_line_and_no_folder(tmp_path, monkeypatch, emit, artefact):
+    # A negative factor: no artefact can meet the bound, whatever its figure.
+    monkeypatch.setattr(llama_cpp_run, "LLAMA_CPP_FACTOR", -1.0)
+    folder, ctx = _model_dir(tmp_path, "llama")
+    out = tmp_path / "out"
+    args = ["--model", str(folder), "--context", str(ctx), "--update", "lora"]
+    proc = run_cli("compile", *args, "--emit", emit, "--out", str(out))
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and lines[0].startswith("ctxc: error:"), lines
+    assert f"{artefact} check failed: in llama.cpp" in lines[0], lines
+    assert "max |diff|" in lines[0], lines
+    assert not out.exists()
+    kept = tmp_path / "out.failed"  # the patch is kept for `ctxc export` (ctxc.core.checks)
+    assert (kept / "patch.safetensors").is_file() and not (kept / artefact).exists()
+
+
+def test_without_llama_cpp_the_figures_say_why(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(gguf_llama_cpp, "llama_cpp_unavailable", lambda: "not installed here")
+    model = shared("llama")
+    patch = ctxc.compile(model, context_ids=random_ids(9, 20), update="lora").patch
+    _, figures = emit_gguf_lora(model, patch, tmp_path, tokenizer=bpe_tokenizer())
+    assert figures.llama_cpp is None and figures.llama_cpp_skipped == "not installed here"
+    assert "not run in llama.cpp: not installed here" in figures.summary()
+    assert figures.to_dict()["llama_cpp_skipped"] == "not installed here"
+
+
+def test_without_a_tokenizer_the_check_says_why(tmp_path) -> None:
+    model = shared("gemma3")  # no tokenizer, no source GGUF: no base GGUF can be written
+    patch = ctxc.compile(model, context_ids=random_ids(10, 20), update="lora").patch
+    _, figures = emit_gguf_lora(model, patch, tmp_path)
+    assert figures.llama_cpp is None, figures
+    assert figures.llama_cpp_skipped is not None, figures
+    if _REASON is None:
+        assert "no tokenizer" in figures.llama_cpp_skipped, figures.llama_cpp_skipped

@@ -1,0 +1,148 @@
+"""The onnxruntime adapter backend: one patchable session, one ``.onnx_adapter`` per context.
+
+Tolerances: onnxruntime with an adapter against the torch patched model measures 2.9e-7 to
+7.2e-7 on the tiny Gemma 3 here (the baked file's figure, BAKED_ATOL in test_backend_onnx.py);
+the bounds are about ten times that.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import ctxc
+from ctxc.backends.onnx.check import ONNX_ATOL
+from ctxc.backends.onnx.ort_adapter import (
+    ADAPTER_FILE,
+    PATCHABLE_FILE,
+    emit_ort_adapter,
+    load_adapter,
+    run_adapter,
+    write_adapter,
+)
+from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
+from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
+from tests.fixtures.tiny_models import build
+
+pytestmark = pytest.mark.tiny
+
+# bound on max |onnxruntime with the adapter, query alone - torch full context|
+FULL_CONTEXT_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    """A tiny Gemma 3 (post-norm scales), three contexts' patches, one adapter export."""
+    model = build("gemma3")
+    patches = [ctxc.compile(model, context_ids=random_ids(s, 9 + 5 * s)).patch for s in (1, 2, 3)]
+    out = tmp_path_factory.mktemp("adapter")
+    path, figures = emit_ort_adapter(model, patches[0], out)
+    return model, patches, out, path, figures
+
+
+def _session(path) -> ort.InferenceSession:
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.slow
+def test_adapter_is_checked_and_matches_full_context(gemma) -> None:
+    _, patches, out, path, figures = gemma
+    assert path == out / ADAPTER_FILE and (out / f"{ADAPTER_FILE}.json").is_file()
+    assert (out / PATCHABLE_FILE).is_file() and figures.onnx_file == PATCHABLE_FILE
+    lengths = [c.length for c in figures.checks]  # the query, and the longest tail up to 16
+    assert lengths == [1, len(patches[0].meta.context_ids) + 1]
+    # The bound is the absolute one or a multiple of onnxruntime's own floor, measured in the
+    # check on the unpatched model (the session without an adapter).
+    floor = figures.runtime_floor
+    assert floor is not None and 0.0 <= floor <= 1e-5, floor
+    assert figures.tolerance == floor_bound(ONNX_ATOL, floor, ONNX_FLOOR_FACTOR) == ONNX_ATOL
+    assert all(c.max_abs_diff <= 1e-5 and c.top1_match for c in figures.checks), figures.checks
+    assert figures.fidelity.max_abs_logit_diff <= FULL_CONTEXT_ATOL, figures.fidelity
+    record = json.loads((out / f"{ADAPTER_FILE}.json").read_text())
+    assert record["onnx_identity"] == figures.onnx_identity
+    assert record["fingerprint"] == patches[0].meta.fingerprint
+    assert (
+        record["parameters"]
+        == figures.parameters
+        == len(patches[0].deltas) * 2
+        - sum(d.vector is not None for d in patches[0].deltas.values())
+    )
+
+
+@pytest.mark.slow
+def test_one_session_switches_between_contexts(gemma, tmp_path) -> None:
+    model, patches, out, _, _ = gemma
+    session = _session(out / PATCHABLE_FILE)
+    adapters = []
+    for i, patch in enumerate(patches):
+        path = tmp_path / f"{i}.onnx_adapter"
+        write_adapter(patch, session, path)
+        adapters.append(load_adapter(path, session))
+    # Twice round, so a switch back is tested too: each run gives its own context's logits.
+    for _ in range(2):
+        for patch, adapter in zip(patches, adapters, strict=True):
+            got = run_adapter(session, adapter, np.array([patch.meta.query_ids]))[0]
+            full = full_logits(model, patch)
+            assert max_diff(got, full) <= FULL_CONTEXT_ATOL, diff_msg(
+                "adapter run vs its own full context", got, full
+            )
+    other = full_logits(model, patches[1])
+    got = run_adapter(session, adapters[0], np.array([patches[0].meta.query_ids]))[0]
+    assert max_diff(got, other) > 100 * FULL_CONTEXT_ATOL, "contexts indistinguishable"
+
+
+@pytest.mark.slow
+def test_adapter_for_another_model_or_graph_is_refused(gemma, tmp_path) -> None:
+    model, _, out, path, _ = gemma
+    session = _session(out / PATCHABLE_FILE)
+    alien = ctxc.compile(build("gemma3", seed=1), context_ids=random_ids(4, 12)).patch
+    with pytest.raises(ctxc.CtxcError, match="another model") as info:
+        write_adapter(alien, session, tmp_path / "alien.onnx_adapter")
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "alien.onnx_adapter").exists()
+
+    # A patchable graph with other inputs (a start-layer-1 patch has fewer slots).
+    later = ctxc.compile(model, context_ids=random_ids(5, 14), start_layer=1).patch
+    _, small = emit_ort_adapter(model, later, tmp_path / "small")
+    assert (
+        small.parameters < json.loads(path.with_name(path.name + ".json").read_text())["parameters"]
+    )
+    with pytest.raises(ctxc.CtxcError, match="another ONNX graph") as info:
+        load_adapter(path, _session(tmp_path / "small" / PATCHABLE_FILE))
+    assert "\n" not in str(info.value)
+    # The record of another model beside a good adapter file is caught too.
+    record = json.loads(path.with_name(path.name + ".json").read_text())
+    fake = tmp_path / "fake.onnx_adapter"
+    fake.write_bytes(path.read_bytes())
+    fake.with_name(fake.name + ".json").write_text(
+        json.dumps({**record, "fingerprint": alien.meta.fingerprint})
+    )
+    with pytest.raises(ctxc.CtxcError, match="another model"):
+        load_adapter(fake, session)
+
+
+@pytest.mark.slow
+def test_cli_export_to_ort_adapter(tiny_model_dir, tmp_path) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    context = tmp_path / "context.txt"
+    context.write_text("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10")
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "ctxc.cli.app", *args, "--model", str(tiny_model_dir)]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+    out = tmp_path / "out"
+    proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", "ort-adapter")
+    assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in out.iterdir())
+    wrote = [ADAPTER_FILE, f"{ADAPTER_FILE}.json", PATCHABLE_FILE, "patch.safetensors"]
+    assert names == sorted([".ctxc", *wrote, "report.json"]), names
+    report = json.loads((out / "report.json").read_text())
+    fid = report["ort-adapter"]["fidelity"]
+    assert fid["max_abs_logit_diff"] <= FULL_CONTEXT_ATOL and fid["top1_match"], fid

@@ -1,0 +1,124 @@
+"""Thought patches (issue 13) on tiny random models: exactness at one position, the fit over
+many, the report, and the backends taking a baked patch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ctxc
+from ctxc.bake.data import FitData, special_prefix
+from ctxc.bake.evaluate import evaluate
+from ctxc.bake.fit import BakeOptions, bake
+from ctxc.core.errors import CtxcError
+from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
+from tests.fixtures.helpers import diff_msg, random_ids
+from tests.fixtures.tiny_models import shared, tiny_tokenizer
+
+pytestmark = pytest.mark.tiny
+
+EXACT = BakeOptions(ridge=0.0, scale_ridge=0.0, rank=None)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_one_position_gives_the_exact_patch(family: str) -> None:
+    """One fit position, ridge 0, no rank budget: the deltas and figures of ctxc.compile."""
+    model = shared(family)
+    ids = random_ids(1, 20)
+    exact = ctxc.compile(model, context_ids=ids[:-1], query_ids=ids[-1:])
+    data = FitData(ids[:-1], [], [ids[-1:]], ["file"])
+    baked = bake(model, data=data, options=EXACT)
+    assert list(baked.patch.deltas) == list(exact.patch.deltas)
+    for name, d in exact.patch.deltas.items():
+        got, want = baked.patch.deltas[name].dense(), d.dense()
+        scale = float(want.abs().max())
+        assert float((got - want).abs().max()) <= 1e-4 * scale, diff_msg(name, got, want)
+    full = exact.full_logits
+    with torch.no_grad(), baked.patch.applied(model):
+        patched = model(input_ids=torch.tensor([ids[-1:]])).logits[0].float()
+    control = exact.report.control.max_abs_logit_diff
+    assert control > 1e-2, f"control {control:.3g}: the test cannot fail"
+    assert float((patched - full).abs().max()) <= 1e-5, diff_msg("baked vs full", patched, full)
+    assert exact.report.emitted.max_abs_logit_diff <= 1e-5
+
+
+def test_fit_over_many_positions_beats_the_control() -> None:
+    """Many positions at once: the fitted patch moves the fit data toward the full context."""
+    model, tok = shared("llama"), tiny_tokenizer()
+    ctx = random_ids(2, 24)
+    queries = [random_ids(10 + i, 6) for i in range(4)]
+    data = FitData([1, *ctx], special_prefix(tok), queries, ["file"] * 4)
+    # Small ridges and every position a constraint: this checks the fit, not the defaults'
+    # held-out trade-offs (the BOS position is evaluated, so it is fitted here too).
+    opts = BakeOptions(ridge=1e-3, scale_ridge=1e-3, rank=None, fit_prefix=True)
+    baked = bake(model, data=data, options=opts)
+    patched = evaluate(model, baked.patch, data, gen_tokens=4)
+    control = evaluate(model, None, data, gen_tokens=4)
+    msg = f"KL patched {patched.kl:.3g} vs control {control.kl:.3g}"
+    assert control.kl > 1e-3, msg
+    assert patched.kl < 0.1 * control.kl, msg
+    assert data.positions == 4 * 7
+    rep = baked.report
+    assert rep["fit_positions"] == 28 and len(rep["blocks"]) == model.config.num_hidden_layers
+    assert all(0 < b["effective_rank"] <= 28 for b in rep["blocks"])
+
+
+def test_rank_budget_is_kept_and_checked() -> None:
+    model, tok = shared("gemma3"), tiny_tokenizer()
+    ctx = random_ids(3, 16)
+    data = FitData(
+        [1, *ctx], special_prefix(tok), [random_ids(20 + i, 5) for i in range(3)], ["file"] * 3
+    )
+    baked = bake(model, data=data, options=BakeOptions(rank=2))
+    assert {d.rank for d in baked.patch.deltas.values() if d.u is not None} == {2}
+    for bad, what in ((0, "at least 1"), (10_000, "past the matrix size")):
+        with pytest.raises(CtxcError, match=what):
+            bake(model, data=data, options=BakeOptions(rank=bad))
+
+
+def test_reduced_rank_fit_is_the_best_rank_r_fit() -> None:
+    """Reduced-rank regression: its residual is no worse than truncating the full fit's SVD."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(50, 12, generator=g), torch.randn(50, 9, generator=g)
+    rrr = fit_linear(x, y, FitOptions(rank=3), "x")
+    full = fit_linear(x, y, FitOptions(), "x")
+    dw = full.u @ full.v.T  # [out, in]
+    u, s, vh = torch.linalg.svd(dw)
+    trunc = (u[:, :3] * s[:3]) @ vh[:3]
+    res_trunc = float((x @ trunc.T - y).norm() / y.norm())
+    assert rrr.u.shape[1] == 3
+    assert rrr.rel_residual <= res_trunc + 1e-6, (rrr.rel_residual, res_trunc)
+    assert full.rel_residual < rrr.rel_residual
+
+
+def test_baked_patch_goes_through_the_backends(tmp_path) -> None:
+    pytest.importorskip("peft")
+    from ctxc.backends.peft.adapter import emit_peft
+
+    model, tok = shared("llama"), tiny_tokenizer()
+    data = FitData([1, *random_ids(4, 12)], special_prefix(tok), [random_ids(30, 5)], ["file"])
+    baked = bake(model, data=data, options=BakeOptions(rank=2))
+    path = baked.patch.save(tmp_path / "patch.safetensors")
+    again = ctxc.Patch.load(path, model)
+    assert again.meta.update == "bake-fit"
+    _, figures = emit_peft(model, again, tmp_path)
+    assert (tmp_path / "adapter").is_dir() and figures is not None
+
+
+def test_distill_trains_a_lora_of_the_rank_into_a_patch() -> None:
+    """Context distillation: a seeded LoRA becomes a patch; it lowers the fit data's KL and
+    leaves the model as it was."""
+    pytest.importorskip("peft")
+    model, tok = shared("llama"), tiny_tokenizer()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    data = FitData([1, *random_ids(5, 16)], special_prefix(tok),
+                   [random_ids(40 + i, 5) for i in range(3)], ["file"] * 3)  # fmt: skip
+    opts = BakeOptions(method="distill", rank=4, distill_steps=30, distill_lr=1e-2)
+    baked = bake(model, data=data, options=opts)
+    ranks = {d.rank for d in baked.patch.deltas.values()}
+    assert ranks == {4}, ranks
+    patched = evaluate(model, baked.patch, data, gen_tokens=0)
+    control = evaluate(model, None, data, gen_tokens=0)
+    assert patched.kl < 0.5 * control.kl, f"KL {patched.kl:.3g} vs control {control.kl:.3g}"
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed and not any("lora" in k for k in model.state_dict()), changed[:3]

@@ -1,0 +1,128 @@
+"""Thought-patch evaluation and the reuse the benchmark relies on (issue 13): the shared
+reference and the teacher-forced matched count against direct runs, reused fit targets, the
+fit's fast linear algebra against its definition, and distill's time budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ctxc.bake.data import FitData, record_fit_targets, special_prefix
+from ctxc.bake.evaluate import evaluate_against, greedy, position_figures, reference
+from ctxc.bake.fit import BakeOptions, bake
+from ctxc.passes.runtime.run_graph import BlockTargets
+from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
+from ctxc.passes.solver.fit_solve import effective_rank
+from ctxc.pipeline import traced_blocks
+from tests.fixtures.helpers import diff_msg, random_ids
+from tests.fixtures.tiny_models import shared, tiny_tokenizer
+
+pytestmark = pytest.mark.tiny
+
+
+def _data(seed: int, lengths: list[int]) -> FitData:
+    queries = [random_ids(seed + i, n) for i, n in enumerate(lengths)]
+    prefix = special_prefix(tiny_tokenizer())
+    return FitData([1, *random_ids(seed, 14)], prefix, queries, ["file"] * len(lengths))
+
+
+def _direct(model, patch, data: FitData, gen: int):
+    """The figures the slow way: the full input run whole, both sides generating greedily."""
+    kls, agrees, matched = [], [], []
+    with torch.no_grad():
+        for i in range(len(data.queries)):
+            k = len(data.reduced(i))
+            full = model(input_ids=torch.tensor([data.full(i)])).logits[0, -k:]
+            want = greedy(model, data.full(i), gen)
+            with patch.applied(model):
+                got = model(input_ids=torch.tensor([data.reduced(i)])).logits[0]
+                picks = greedy(model, data.reduced(i), gen)
+            kl, agree = position_figures(got, full)
+            kls.append(kl)
+            agrees.append(agree)
+            n = next((j for j, (a, b) in enumerate(zip(picks, want, strict=True)) if a != b), gen)
+            matched.append(n)
+    return torch.cat(kls), torch.cat(agrees), matched
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_shared_reference_and_teacher_forced_count_match_direct_runs(family: str) -> None:
+    """Queries of three lengths in a batch of two (right padding): the same KL, top-1 and
+    free-generation count as running every input whole and generating on both sides."""
+    model = shared(family)
+    data = _data(50, [3, 7, 5])
+    patch = bake(
+        model, data=data, options=BakeOptions(rank=2, ridge=1e-3, scale_ridge=1e-3, fit_prefix=True)
+    ).patch
+    ref = reference(model, data, gen_tokens=6)
+    got = evaluate_against(model, patch, ref, batch=2)
+    kl, agree, matched = _direct(model, patch, data, 6)
+    assert got.positions == kl.numel() == data.positions
+    assert abs(got.kl - float(kl.mean())) <= 1e-5 * max(float(kl.mean()), 1.0), diff_msg(
+        "mean KL", got.kl, kl.mean()
+    )
+    assert got.top1 == float(agree.double().mean()), (got.top1, float(agree.double().mean()))
+    assert got.matched_all == matched, (got.matched_all, matched)
+    control = evaluate_against(model, None, ref, batch=2)
+    # The patch is applied in the evaluation: its figures are not the control's.
+    assert got.kl < 0.5 * control.kl, f"control {control.kl:.4g}, patched {got.kl:.4g}"
+
+
+def test_reused_targets_of_a_longer_set_give_the_same_patch() -> None:
+    """The benchmark records the full runs once at the largest K and slices them."""
+    model = shared("gemma3")
+    data = _data(60, [4, 6, 5, 3])
+    traced, blocks = traced_blocks(model)
+    targets = record_fit_targets(traced, blocks, data)
+    two = FitData(data.context_ids, data.prefix, data.queries[:2], data.kinds[:2])
+    n = two.positions
+    sliced = {p: BlockTargets(z=t.z[:n], y=t.y[:n]) for p, t in targets.items()}
+    opts = BakeOptions(rank=3)
+    again = bake(model, data=two, targets=sliced, options=opts).patch
+    fresh = bake(model, data=two, options=opts).patch
+    assert list(again.deltas) == list(fresh.deltas)
+    for name, d in fresh.deltas.items():
+        got, want = again.deltas[name].dense(), d.dense()
+        assert torch.equal(got, want), diff_msg(name, got, want)
+
+
+@pytest.mark.parametrize(("n", "ridge"), [(40, 0.1), (40, 0.0), (5, 0.1)])
+def test_fit_linear_is_the_reduced_rank_ridge_fit(n: int, ridge: float) -> None:
+    """Wide outputs (the QR path when N > in) and the Cholesky solve give the definition:
+    the ridge solution projected on the top-R right singular vectors of its fitted values."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(n, 6, generator=g), torch.randn(n, 15, generator=g)
+    fit = fit_linear(x, y, FitOptions(ridge=ridge, rank=3), "x")
+    xd, yd = x.double(), y.double()
+    lam = ridge * float(xd.pow(2).sum()) / 6
+    b = torch.linalg.lstsq(
+        torch.cat([xd, lam**0.5 * torch.eye(6, dtype=xd.dtype)]),
+        torch.cat([yd, torch.zeros(6, 15, dtype=yd.dtype)]),
+    ).solution  # [in, out]
+    vh = torch.linalg.svd(xd @ b, full_matrices=False).Vh[:3]  # [3, out]
+    want = b @ vh.T @ vh  # dW^T [in, out]
+    got = fit.v.double() @ fit.u.double().T
+    scale = float(want.abs().max())
+    assert float((got - want).abs().max()) <= 1e-5 * scale, diff_msg("dW^T", got, want)
+
+
+def test_effective_rank_is_the_participation_ratio_of_the_eigenvalues() -> None:
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(30, 8, generator=g), torch.randn(30, 5, generator=g)
+    gram = (a.double() @ a.double().T) * (b.double() @ b.double().T)
+    ev = torch.linalg.eigvalsh(gram).clamp_min(0)
+    want = float(ev.sum() ** 2 / ev.pow(2).sum())
+    assert abs(effective_rank(a, b) - want) <= 1e-9 * want, (effective_rank(a, b), want)
+    assert 1.0 < want < 30.0
+
+
+def test_distill_under_a_time_budget_reports_its_steps() -> None:
+    pytest.importorskip("peft")
+    model = shared("llama")
+    data = _data(70, [4, 5])
+    run = bake(model, data=data, options=BakeOptions(method="distill", rank=2, distill_steps=3))
+    assert run.report["distill"]["steps"] == 3, run.report["distill"]
+    # A budget far below one step's time still takes one step, and says so.
+    opts = BakeOptions(method="distill", rank=2, distill_seconds=1e-9)
+    timed = bake(model, data=data, options=opts).report["distill"]
+    assert timed["steps"] == 1 and timed["seconds"] > 0, timed

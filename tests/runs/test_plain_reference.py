@@ -1,0 +1,221 @@
+"""Every figure's reference is the model's own default forward, as the user's runtime runs it
+(issue 21): the head over every position, the attention the config asks for, a fresh process.
+
+The CLI tests compile with ``ctxc compile`` and check the written folder in a fresh Python process
+that never imports ctxc (plain ``from_pretrained``, every default): ``report.json``'s emitted
+figure must be that process's figure within 10%, and both within 1e-5.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers as tf
+
+import ctxc
+from ctxc.passes.runtime import plain_head
+from ctxc.passes.runtime.plain_head import PROBE_COLUMNS, default_forward_rows
+from tests.fixtures.helpers import diff_msg, max_diff, random_ids, run_cli
+from tests.fixtures.tiny_models import build, tiny_tokenizer
+from tests.fixtures.tiny_vlms import build_vlm, make_image
+
+pytestmark = pytest.mark.tiny
+
+EXACT = 1e-5
+FAR = 1e-2
+
+
+def _linear(x, w, b):
+    return F.linear(x, w) if b is None else F.linear(x, w, b)
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_head_rows_are_the_long_calls_bits(k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(2 * PROBE_COLUMNS + 7, 96, generator=g)  # [vocab, d]
+    b = torch.randn(w.shape[0], generator=g)
+    x = torch.randn(1, 300, 96, generator=g)  # [1, n, d]
+    for bias in (None, b):
+        want = _linear(x, w, bias)[..., -k:, :]  # the default forward: one call over every row
+        got = default_forward_rows(_linear, x, w, bias, k)
+        assert torch.equal(got, want), diff_msg(f"head rows, bias {bias is not None}", got, want)
+
+
+def test_head_rows_fall_back_to_every_row_when_no_short_call_agrees(monkeypatch) -> None:
+    calls = []
+
+    def by_rows(x, w, b):  # a kernel whose rows depend on the call's row count below 300
+        calls.append(x.shape[-2])
+        return _linear(x, w, b) + (1e-3 if x.shape[-2] < 300 else 0.0)
+
+    monkeypatch.setattr(plain_head, "_SLICE_ELEMENTS", 300 * PROBE_COLUMNS)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3 * PROBE_COLUMNS + 11, 32, generator=g)
+    x = torch.randn(1, 300, 32, generator=g)
+    got = default_forward_rows(by_rows, x, w, None, 2)
+    want = _linear(x, w, None)[..., -2:, :]
+    assert torch.equal(got, want), diff_msg("fallback", got, want)
+    # The probe, three short tries, then three slices (the 11-column rest joins the third).
+    assert calls == [300, 16, 64, 256, 300, 300, 300], calls
+
+
+def _wide_llama() -> torch.nn.Module:
+    """A tiny Llama with a wide head (8,192 x 64), past the probe's columns."""
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        vocab_size=8192,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.1,
+    )
+    return tf.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_full_logits_are_the_default_forward_bit_for_bit(k: int) -> None:
+    model = _wide_llama()
+    ids = random_ids(7, 40, vocab=8192)
+    result = ctxc.compile(model, context_ids=ids[:-k], query_ids=ids[-k:])
+    full = torch.tensor([ids])
+    with torch.no_grad():
+        want = model(input_ids=full).logits[0, -k:].float()
+        keep = model(input_ids=full, logits_to_keep=k).logits[0].float()
+    rep = result.report
+    assert torch.equal(result.full_logits, want), diff_msg("reference", result.full_logits, want)
+    assert rep.floor is not None and rep.floor.max_abs_logit_diff == max_diff(keep, want)
+    assert rep.emitted.max_abs_logit_diff <= EXACT and rep.emitted.top1_match, rep.emitted
+    assert rep.control.max_abs_logit_diff > FAR, rep.control
+    assert "transformers" in rep.to_dict()["emitted"]["reference"]
+
+
+def test_text_context_on_a_bidirectional_model_is_exact(tmp_path) -> None:
+    """PaliGemma's Gemma attends both ways under the default SDPA path, text alone included."""
+    folder = build_vlm("paligemma", tmp_path / "paligemma")
+    model, _ = ctxc.load_model(str(folder))
+    ids = random_ids(8, 24)
+    result = ctxc.compile(model, context_ids=ids[:-3], query_ids=ids[-3:])
+    plain = tf.AutoModelForImageTextToText.from_pretrained(str(folder)).eval()
+    with torch.no_grad():
+        want = plain(input_ids=torch.tensor([ids])).logits[0, -3:].float()
+    rep = result.report
+    assert torch.equal(result.full_logits, want), diff_msg("reference", result.full_logits, want)
+    assert rep.emitted.max_abs_logit_diff <= EXACT and rep.emitted.top1_match, rep.emitted
+    assert rep.control.max_abs_logit_diff > FAR, rep.control
+
+
+_TEXT_CHECK = r"""
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+out, base = sys.argv[1], sys.argv[2]
+rep = json.load(open(out + "/report.json"))
+q = torch.tensor([rep["query_ids"]])
+orig = AutoModelForCausalLM.from_pretrained(base).eval()
+patched = AutoModelForCausalLM.from_pretrained(out + "/model").eval()
+with torch.no_grad():
+    full = orig(torch.tensor([rep["context_ids"] + rep["query_ids"]])).logits[0, -q.shape[1]:]
+    got, ctl = patched(q).logits[0], orig(q).logits[0]
+print(json.dumps({"max": float((got - full).abs().max()),
+                  "control": float((ctl - full).abs().max()),
+                  "top1": bool((got.argmax(-1) == full.argmax(-1)).all())}))
+"""
+
+_IMAGE_CHECK = r"""
+import json, sys, torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+out, base, image, text = sys.argv[1:5]
+rep = json.load(open(out + "/report.json"))
+processor = AutoProcessor.from_pretrained(base)
+with Image.open(image) as img:
+    enc = processor(text=processor.image_token + "\n" + text, images=[img.convert("RGB")],
+                    return_tensors="pt")
+q = torch.tensor([rep["query_ids"]])
+inputs = {"input_ids": torch.cat([enc["input_ids"], q], 1), "pixel_values": enc["pixel_values"],
+          "token_type_ids": torch.cat([enc["token_type_ids"], torch.zeros_like(q)], 1)}
+orig = AutoModelForImageTextToText.from_pretrained(base).eval()
+patched = AutoModelForImageTextToText.from_pretrained(out + "/model").eval()
+with torch.no_grad():
+    full = orig(**inputs).logits[0, -q.shape[1]:]
+    got, ctl = patched(input_ids=q).logits[0], orig(input_ids=q).logits[0]
+print(json.dumps({"max": float((got - full).abs().max()),
+                  "control": float((ctl - full).abs().max()),
+                  "top1": bool((got.argmax(-1) == full.argmax(-1)).all())}))
+"""
+
+
+def _fresh(script: str, *args: str) -> dict:
+    """``script ARGS`` in a fresh interpreter (plain Transformers); its last line's JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _agrees(report: dict, fresh: dict) -> None:
+    """The report's emitted figure is the fresh process's within 10%, both exact."""
+    got = report["emitted"]["max_abs_logit_diff"]
+    msg = f"report {got:.3g}, fresh process {fresh['max']:.3g}, control {fresh['control']:.3g}"
+    assert fresh["max"] <= EXACT and fresh["top1"], msg
+    assert abs(got - fresh["max"]) <= 0.1 * fresh["max"] + 1e-9, msg
+    assert fresh["control"] > FAR, "control too close: the test cannot fail; " + msg
+    assert report["emitted"]["reference"].startswith("transformers "), report["emitted"]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_report_is_what_a_fresh_process_measures(tmp_path, family: str) -> None:
+    folder = tmp_path / family
+    build(family).save_pretrained(str(folder))
+    tiny_tokenizer().save_pretrained(str(folder))
+    (tmp_path / "ctx.txt").write_text(" ".join(f"w{i}" for i in random_ids(9, 30)))
+    out = tmp_path / "out"
+    args = ["--model", str(folder), "--context", str(tmp_path / "ctx.txt")]
+    proc = run_cli("compile", *args, "--query", "w20 w21 w22", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    _agrees(report, _fresh(_TEXT_CHECK, str(out), str(folder)))
+
+
+def test_image_report_is_what_a_fresh_process_measures(tmp_path) -> None:
+    folder = build_vlm("paligemma", tmp_path / "paligemma")
+    image = make_image(tmp_path / "a.png", 1)
+    text = "w5 w6 w7 w8"
+    (tmp_path / "ctx.txt").write_text(text)
+    out = tmp_path / "out"
+    args = ["--model", str(folder), "--image", str(image), "--context", str(tmp_path / "ctx.txt")]
+    proc = run_cli("compile", *args, "--query", "w20 w21 w22", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    _agrees(report, _fresh(_IMAGE_CHECK, str(out), str(folder), str(image), text))
+
+
+def test_a_graph_that_is_not_the_runtime_is_refused(tmp_path, monkeypatch) -> None:
+    """When the graph cannot compute what the runtime computes on the query, no folder."""
+    from ctxc.runs import runtime_attention
+
+    real = runtime_attention.sdpa_calls
+
+    def shifted(model, ids):  # a runtime that differs from the graph by 0.5 everywhere
+        logits, calls = real(model, ids)
+        return logits + 0.5, calls
+
+    monkeypatch.setattr(runtime_attention, "sdpa_calls", shifted)
+    folder = tmp_path / "llama"
+    build("llama").save_pretrained(str(folder))
+    tiny_tokenizer().save_pretrained(str(folder))
+    (tmp_path / "ctx.txt").write_text("w5 w6 w7 w8 w9")
+    out = tmp_path / "out"
+    args = ["--model", str(folder), "--context", str(tmp_path / "ctx.txt"), "--out", str(out)]
+    proc = run_cli("compile", *args)
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "does not compute what the model's own forward" in lines[0], lines
+    assert not out.exists(), sorted(p.name for p in tmp_path.iterdir())
