@@ -1,1 +1,1 @@
-"""torch."""
+"""The patched PyTorch/Transformers model (``model/``): written in shards, checked reloaded."""

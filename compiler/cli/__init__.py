@@ -1,1 +1,1 @@
-"""cli."""
+"""The command line: one typer app, its subcommands, output folders, progress and messages."""

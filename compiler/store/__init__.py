@@ -1,1 +1,1 @@
-"""store."""
+"""What ctxc keeps between runs: exported programs and their block maps, on disk."""
