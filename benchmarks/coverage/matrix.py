@@ -4,20 +4,22 @@ Enumerates the causal-LM auto mapping plus every ``*ForCausalLM`` name the packa
 a tiny seeded float32 config for each by shrinking the class's defaults (a few per-family
 overrides where the generic shrink fails), compiles a random context through ``ctxc.compile`` as
 the CLI does, and sorts each class into exact / inexact / refused / failed / out of scope. Each
-model runs in its own forked process with a timeout. Writes ``docs/coverage.md`` and
-``docs/coverage.json``, so a new Transformers release shows what it broke or added.
+model runs in its own forked process with a timeout. Writes the records to
+``benchmarks/results/coverage.json`` (``--out``) and, with ``--results``, the table to
+``docs/results/coverage.md``, so a new Transformers release shows what it broke or added.
 
     python -m benchmarks.coverage.matrix [--only llama,gpt2] [--subset ci] [--jobs 1]
-        [--timeout 120] [--out docs] [--list] [--strict] [--merge] [--render]
+        [--timeout 120] [--out benchmarks/results] [--results docs/results/coverage.md]
+        [--list] [--strict] [--merge] [--render]
 
 ``--merge`` reruns the selected entries into an existing ``coverage.json`` (after a fix);
-``--render`` rewrites ``coverage.md`` from it. ``tests/pipeline/test_coverage.py`` runs the
-``ci`` subset.
+``--render`` rewrites the table from it (as ``python -m benchmarks.coverage.render`` does).
+``tests/pipeline/test_coverage.py`` runs the ``ci`` subset.
 
 This file is the driver: the command line and one forked process per entry. The entries and
-their classification: ``coverage_entries.py``; the tiny configs and the override table:
-``coverage_configs.py``; one entry's run and record: ``coverage_run.py``; the reports:
-``coverage_render.py``.
+their classification: ``benchmarks/coverage/entries.py``; the tiny configs and the override
+table: ``benchmarks/coverage/configs.py``; one entry's run and record:
+``benchmarks/coverage/run_entry.py``; the reports: ``benchmarks/coverage/render.py``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from pathlib import Path
 from benchmarks.coverage.configs import OVERRIDES, build_model, tiny_config
 from benchmarks.coverage.entries import CI_SUBSET, Entry, entries
 from benchmarks.coverage.render import FAINT, cell, summarise, write_reports
+from benchmarks.coverage.render import main as render_main
 from benchmarks.coverage.run_entry import ROOT, TOL, run_entry
+from benchmarks.results import commit, invocation
 
 __all__ = [
     "CI_SUBSET",
@@ -162,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subset", choices=["ci"], default=None)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per model")
-    parser.add_argument("--out", default=str(ROOT / "docs"), help="folder for coverage.md/json")
+    parser.add_argument(
+        "--out", default=str(ROOT / "benchmarks" / "results"), help="folder for coverage.json"
+    )
+    parser.add_argument("--results", default=None, help="also write the table here (Markdown)")
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
     parser.add_argument("--strict", action="store_true", help="exit 1 unless all run are exact")
     parser.add_argument(
@@ -171,13 +178,12 @@ def main(argv: list[str] | None = None) -> int:
         help="replace only these entries in an existing coverage.json (a rerun after a fix)",
     )
     parser.add_argument(
-        "--render", action="store_true", help="rewrite coverage.md from coverage.json and exit"
+        "--render", action="store_true", help="render coverage.json's table and exit"
     )
     args = parser.parse_args(argv)
     if args.render:
-        doc = json.loads((Path(args.out) / "coverage.json").read_text())
-        write_reports(doc["results"], doc["meta"], Path(args.out))
-        return 0
+        rendered = ["--json", str(Path(args.out) / "coverage.json")]
+        return render_main(rendered + (["--results", args.results] if args.results else []))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from transformers.utils import logging as hf_logging
 
@@ -205,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": _versions(),
         "args": _meta_args(argv),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit(),
         "seconds": time.perf_counter() - start,
         "timeout": args.timeout,
         "tolerance": TOL,
@@ -216,9 +223,12 @@ def main(argv: list[str] | None = None) -> int:
         rerun = {(r["family"], r["cls"]) for r in results}
         kept = [r for r in old["results"] if (r["family"], r["cls"]) not in rerun]
         meta = {**old["meta"], "versions": meta["versions"], "date": meta["date"]}
+        meta["commit"] = commit()
         meta["merged"] = [*old["meta"].get("merged", []), _meta_args(argv)]
         results = kept + results
-    write_reports(results, meta, Path(args.out))
+    md = Path(args.results) if args.results else None
+    here = invocation("benchmarks.coverage.matrix", argv)
+    write_reports(results, meta, Path(args.out) / "coverage.json", md, here)
     s = summarise(results)
     print(json.dumps(s["counts"]))
     ran = [r for r in results if r["status"] != "out of scope"]

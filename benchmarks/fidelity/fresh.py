@@ -19,6 +19,7 @@ loads ``DIR/NAME/model`` and the original model with plain ``AutoModelForCausalL
   weights, the same bits).
 
     python -m benchmarks.fidelity.fresh [--model M] [--texts NAME ...] [--out DIR]
+        [--results docs/results/fidelity-torch.md]
     python -m benchmarks.fidelity.llama_gguf /tmp/llama.gguf
     python -m benchmarks.fidelity.fresh --model /tmp/llama.gguf
 """
@@ -31,6 +32,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from benchmarks.results import invocation, write_table
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [ROOT / "examples" / f"{n}.txt" for n in ("short", "medium", "long")] + sorted(
@@ -139,12 +142,59 @@ def _line(name: str, r: dict) -> str:
     )
 
 
+_HEADER = (
+    "text",
+    "tokens",
+    "`report.json`",
+    "fresh",
+    "TV",
+    "top-1",
+    "keep-k",
+    "floor",
+    "control, top-1",
+    "solver",
+)
+
+
+def _cells(name: str, r: dict) -> list[str]:
+    """One row of the results table (the columns of ``_HEADER``, then ``gguf`` if measured)."""
+    if "error" in r:
+        return [name, r["error"], *([""] * (len(_HEADER) - 2))]
+    f, c = r["fresh"], r["control"]
+    cells = [
+        name,
+        str(r["tokens"]),
+        f"{r['report']:.3g}",
+        f"{f['max']:.3g}",
+        f"{f['tv']:.2g}",
+        "yes" if f["top1"] else "**no**",
+        f"{r['keep']['max']:.2g}",
+        f"{r['floor']['max']:.3g}",
+        f"{c['max']:.3g}, {'yes' if c['top1'] else 'no'}",
+        f"{r['solver']:.2g}",
+    ]
+    return [*cells, f"{r['gguf']:.2g}"] if "gguf" in r else cells
+
+
+_NOTES = """\
+Each text compiled by `ctxc compile` (update rule `{update}`, float32), then a fresh process
+that never imports ctxc loads `model/` and the original ({model}) with plain
+`AutoModelForCausalLM.from_pretrained` and feeds `model/` the query alone. Max |logit diff| at the
+query against: the default forward on context + query (`fresh`; `report.json`'s figure beside
+it), the forward with `logits_to_keep=k` (`keep-k`); `floor`: those two forwards of the original
+against each other; `control`: the original fed the query alone; `solver`: ctxc's own pass.
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gemma-3-270m")
     parser.add_argument("--texts", nargs="+", default=None, help="file stems (default: all 13)")
     parser.add_argument("--update", default="stable")
     parser.add_argument("--out", type=Path, default=None, help="keep the folders here")
+    parser.add_argument(
+        "--results", type=Path, default=None, help="also write the table here (Markdown)"
+    )
     args = parser.parse_args()
     texts = [t for t in TEXTS if args.texts is None or t.stem in args.texts]
     gguf = " gguf" if args.model.endswith(".gguf") else ""
@@ -154,11 +204,25 @@ def main() -> None:
     )
     print(header)
     print("-" * len(header), flush=True)
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         for text in texts:
-            print(_line(text.stem, measure(args.model, text, root / text.stem, args.update)))
+            row = measure(args.model, text, root / text.stem, args.update)
+            rows.append(_cells(text.stem, row))
+            print(_line(text.stem, row))
             sys.stdout.flush()
+    if args.results is not None:
+        columns = [*_HEADER, *(["gguf"] if gguf else [])]
+        notes = _NOTES.format(update=args.update, model=args.model)
+        write_table(
+            args.results,
+            f"Fidelity of `model/` in a fresh process: {args.model}",
+            invocation("benchmarks.fidelity.fresh"),
+            columns,
+            [r + [""] * (len(columns) - len(r)) for r in rows],
+            notes,
+        )
 
 
 if __name__ == "__main__":

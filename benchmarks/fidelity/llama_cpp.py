@@ -16,7 +16,7 @@ control (the unpatched GGUF fed the query alone vs the full-context run).
 
     ../shared/tools/llamacpp/install.sh .venv/bin/python   # or pip install 'ctxc[llamacpp]'
     python -m benchmarks.fidelity.llama_cpp [--model M] [--texts short 01_greeting ...]
-        [--update stable] [--no-lora] [--json FILE]
+        [--update stable] [--no-lora] [--json FILE] [--results docs/results/fidelity-llama-cpp.md]
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import ctxc
+from benchmarks.results import invocation, write_table
 from ctxc.backends.gguf.llama_cpp_run import (
     LLAMA_CPP_FACTOR,
     LlamaCppFigures,
@@ -107,6 +108,9 @@ def main() -> None:
     parser.add_argument("--update", default="stable", help="the model.gguf rows' rule")
     parser.add_argument("--no-lora", action="store_true", help="skip the lora rule's rows")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument(
+        "--results", type=Path, default=None, help="also write the table here (Markdown)"
+    )
     args = parser.parse_args()
     reason = llama_cpp_unavailable()
     if reason is not None:
@@ -148,6 +152,64 @@ def main() -> None:
                     )
     if args.json is not None:
         args.json.write_text(json.dumps({"update": args.update, "rows": rows}, indent=1) + "\n")
+    if args.results is not None:
+        write_table(
+            args.results,
+            "GGUF artefacts run in llama.cpp",
+            invocation("benchmarks.fidelity.llama_cpp"),
+            _result_header(args.update),
+            _result_rows(rows),
+            _NOTES,
+        )
+
+
+_NOTES = """\
+Max |logit diff| at the query (the last context token), llama.cpp fed the query alone against
+llama.cpp's own full-context run on the same base. `floor`: llama.cpp against Transformers on the
+unpatched model fed the query alone; `full-vs-T`: the same on context + query; `bound`: the
+check's `2 x max(floor, full-vs-T) + own` for `model.gguf`; bold: over the bound (refused by
+`--emit gguf`). `lora.gguf` (lora rule): on the F32 base (its `own` figure in brackets) and on the
+bundled Q4_K_M file (its floor in brackets; reported, not checked). `control`: the unpatched GGUF
+fed the query alone.
+"""
+
+
+def _result_header(update: str) -> list[str]:
+    return [
+        "text (tokens)",
+        f"model.gguf, {update}",
+        "floor",
+        "full-vs-T",
+        "bound",
+        "lora.gguf on F32 (own)",
+        "lora.gguf on Q4_K_M (its floor)",
+        "control",
+    ]
+
+
+def _result_rows(rows: list[dict]) -> list[list[str]]:
+    """One line per text from the rows per (text, artefact, base)."""
+    by_text: dict[str, dict] = {}
+    for r in rows:
+        by_text.setdefault(r["text"], {})[(r["artefact"], r["base"])] = r
+    out = []
+    for text, cells in by_text.items():
+        m = cells[("model.gguf", "F32")]
+        figure = f"{m['patched']:.3g}"
+        lora, q4 = cells.get(("lora.gguf", "F32")), cells.get(("lora.gguf", "Q4_K_M"))
+        out.append(
+            [
+                f"{text} ({m['tokens']})",
+                figure if m["passes"] else f"**{figure}**",
+                f"{m['floor']:.3g}",
+                f"{m['full_vs_transformers']:.2g}",
+                f"{m['bound']:.3g}",
+                "-" if lora is None else f"{lora['patched']:.3g} ({lora['own']:.2g})",
+                "-" if q4 is None else f"{q4['patched']:.3g} ({q4['floor']:.3g})",
+                f"{m['control']:.3g}",
+            ]
+        )
+    return out
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ alone to
 
 Prints max |logit diff| against the full-context model and top-1 agreement, the unpatched control
 beside, the largest rounding gain and output magnitude over blocks (MATH.md 12), and the worst of
-each column; ``--json FILE`` writes the rows.
+each column; ``--json FILE`` writes the rows, ``--results FILE.md`` the table (stamped with the
+commit and the date: ``benchmarks/results.py``).
 
     python -m benchmarks.fidelity.onnx [--update stable] [--baked 13] [--json out.json]
+        [--results docs/results/fidelity-onnx.md]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 
 import ctxc
+from benchmarks.results import invocation, write_table
 from ctxc.backends.onnx.check import ort_session
 from ctxc.backends.onnx.export import patched_logits
 from ctxc.backends.onnx.model import emit_onnx
@@ -105,6 +108,9 @@ def main() -> None:
     parser.add_argument("--update", default="stable")
     parser.add_argument("--baked", type=int, default=0, help="export model.onnx for N texts")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--results", type=Path, default=None, help="also write the table here (Markdown)"
+    )
     args = parser.parse_args()
     model, tok = ctxc.load_model("gemma-3-270m", "float32")
     rows = []
@@ -131,6 +137,15 @@ def main() -> None:
     _worst(rows)
     if args.json:
         args.json.write_text(json.dumps({"update": args.update, "rows": rows}, indent=1) + "\n")
+    if args.results is not None:
+        write_table(
+            args.results,
+            "Fidelity of the ONNX artefacts: Gemma 3 270M, float32",
+            invocation("benchmarks.fidelity.onnx"),
+            _RESULT_HEADER,
+            [_result_cells(r) for r in rows],
+            _NOTES.format(update=args.update),
+        )
 
 
 _COLS = ("control", "emitted", "torch_realloc", "ort_adapter", "ort_own", "baked_onnx")
@@ -144,6 +159,47 @@ def _worst(rows: list[dict]) -> None:
     print("worst: " + ", ".join(f"{c} {worst[c]:.3g} (top-1 all {top1[c]})" for c in worst))
     for c in ("ort_check", "ort_floor", "ort_full_floor", "rounding_gain"):
         print(f"worst {c}: {max(r[c] for r in rows):.3g}")
+
+
+_RESULT_HEADER = (
+    "text (tokens)",
+    "control",
+    "`model/` (emitted)",
+    "torch, fresh tensors",
+    "`.onnx_adapter`",
+    "vs onnxruntime's own full context",
+    "`model.onnx` baked (its check vs torch: query / 16 tok.)",
+)
+
+_NOTES = """\
+Max |logit diff| at the query against the full-context model (plain Transformers), and top-1
+agreement; update rule `{update}`. `torch, fresh tensors`: the patched weights copied into new
+tensors (other addresses take other CPU kernel paths). `.onnx_adapter`: one `patchable.onnx`,
+each text's adapter active in turn, in onnxruntime. The baked `model.onnx` is exported for the
+first `--baked N` texts only (minutes and about 8 GB each).
+"""
+
+
+def _fig_cell(fig: dict | None) -> str:
+    if fig is None:
+        return "not run"
+    return f"{fig['max']:.2g}, {'yes' if fig['top1'] else '**no**'}"
+
+
+def _result_cells(row: dict) -> list[str]:
+    """One row of the results table (``_RESULT_HEADER``)."""
+    baked = _fig_cell(row.get("baked_onnx"))
+    if "baked_check" in row:
+        baked += " (" + " / ".join(f"{x:.2g}" for x in row["baked_check"]) + ")"
+    return [
+        f"{row['text']} ({row['tokens']})",
+        _fig_cell(row["control"]),
+        _fig_cell(row["emitted"]),
+        _fig_cell(row["torch_realloc"]),
+        _fig_cell(row["ort_adapter"]),
+        _fig_cell(row["ort_own"]),
+        baked,
+    ]
 
 
 def _line(row: dict) -> str:

@@ -1,8 +1,10 @@
 """The table and the plot of ``benchmarks/thought/patches.py``'s JSON (issue 13).
 
-    python -m benchmarks.thought.report docs/thought_patches.json \\
-        --md docs/thought_patches_table.md --plot docs/thought_patches.png \\
-        [--levers docs/thought_patch_levers.json]
+    python -m benchmarks.thought.report benchmarks/results/thought_patches.json \\
+        --md table.md --plot benchmarks/results/thought_patches.png \\
+        [--levers benchmarks/results/thought_patch_levers.json]
+
+The stored runs (``benchmarks/results/``) are what ``docs/results/thought_patches.md`` shows.
 
 The Markdown holds, per context, one line per patch with its held-out figures on fresh samples and
 on hand-written questions, beside the unpatched model's, and the goal check of issue 13 (on fresh

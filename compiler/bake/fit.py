@@ -52,7 +52,7 @@ class BakeOptions:
         ridge: relative ridge of the matrix fits
         (:class:`~ctxc.passes.solver.fit_moves.FitOptions`);
             among 0.05-5, 1.0 was best held out on the hand-written questions and within
-            0.02 of 5 on fresh samples (docs/thought_patches.md, levers).
+            0.02 of 5 on fresh samples (docs/results/thought_patches.md, levers).
         scale_ridge: relative ridge of the post-norm scale fit (0.1: best among 0.01-1).
         seed: the sampling (and training) seed.
         distill_steps: optimiser steps of ``distill``.
@@ -64,7 +64,7 @@ class BakeOptions:
             constraints too; False (default): they are run but not fitted. The BOS position is
             the same in every query (K identical rows of a very large norm): fitted, it
             dominated the least squares and held-out KL on fresh samples was 0.71 against
-            0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
+            0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/results/thought_patches.md).
         input_moves: fit the inner linears' input moves too; False: the output move only.
     """
 
