@@ -38,7 +38,7 @@ from benchmarks.coverage.entries import CI_SUBSET, Entry, entries
 from benchmarks.coverage.render import FAINT, cell, summarise, write_reports
 from benchmarks.coverage.render import main as render_main
 from benchmarks.coverage.run_entry import ROOT, TOL, run_entry
-from benchmarks.results import commit, invocation
+from benchmarks.tables import commit, invocation
 
 __all__ = [
     "CI_SUBSET",

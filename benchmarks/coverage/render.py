@@ -4,7 +4,7 @@
 with paths and numbers blanked; :func:`write_reports` writes the JSON (data the benchmarks read
 back, ``benchmarks/results/coverage.json``) and, when asked, the Markdown page
 (``docs/results/coverage.md``), stamped with the commit, the date and the command
-(``benchmarks/results.py``). Run as a module it renders the page from an existing JSON:
+(``benchmarks/tables.py``). Run as a module it renders the page from an existing JSON:
 
     python -m benchmarks.coverage.render [--json benchmarks/results/coverage.json]
         [--results docs/results/coverage.md]
@@ -22,7 +22,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 from benchmarks.coverage.run_entry import ROOT, TOL
-from benchmarks.results import invocation, stamp
+from benchmarks.tables import invocation, stamp
 
 __all__ = ["DEFAULT_JSON", "FAINT", "cell", "main", "markdown", "summarise", "write_reports"]
 
@@ -146,7 +146,7 @@ def markdown(results: list[dict], meta: dict, stamped: str = "") -> str:
     Args:
         results: the records.
         meta: versions, settings and run time (``coverage.json``'s ``meta``).
-        stamped: the stamp put under the title (:func:`benchmarks.results.stamp`).
+        stamped: the stamp put under the title (:func:`benchmarks.tables.stamp`).
     """
     summary = summarise(results)
     v = meta["versions"]

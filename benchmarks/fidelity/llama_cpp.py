@@ -30,7 +30,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from benchmarks.results import invocation, write_table
+from benchmarks.tables import invocation, write_table
 from ctxc.backends.gguf.llama_cpp_run import (
     LLAMA_CPP_FACTOR,
     LlamaCppFigures,
