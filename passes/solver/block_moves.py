@@ -190,7 +190,7 @@ def scale_move(
     """
     residual, lam = None, 1.0
     r = u_now.double().pow(2).mean().sqrt() if u_now is not None else None  # rms(u)
-    if u_now is not None and stable:
+    if u_now is not None and r is not None and stable:
         target = stable_post_norm_target(s, t[0], u_now[0])  # [d], at rms(u)
         if summed is not None:
             w = target.double() / r  # [d]: s' ~ t / w where w moves (MATH.md 12)
@@ -248,7 +248,7 @@ def shared_scale_move(
     tol = (torch.finfo(y_target.dtype).eps * y_target.float().abs()).amax(dim=0)  # [d]
     low = y_target.dtype != torch.float32
     fit = fit_shared_scale(s, f, t, tol, allow_unreached=low)
-    if lam is None:
+    if lam is None or summed is None:  # both None together (least_rounding_targets)
         return fit
     gain = (s + fit.ds).double().abs()[None] / r[:, None]  # [k, d], at the reached magnitudes
     figure = rounding_gain(gain, summed, t, lam.tolist())
