@@ -25,14 +25,14 @@ from safetensors.torch import save
 from ctxc.core.delta_math import add_in_float32, lowrank_dense
 from ctxc.core.errors import CtxcError
 from ctxc.models.fingerprint import fingerprint
-from ctxc.models.offload import put_param, read_param, restore_param
+from ctxc.models.offload import ParamToken, put_param, read_param, restore_param
 
 __all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta", "stored_digest", "tensors_digest"]
 
 FORMAT_VERSION = "1"
 
-# model -> {param name: original tensor}; weak so a dropped model frees its originals.
-_ORIGINALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, object]] = (
+# model -> {param name: its original (put_param's token)}; weak so a dropped model frees them.
+_ORIGINALS: weakref.WeakKeyDictionary[torch.nn.Module, dict[str, ParamToken]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -234,7 +234,7 @@ class Patch:
             raise CtxcError("a patch is already applied to this model: remove it first")
         if check:
             self.check(model)
-        originals: dict[str, object] = {}
+        originals: dict[str, ParamToken] = {}
         with torch.no_grad():
             for name, delta in self.deltas.items():
                 # In place where the parameter lives: its device, or its offload store.
@@ -325,7 +325,11 @@ class Patch:
                 # Linears that read the same input share one v: store a copy per delta.
                 tensors[f"{name}::u"] = d.u.cpu().contiguous().clone()
                 tensors[f"{name}::v"] = d.v.cpu().contiguous().clone()
-            entry = {"param": name, "block": d.block, "layout": d.layout}
+            entry: dict[str, str | list[int]] = {
+                "param": name,
+                "block": d.block,
+                "layout": d.layout,
+            }
             if d.experts:
                 entry["experts"] = list(d.experts)
             index.append(entry)

@@ -23,7 +23,7 @@ from ctxc.models.load import check_length
 from ctxc.models.offload import input_device
 from ctxc.passes.locate.block_map import BlockMap, Rejection
 from ctxc.passes.locate.locate_blocks import locate_blocks
-from ctxc.passes.runtime.run_graph import run_logits
+from ctxc.passes.runtime.run_graph import FullRun, run_logits
 from ctxc.passes.solver.solve import RULES, solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.runs.image_run import image_figures, multimodal_full_graph
@@ -224,6 +224,7 @@ def _compile_ids(
     full, reference = full_run(
         model, full_traced, full_blocks, full_ids, len(q_ids), image_run, attention
     )
+    assert full.reference is not None  # full_run records it (reference=True)
     lap("full_run")
     stage("solving")
     solution, failed = _solve_skipping(
@@ -321,7 +322,11 @@ def _meta(
     )
 
 
-def _solve_skipping(args: tuple, skip_unpatchable: bool, ops: dict | None = None) -> tuple:
+def _solve_skipping(
+    args: tuple[TracedModel, BlockMap, FullRun, torch.Tensor, str, int, Callable | None, str],
+    skip_unpatchable: bool,
+    ops: dict | None = None,
+) -> tuple:
     """Solve; with ``skip_unpatchable``, leave a block whose condition fails unpatched and solve
     again (the blocks above it absorb its difference), until no block fails. ``ops``: the
     reduced run's attention calls as the runtime makes them

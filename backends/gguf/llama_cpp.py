@@ -8,6 +8,7 @@ own full-context run on the same base (:mod:`llama_cpp_run`).
 
 from __future__ import annotations
 
+import functools
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,21 +83,20 @@ def run_in_llama_cpp(
         return LlamaCppRuns(skipped=reason)
     ids = (list(patch.meta.context_ids), list(patch.meta.query_ids))
     (alone,) = torch_logits(model, [torch.tensor([ids[1]])])
-    common = {"ids": ids, "transformers_query": alone, "transformers_full": full, "own": own}
+    check = functools.partial(
+        llama_cpp_check, ids=ids, transformers_query=alone, transformers_full=full, own=own
+    )
     with tempfile.TemporaryDirectory(prefix="ctxc-gguf-base-") as tmp:
         base = Path(tmp) / "base.gguf"
         write_gguf(model, tokenizer, base, gguf_type)
-        same = llama_cpp_check(
+        same = check(
             what,
             base,
             patched=patched,
             lora=lora,
             base_name=f"the unpatched model as a {gguf_type} GGUF",
-            **common,
         )
     quantized = None
     if lora is not None and source is not None:
-        quantized = llama_cpp_check(
-            what, source, lora=lora, base_name=source.name, enforce=False, **common
-        )
+        quantized = check(what, source, lora=lora, base_name=source.name, enforce=False)
     return LlamaCppRuns(same_type=same, source=quantized)

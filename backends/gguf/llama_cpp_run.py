@@ -192,7 +192,7 @@ def llama_cpp_check(
     clock = time.perf_counter()
     context, query = ids
     k = len(query)
-    jobs = [
+    jobs: list[dict] = [
         {"model": base, "lora": None, "ids": context + query, "k": k},
         {"model": base, "lora": None, "ids": query, "k": k},
         {

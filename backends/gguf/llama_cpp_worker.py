@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as exc:
         print(f"llama.cpp: {exc}", file=sys.stderr)
         return 1
-    np.savez(args[1], **logits)
+    # allow_pickle named (its default): a ** of arrays could otherwise bind it, says mypy.
+    np.savez(args[1], allow_pickle=True, **logits)
     return 0
 
 

@@ -161,17 +161,17 @@ def _applied_logits(
 
     Side effects: the weights are changed for the run and restored exactly.
     """
-    kept = {m: model.get_submodule(m).weight.detach().clone() for m in dense}
+    kept = {m: model.get_parameter(f"{m}.weight").detach().clone() for m in dense}
     try:
         with torch.no_grad():
             for m, dw in dense.items():
-                w = model.get_submodule(m).weight
+                w = model.get_parameter(f"{m}.weight")
                 w.copy_((w.float() + dw).to(w.dtype))
         (applied,) = torch_logits(model, query)
     finally:
         with torch.no_grad():
-            for m, w in kept.items():
-                model.get_submodule(m).weight.copy_(w)
+            for m, original in kept.items():
+                model.get_parameter(f"{m}.weight").copy_(original)
     return applied
 
 

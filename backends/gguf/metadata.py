@@ -54,7 +54,9 @@ def write_metadata(writer, model, tokenizer, arch: GgufArch) -> None:
     rope = getattr(cfg, "rope_parameters", None) or {}
     values.setdefault("rope_theta", rope.get("rope_theta"))
     values.setdefault("head_dim", cfg.hidden_size // cfg.num_attention_heads)
-    mapping = dict(GGUF_CONFIG_MAPPING.get(arch.arch, {}))
+    table = GGUF_CONFIG_MAPPING.get(arch.arch, {})
+    assert isinstance(table, dict)  # {GGUF key: config attribute}; mypy infers its values object
+    mapping: dict[str, str | None] = dict(table)
     mapping.update({"attention.key_length": "head_dim", "attention.value_length": "head_dim"})
     writer.add_name(str(getattr(cfg, "name_or_path", "") or "ctxc patched model"))
     for key, attr in mapping.items():

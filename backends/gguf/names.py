@@ -14,11 +14,15 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ctxc.core.errors import CtxcError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["GgufArch", "gguf_arch", "gguf_name", "gguf_tensors"]
 
@@ -98,7 +102,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     )
 
 
-def gguf_tensors(model: torch.nn.Module, arch: GgufArch) -> Iterator[tuple[str, np.ndarray]]:
+def gguf_tensors(model: PreTrainedModel, arch: GgufArch) -> Iterator[tuple[str, np.ndarray]]:
     """Every tensor of ``model`` under its llama.cpp name and layout, float32.
 
     A tied output projection is left out (Transformers' loader ties it back when ``output`` is

@@ -33,9 +33,10 @@ import contextlib
 import re
 import warnings
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch
-from torch.export import Dim
+from torch.export import Dim, ExportedProgram
 from torch.func import functional_call
 
 from ctxc.backends import backend
@@ -43,6 +44,9 @@ from ctxc.core.errors import CtxcError
 from ctxc.frontend.trace import MAX_SEQ, no_cache, trace
 from ctxc.passes.runtime.insert_deltas import InsertResult, insert_deltas
 from ctxc.patch import Patch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "EXPORTABLE_EXPERTS",
@@ -91,15 +95,17 @@ def export_settings(model: torch.nn.Module) -> Iterator[str]:
     model.eval()
     before = experts_implementation(model)
     used = before
+    # Not "dense": a Transformers model that can set its expert implementation.
+    experts = cast("PreTrainedModel", model)
     if before not in ("dense", EXPORTABLE_EXPERTS):
-        model.set_experts_implementation(EXPORTABLE_EXPERTS)
+        experts.set_experts_implementation(EXPORTABLE_EXPERTS)
         used = f"{EXPORTABLE_EXPERTS} (the model's {before} does not export to ONNX)"
     try:
         with no_cache(model):
             yield used
     finally:
         if used != before:
-            model.set_experts_implementation(before)
+            experts.set_experts_implementation(before)
 
 
 def seq_dim(model: torch.nn.Module) -> Dim:
@@ -121,8 +127,9 @@ def patched_graph(model: torch.nn.Module, patch: Patch) -> InsertResult:
         :func:`insert_deltas`'s result: ``gm`` computes ``input_ids`` [1, seq] -> logits
         [1, seq, vocab] of the patched model, reading the model's own (unchanged) tensors.
     """
-    gm = trace(model).program.module()
-    return insert_deltas(gm, patch)
+    program = trace(model).program
+    assert isinstance(program, ExportedProgram)  # a fresh export, not the export cache's
+    return insert_deltas(program.module(), patch)
 
 
 def patched_logits(

@@ -117,8 +117,7 @@ def check_vllm_adapter(folder: Path, model: torch.nn.Module) -> VllmCheck:
         last = module.rsplit(".", 1)[-1]
         if last not in allowed:
             raise _fail(f"module {module}: {last} is not a {model_type} LoRA module in vLLM")
-        layer = model.get_submodule(module)
-        out_f, in_f = layer.weight.shape
+        out_f, in_f = model.get_parameter(f"{module}.weight").shape
         if ab.get("A") != (r, in_f) or ab.get("B") != (out_f, r):
             raise _fail(
                 f"module {module}: lora_A {ab.get('A')}, lora_B {ab.get('B')}, "

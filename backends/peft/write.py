@@ -70,9 +70,9 @@ def fill_adapter(inner: torch.nn.Module, model: torch.nn.Module, patch: Patch, p
     """
     with torch.no_grad():
         for module, delta in plan.lora.items():
-            layer = inner.get_submodule(module)
-            layer.lora_A["default"].weight.copy_(delta.v.T)
-            layer.lora_B["default"].weight.copy_(delta.u)
+            # PEFT's names: lora_A and lora_B are ModuleDicts of Linears, keyed by adapter.
+            inner.get_parameter(f"{module}.lora_A.default.weight").copy_(delta.v.T)
+            inner.get_parameter(f"{module}.lora_B.default.weight").copy_(delta.u)
         for name, wrapper in inner.named_modules():
             attr = getattr(wrapper, "parameter_name", None)
             if attr is None:
@@ -80,10 +80,10 @@ def fill_adapter(inner: torch.nn.Module, model: torch.nn.Module, patch: Patch, p
             # Parameter targets of one module nest: each wrapper's base_layer is the next.
             module = ".".join(p for p in name.split(".") if p != "base_layer")
             a, b = bank_factors(plan.banks[f"{module}.{attr}"], wrapper.num_experts)
-            wrapper.lora_A["default"].weight.copy_(a)
-            wrapper.lora_B["default"].weight.copy_(b)
+            wrapper.get_parameter("lora_A.default.weight").copy_(a)
+            wrapper.get_parameter("lora_B.default.weight").copy_(b)
         for module in plan.modules_to_save:
-            saved = inner.get_submodule(module).modules_to_save["default"]
+            saved = inner.get_submodule(f"{module}.modules_to_save.default")
             for name, delta in patch.deltas.items():
                 owner, _, attr = name.rpartition(".")
                 if owner == module:

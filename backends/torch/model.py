@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -10,6 +11,9 @@ from ctxc.backends.torch.shards import realign_shards, source_alignments, write_
 from ctxc.models.offload import is_dispersed
 from ctxc.patch import Patch
 from ctxc.runs.patched_forward import patched_values
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = ["emit_torch", "save_tokenizer", "shard_kwargs"]
 
@@ -29,7 +33,7 @@ def shard_kwargs(model: torch.nn.Module) -> dict:
     return {"max_shard_size": max(1, sum(sizes) // layers)}
 
 
-def emit_torch(model: torch.nn.Module, tokenizer, patch: Patch, out: Path) -> Path:
+def emit_torch(model: PreTrainedModel, tokenizer, patch: Patch, out: Path) -> Path:
     """Write ``out/`` with the patched weights, loadable by ``from_pretrained`` without ctxc.
 
     The patched weights are those :meth:`Patch.apply` writes (the weights the solver computed

@@ -24,11 +24,14 @@ import json
 import struct
 from collections import Counter
 from pathlib import Path
-from typing import BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 
 from ctxc.models.offload import pad_header, safetensors_header, store_file, stored_range
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "copy_range",
@@ -116,7 +119,7 @@ def shard_header(entries: list[tuple[str, str, list[int], int]], wanted: dict[st
     return struct.pack("<Q", len(raw) + pad) + raw + b" " * pad
 
 
-def saved_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+def saved_tensors(model: PreTrainedModel) -> dict[str, torch.Tensor] | None:
     """What ``save_pretrained`` writes, by name (meta tensors where offloaded); None when the
     checkpoint's names or layout differ from the modules' (a weight conversion: MoE experts)."""
     from transformers.core_model_loading import revert_weight_conversion
@@ -133,7 +136,7 @@ def saved_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
 
 
 def write_shards(
-    model: torch.nn.Module, out: Path, max_shard_size: int, wanted: dict, workers: int = 1
+    model: PreTrainedModel, out: Path, max_shard_size: int, wanted: dict, workers: int = 1
 ) -> bool:
     """Write ``model``'s weights into ``out`` as ``save_pretrained`` shards them, chunk by chunk.
 
@@ -210,7 +213,9 @@ def _write_parallel(path: Path, header: bytes, entries: list, state: dict, worke
                     view, at = view[done:], at + done
 
         # Contiguous shares of about equal bytes: each writer's pages stay together.
-        shares, share, filled = [], [], 0
+        shares: list[list] = []
+        share: list = []
+        filled = 0
         for job in jobs:
             share.append(job)
             filled += job[0].nbytes
@@ -253,7 +258,7 @@ def _dtype(t: torch.Tensor) -> str:
 def _bytes(t: torch.Tensor) -> memoryview:
     """The raw bytes of ``t`` (on the CPU, contiguous), without a copy when it is already so."""
     t = t.detach().to("cpu").contiguous()
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 def realign_shards(folder: Path, wanted: dict[str, int]) -> int:

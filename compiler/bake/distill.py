@@ -99,7 +99,7 @@ def distill(
     from peft import LoraConfig, get_peft_model
 
     targets = _lora_targets(blocks)
-    rank = options.rank or max(min(model.get_submodule(m).weight.shape) for m in targets)
+    rank = options.rank or max(min(model.get_parameter(f"{m}.weight").shape) for m in targets)
     teacher = teacher if teacher is not None else teacher_top(model, data)
     vectors = {n: d for n, d in (start.deltas if start else {}).items() if d.vector is not None}
     fixed = Patch(vectors, meta) if vectors else None

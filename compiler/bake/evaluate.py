@@ -168,7 +168,13 @@ def _matched(picks: list[int], want: tuple[int, ...]) -> int:
     return n
 
 
-def _query_figures(model, patch: Patch | None, ref: Reference, batch: int):
+# Per query: (kl [k], agree [k], generated tokens matched).
+_Figures = tuple[torch.Tensor, torch.Tensor, int]
+
+
+def _query_figures(
+    model: torch.nn.Module, patch: Patch | None, ref: Reference, batch: int
+) -> list[_Figures]:
     """Per query (kl [k], agree [k], matched) of the model with ``patch``."""
     device = next(model.parameters()).device
     data, gen = ref.data, ref.gen_tokens
@@ -176,7 +182,7 @@ def _query_figures(model, patch: Patch | None, ref: Reference, batch: int):
         data.reduced(i) + list(ref.tokens[i][: max(gen - 1, 0)]) for i in range(len(ref.tokens))
     ]
     applied = patch.applied(model, check=False) if patch is not None else contextlib.nullcontext()
-    found = []
+    found: list[_Figures] = []
     with torch.no_grad(), applied:
         for start in range(0, len(rows), batch):
             group = rows[start : start + batch]
@@ -205,7 +211,7 @@ def evaluate_against(
         batch: queries per forward.
     """
     found = _query_figures(model, patch, ref, batch)
-    return _summarise(*map(list, zip(*found, strict=True)), gen_tokens=ref.gen_tokens)
+    return _summarise(found, gen_tokens=ref.gen_tokens)
 
 
 def evaluate(
@@ -244,7 +250,7 @@ def evaluate_many(
     Returns:
         one :class:`BakeEval` per patch, in order.
     """
-    figs: list[list] = [[] for _ in patches]
+    figs: list[list[_Figures]] = [[] for _ in patches]
     n = len(data.queries)
     for start in range(0, n, _CHUNK):
         sub = FitData(
@@ -258,11 +264,13 @@ def evaluate_many(
             acc.extend(_query_figures(model, patch, ref, _BATCH))
         if on_query is not None:
             on_query(min(start + _CHUNK, n), n)
-    return [_summarise(*map(list, zip(*f, strict=True)), gen_tokens=gen_tokens) for f in figs]
+    return [_summarise(f, gen_tokens=gen_tokens) for f in figs]
 
 
-def _summarise(kls: list, agrees: list, matched: list[int], gen_tokens: int) -> BakeEval:
-    kl_all, agree_all = torch.cat(kls), torch.cat(agrees)
+def _summarise(found: list[_Figures], gen_tokens: int) -> BakeEval:
+    kl_all = torch.cat([kl for kl, _, _ in found])
+    agree_all = torch.cat([agree for _, agree, _ in found])
+    matched = [m for _, _, m in found]
     return BakeEval(
         queries=len(matched),
         positions=int(kl_all.numel()),

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from ctxc._version import __version__
 from ctxc.cli.output import MARKER
@@ -19,6 +20,7 @@ from ctxc.cli.support import emit_checked, err, out, reload_fidelity, written
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
+from ctxc.models.devices import Placement
 
 __all__ = ["compile_batch", "compile_into", "read_lines"]
 
@@ -35,7 +37,7 @@ class Options:
     kinds: list[str]
     gguf_type: str = "F32"
     images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
-    placement: object = None  # a ctxc.models.devices.Placement: where the model is loaded
+    placement: Placement | None = None  # where the model is loaded
 
 
 def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
@@ -69,7 +71,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
     )
     result.patch.save(tmp / "patch.safetensors")
     pause_point("writing")
-    state = {"report": result.report, "figures": {}}
+    state: dict[str, Any] = {"report": result.report, "figures": {}}
     state["measured"] = "the patched model in memory (no model/ written)"
     try:
         _emit_all(net, tokenizer, tmp, result, opts, state)
@@ -141,7 +143,8 @@ def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
         entry, problem = _parse(line, n, width)
         if entry is not None:
             if entry["name"] in seen:
-                entry, problem = None, f"duplicate name {entry['name']!r}"
+                problem = f"duplicate name {entry['name']!r}"
+                entry = None
             else:
                 seen.add(entry["name"])
         lines.append((n, entry, problem))
@@ -248,7 +251,7 @@ def _options(opts: Options, dtype: str) -> dict:
     }
 
 
-_PLAIN = {"highlight": False, "markup": False, "soft_wrap": True}
+_PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
 
 
 def _progress():

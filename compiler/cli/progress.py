@@ -19,10 +19,18 @@ import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import typer
-from rich.console import Console
-from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, TextColumn
+from rich.console import Console, RenderableType
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    TaskID,
+    TextColumn,
+)
 from rich.text import Text
 
 from ctxc.core.interrupts import pause_point
@@ -47,19 +55,23 @@ __all__ = [
 err = Console(stderr=True)
 out = Console()
 
-PLAIN = {"highlight": False, "markup": False, "soft_wrap": True}
+PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
 # Set for the command's process unless --verbose: read when the libraries load (tqdm reads
 # TQDM_* when it is imported; Transformers' GGUF reader draws a plain tqdm bar).
 _QUIET_ENV = {"TRANSFORMERS_VERBOSITY": "error", "TQDM_DISABLE": "1"}
-_state = {"verbose": False, "set_env": ()}
+_state: dict[str, Any] = {"verbose": False, "set_env": ()}
 _trail: list[Trail] = []  # the command's trail, once started
 
 
-class _Bar(BarColumn):
+class _Bar(ProgressColumn):
     """A bar once the total is known; nothing while a stage has no count (no pulsing)."""
 
-    def render(self, task) -> Text:
-        return super().render(task) if task.total is not None else Text("")
+    def __init__(self) -> None:
+        super().__init__()
+        self._bar = BarColumn()
+
+    def render(self, task) -> RenderableType:
+        return self._bar.render(task) if task.total is not None else Text("")
 
 
 class _Count(ProgressColumn):
@@ -107,7 +119,7 @@ class Trail:
         self.closed = False
         self._lines = 0
         self._display: Progress | None = None
-        self._rows: dict[str, object] = {}
+        self._rows: dict[str, TaskID] = {}
         self._tenths: dict[str, int] = {}
 
     def stage(self, text: str, keep: bool = False) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol, TypeGuard
+
 __all__ = ["hide_flag_types", "is_click", "raw_value", "usage_message"]
 
 
@@ -22,10 +24,16 @@ def hide_flag_types() -> None:
         return None if self.is_flag else shown(self, ctx)
 
     display_type_rich.ctxc_flags_hidden = True  # type: ignore[attr-defined]
-    TyperOption.display_type_rich = display_type_rich
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]  # the patch
 
 
-def is_click(exc: BaseException, name: str) -> bool:
+class ClickError(Protocol):
+    """What the CLI reads of a click exception (typer's vendored click or click)."""
+
+    def format_message(self) -> str: ...
+
+
+def is_click(exc: BaseException, name: str) -> TypeGuard[ClickError]:
     # Typer vendors its own click (typer._click), so `except click.ClickException` misses its
     # exceptions; match the class by name through the hierarchy instead, for either click.
     return any(cls.__name__ == name for cls in type(exc).__mro__)

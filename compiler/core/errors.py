@@ -62,16 +62,17 @@ def missing_package(exc: BaseException) -> tuple[str, str] | None:
         another import (or no import at all).
     """
     seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, ImportError):
-            root = (exc.name or "").split(".")[0]
-            if isinstance(exc, ModuleNotFoundError) and root in _OPTIONAL:
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, ImportError):
+            root = (link.name or "").split(".")[0]
+            if isinstance(link, ModuleNotFoundError) and root in _OPTIONAL:
                 return _OPTIONAL[root], root
-            found = _REQUIRES.search(str(exc))
+            found = _REQUIRES.search(str(link))
             if found:
                 return _LIBRARY[found.group(2)], found.group(1)
-        exc = exc.__cause__ or exc.__context__
+        link = link.__cause__ or link.__context__
     return None
 
 

@@ -32,6 +32,7 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, TypeVar
 
 import torch
 
@@ -54,8 +55,12 @@ _CALL = re.compile(
 )
 
 
+# The block map the locator makes of each export (passes/locate's BlockMap, a layer above).
+BlocksT = TypeVar("BlocksT")
+
+
 @dataclass(frozen=True)
-class Frontend:
+class Frontend(Generic[BlocksT]):
     """A model's exports: the shared one (dynamic or bounded), else static ones per length.
 
     Attributes:
@@ -67,14 +72,14 @@ class Frontend:
             exports would stop there too, so each length goes to the specialised rung at once.
     """
 
-    shared: tuple[TracedModel, object] | None
+    shared: tuple[TracedModel, BlocksT] | None
     reasons: tuple[str, ...]
     model_ref: Callable[[], torch.nn.Module | None]
-    locate: Callable[[TracedModel], object]
-    static: dict[int, tuple[TracedModel, object]] = field(default_factory=dict)
+    locate: Callable[[TracedModel], BlocksT]
+    static: dict[int, tuple[TracedModel, BlocksT]] = field(default_factory=dict)
     branch: str = ""
 
-    def traced_for(self, length: int | None = None) -> tuple[TracedModel, object]:
+    def traced_for(self, length: int | None = None) -> tuple[TracedModel, BlocksT]:
         """The export (and its block map) that holds for inputs of ``length`` tokens.
 
         Args:
@@ -185,7 +190,9 @@ def suggested_range(exc: BaseException, current: tuple[int, int]) -> tuple[int, 
     return (lo, hi) if lo < hi else None
 
 
-def build_frontend(model: torch.nn.Module, locate: Callable[[TracedModel], object]) -> Frontend:
+def build_frontend(
+    model: torch.nn.Module, locate: Callable[[TracedModel], BlocksT]
+) -> Frontend[BlocksT]:
     """Run the ladder's first two rungs on ``model``; the third happens per length on demand.
 
     Args:
@@ -209,7 +216,7 @@ def build_frontend(model: torch.nn.Module, locate: Callable[[TracedModel], objec
         branch = _branch(exc) if _DATA_DEPENDENT.search(_text(exc)) else ""
         if branch:  # a branch on values, not on the length: no range or static export helps
             reasons.append("bounded, static: not tried (a data-dependent branch)")
-            queue = []
+            queue: list[tuple[int, int] | None] = []
         elif fixed:  # the guards pin seq to the example's length: no range holds
             reasons.append(f"bounded: not tried, torch.export suggests {fixed.group(0)}")
             queue = []

@@ -10,12 +10,13 @@ and the module paths in ``nn_module_stack`` survive for the locator.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import fx
-from torch.export import Dim, ExportedProgram, export
+from torch.export import Dim, export
 from torch.export.graph_signature import InputKind
 
 from ctxc.core.errors import CtxcError
@@ -25,6 +26,7 @@ from ctxc.models.placement import Placer
 __all__ = [
     "MAX_SEQ",
     "WRAPPED",
+    "LiftedProgram",
     "LogitsOnly",
     "TracedModel",
     "max_positions",
@@ -52,6 +54,20 @@ class LogitsOnly(torch.nn.Module):
         return getattr(self, _WRAPPED)(input_ids=input_ids).logits
 
 
+class LiftedProgram(Protocol):
+    """What ctxc reads of a lifted program: an ``ExportedProgram``, or the export cache's
+    ``StoredProgram`` (``compiler/store/export_cache.py``) that rebuilds these three."""
+
+    @property
+    def graph_module(self) -> fx.GraphModule: ...
+
+    @property
+    def state_dict(self) -> Mapping[str, torch.Tensor]: ...
+
+    @property
+    def constants(self) -> Mapping[str, object]: ...
+
+
 @dataclass(frozen=True)
 class TracedModel:
     """An exported decoder and the mapping from graph inputs to model tensors.
@@ -69,7 +85,7 @@ class TracedModel:
             each state name reads in a run (``source(name, traced value)``); None otherwise.
     """
 
-    program: ExportedProgram
+    program: LiftedProgram
     param_of: dict[str, str]
     input_name: str
     dtype: torch.dtype
@@ -104,17 +120,18 @@ class TracedModel:
     def graph_module(self) -> fx.GraphModule:
         return self.program.graph_module
 
-    def placeholder_values(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+    def placeholder_values(self, input_ids: torch.Tensor) -> list[object]:
         """The flat argument list of the lifted graph: parameters, buffers, constants, ids.
 
         Args:
             input_ids: int64 [1, seq].
 
         Returns:
-            one tensor per placeholder, in graph order (parameters shared with the model).
+            one value per placeholder, in graph order: a tensor (parameters shared with the
+            model), or for a dispersed model what :attr:`source` gives (a ``LazyWeight``).
         """
         state, consts = self.program.state_dict, self.program.constants
-        values = []
+        values: list[object] = []
         for kind, _, target in self._args:
             if kind == "input":
                 values.append(input_ids)
@@ -180,7 +197,9 @@ def _latent_kv_heads(model: torch.nn.Module) -> Iterator[None]:
         per_head = getattr(module, "qk_nope_head_dim", 0) + getattr(module, "v_head_dim", 0)
         if proj.out_features == heads * per_head:  # one key and value head per query head
             changed.append((module, groups))
-            module.num_key_value_groups = 1
+            # torch types a module's attributes as tensors or modules (its __getattr__); this
+            # one is the attention's int.
+            module.num_key_value_groups = 1  # type: ignore[assignment]
     try:
         yield
     finally:

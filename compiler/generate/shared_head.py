@@ -91,9 +91,10 @@ def head_split(
         return None
     values = traced.placeholder_values(torch.zeros(1, 1, dtype=torch.long))
     params = [values[places.index(a)] for a in node.args[1:]]  # the weight (and bias)
-    if not all(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in params):
+    tensors = [p for p in params if isinstance(p, torch.Tensor) and p.device.type == "cpu"]
+    if len(tensors) != len(params):
         return None
-    weight, bias = params[0], (params[1] if len(params) > 1 else None)
+    weight, bias = tensors[0], (tensors[1] if len(tensors) > 1 else None)
     if weight.shape[0] < _MIN_ROWS:
         return None
     g = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ import html
 import itertools
 from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 
@@ -80,7 +80,8 @@ def render_html(info: ModelInspection) -> str:
 
 @functools.cache
 def _template() -> jinja2.Template:
-    source = resources.files("ctxc").joinpath("templates", "inspect.html").read_text("utf-8")
+    template = resources.files("ctxc").joinpath("templates").joinpath("inspect.html")
+    source = template.read_text("utf-8")
     env = jinja2.Environment(
         autoescape=False,  # every value goes through the `h` filter (see the module docstring)
         trim_blocks=True,
@@ -152,7 +153,8 @@ def _layout(b: BlockInspection, columns: list[list[_Box]]) -> dict:
     rows = max(len(c) for c in columns)
     width = len(columns) * (_BOX_W + _GAP_X) + 20
     height = _TOP + rows * (_BOX_H + _GAP_Y) + 70
-    boxes, centres = [], []
+    boxes: list[dict[str, Any]] = []
+    centres: list[list[tuple[float, float]]] = []
     for i, col in enumerate(columns):
         x = 10 + i * (_BOX_W + _GAP_X)
         centres.append([])

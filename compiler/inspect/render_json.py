@@ -107,7 +107,7 @@ def _patch(p: PatchEntry) -> dict[str, Any]:
     head = {"param": p.param, "module": p.module, "move": p.move}
     if p.kind == "vector":
         return {**head, "kind": p.kind, "shape": list(p.shape), "floats": p.floats}
-    out = {**head, "rank": p.rank, "kind": p.kind}
+    out: dict[str, Any] = {**head, "rank": p.rank, "kind": p.kind}
     if p.kind == "expert matrices":
         out.update(
             experts=p.experts, per_token="each routed expert", active_per_token=p.active_per_token

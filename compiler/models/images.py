@@ -139,7 +139,9 @@ def encode_image_context(
         raise CtxcError(f"the processor rejected the image context: {first}") from None
     ids = enc["input_ids"]  # [1, n]
     image_id = getattr(model.config, "image_token_id", None)
-    is_image = ids[0] == image_id if image_id is not None else torch.zeros_like(ids[0], dtype=bool)
+    is_image = (
+        ids[0] == image_id if image_id is not None else torch.zeros_like(ids[0], dtype=torch.bool)
+    )
     ctx_ids = [int(i) for i in ids[0]]
     if query is None:
         if bool(is_image[-1]) or len(ctx_ids) < 2:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -17,6 +18,9 @@ from ctxc.core.cache import cache_dir, partial_entry
 from ctxc.core.errors import CtxcError, missing_package_error
 from ctxc.core.interrupts import pause_point
 from ctxc.models.devices import Placement, block_device_map, fix_mmap_threshold
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ALIASES",
@@ -142,7 +146,7 @@ def load_model(
     device: str | None = None,
     device_map: str | None = None,
     max_memory: str | dict | None = None,
-):
+) -> tuple[PreTrainedModel, Any]:
     """Load a causal LM and its tokenizer, without any download.
 
     Args:
@@ -190,12 +194,15 @@ def load_model(
     model, tokenizer = _load_directory(directory, torch_dtype, spec, placement)
     if spec != DEFAULT_MODEL and (path.suffix == ".gguf" or path.exists()):
         # The name reports and adapters keep: a folder or a .gguf file absolute, since a path
-        # as typed means nothing from another folder; an alias as given.
-        model.ctxc_name = str(path.resolve())  # type: ignore[attr-defined]
+        # as typed means nothing from another folder; an alias as given. (torch types a
+        # module's attributes as tensors or modules, its __getattr__; this one is a str.)
+        model.ctxc_name = str(path.resolve())  # type: ignore[assignment]
     return model, tokenizer
 
 
-def _load_directory(directory: Path, dtype: torch.dtype, spec: str, placement: Placement):
+def _load_directory(
+    directory: Path, dtype: torch.dtype, spec: str, placement: Placement
+) -> tuple[PreTrainedModel, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from ctxc.models.vlm import auto_model_class  # a vision-language model loads whole
@@ -209,7 +216,7 @@ def _load_directory(directory: Path, dtype: torch.dtype, spec: str, placement: P
             )
         tokenizer = AutoTokenizer.from_pretrained(str(directory))
         auto = auto_model_class(AutoConfig.from_pretrained(str(directory)))
-        model = auto.from_pretrained(
+        model: PreTrainedModel = auto.from_pretrained(
             str(directory), dtype=dtype, **_moe_kwargs(directory), **kwargs
         )
     except ImportError as exc:  # a vision tower built on timm, ...
@@ -223,8 +230,10 @@ def _load_directory(directory: Path, dtype: torch.dtype, spec: str, placement: P
         raise CtxcError(f"cannot load model {spec!r}: {str(exc).splitlines()[0]}") from exc
     model.eval()
     model.config.use_cache = False
-    model.ctxc_name = spec  # type: ignore[attr-defined]
-    model.ctxc_placement = placement  # type: ignore[attr-defined]
+    # Read back with getattr (reports, devices.py); torch types a module's attributes as tensors
+    # or modules (its __getattr__), not these.
+    model.ctxc_name = spec  # type: ignore[assignment]
+    model.ctxc_placement = placement  # type: ignore[assignment]
     return model, tokenizer
 
 

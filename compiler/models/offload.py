@@ -23,14 +23,19 @@ import shutil
 import struct
 import tempfile
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, cast
 
 import torch
 
 from ctxc.models.placement import LazyWeight
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 _ALIGN = 64  # bytes: the widest SIMD load the CPU BLAS kernels peel for (delta_math.py)
 
 __all__ = [
+    "ParamToken",
     "execution_device",
     "input_device",
     "is_dispersed",
@@ -53,7 +58,27 @@ def is_dispersed(model: torch.nn.Module) -> bool:
     return len(devices) > 1 or any(d.type == "meta" for d in devices)
 
 
-def _hook_of(model: torch.nn.Module, name: str):
+class _OffloadStore(Protocol):
+    """What ctxc reads and writes of accelerate's ``OffloadedWeightsLoader`` (accelerate ships
+    no types): tensors kept in memory, and where each of the others is read from."""
+
+    state_dict: dict[str, torch.Tensor]
+    # key -> {"safetensors_file", "weight_name", "dtype"} (those a file entry has)
+    index: dict[str, dict[str, str]]
+
+    def __getitem__(self, key: str) -> torch.Tensor: ...
+
+
+# put_param's token for restore_param: the original tensor, a store's in-memory original, or
+# its original index entry and the file ctxc wrote.
+ParamToken = (
+    torch.Tensor
+    | tuple[Literal["state"], torch.Tensor]
+    | tuple[Literal["index"], dict[str, str], str]
+)
+
+
+def _hook_of(model: torch.nn.Module, name: str) -> tuple[Any, str]:
     """(the accelerate hook whose store holds ``name``, the name relative to its module)."""
     parts = name.split(".")
     for cut in range(len(parts) - 1, -1, -1):
@@ -78,14 +103,15 @@ def input_device(model: torch.nn.Module) -> torch.device:
     """The device the input ids go to: the input embedding's (execution) device."""
     if not is_dispersed(model):
         return next(model.parameters()).device
-    embed = model.get_input_embeddings()
+    # Only Transformers' from_pretrained disperses a model: it has input embeddings.
+    embed = cast("PreTrainedModel", model).get_input_embeddings()
     if embed is not None and getattr(embed, "weight", None) is not None:
         name = next(n for n, p in model.named_parameters() if p is embed.weight)
         return execution_device(model, name)
     return next(model.parameters()).device
 
 
-def _store(model: torch.nn.Module, name: str) -> tuple[object, str]:
+def _store(model: torch.nn.Module, name: str) -> tuple[_OffloadStore, str]:
     """(the OffloadedWeightsLoader holding ``name``, its key there)."""
     hook, rel = _hook_of(model, name)
     weights = hook.weights_map
@@ -133,8 +159,8 @@ def weight_source(model: torch.nn.Module) -> Callable[[str, object], object]:
     def source(name: str, traced: object) -> object:
         value = params.get(name)
         if value is None:
-            value = buffers.get(name)
-            return traced if value is None or value.device.type == "meta" else value
+            buffer = buffers.get(name)
+            return traced if buffer is None or buffer.device.type == "meta" else buffer
         if value.device.type != "meta":
             return value
         device = execution_device(model, name)
@@ -207,7 +233,8 @@ def stored_range(model: torch.nn.Module, name: str, dtype: str) -> tuple[str, in
     path = info["safetensors_file"]
     n, header = safetensors_header(path)
     entry = header[info.get("weight_name", key)]
-    shape = list(model.get_parameter_or_buffer(name).shape)
+    dispersed = cast("PreTrainedModel", model)  # from_pretrained's: a Transformers model
+    shape = list(dispersed.get_parameter_or_buffer(name).shape)
     if entry["dtype"] != dtype or entry["shape"] != shape:
         return None
     begin, end = entry["data_offsets"]
@@ -246,7 +273,7 @@ def _address(path: str, name: str) -> int:
     return (8 + n + header[name]["data_offsets"][0]) % _ALIGN
 
 
-def put_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> object:
+def put_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> ParamToken:
     """Write ``value`` as parameter ``name`` where it lives; a token for :func:`restore_param`.
 
     A parameter on a device is overwritten in place (its original is kept, cloned). An
@@ -269,19 +296,19 @@ def put_param(model: torch.nn.Module, name: str, value: torch.Tensor) -> object:
     handle, path = tempfile.mkstemp(prefix="ctxc-patched-", suffix=".safetensors")
     os.close(handle)
     save_file({key: value.detach().cpu().contiguous()}, path)
-    old = loader.index[key]
-    if "safetensors_file" in old:  # at the address the solver computed with
-        want = _address(old["safetensors_file"], old.get("weight_name", key))
+    entry = loader.index[key]
+    if "safetensors_file" in entry:  # at the address the solver computed with
+        want = _address(entry["safetensors_file"], entry.get("weight_name", key))
         pad_header(path, (want - _address(path, key)) % _ALIGN)
     loader.index[key] = {
         "safetensors_file": path,
         "weight_name": key,
         "dtype": str(value.dtype).removeprefix("torch."),
     }
-    return ("index", old, path)
+    return ("index", entry, path)
 
 
-def restore_param(model: torch.nn.Module, name: str, token: object) -> None:
+def restore_param(model: torch.nn.Module, name: str, token: ParamToken) -> None:
     """Undo :func:`put_param` exactly (the original was kept, not recomputed)."""
     if isinstance(token, torch.Tensor):
         with torch.no_grad():

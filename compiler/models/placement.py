@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeGuard
 
 import torch
 from torch import fx
@@ -132,7 +133,7 @@ class Placer:
         return value.to(device) if _is_tensor(value) and value.device != device else value
 
 
-def _is_tensor(value) -> bool:
+def _is_tensor(value: object) -> TypeGuard[torch.Tensor]:
     return isinstance(value, torch.Tensor)
 
 

@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ from ctxc.frontend.ladder import Frontend, build_frontend
 from ctxc.frontend.trace import WRAPPED, TracedModel
 from ctxc.models.fingerprint import fingerprint
 from ctxc.models.offload import is_dispersed
+from ctxc.passes.locate.block_map import BlockMap
 from ctxc.store.graph_codec import (
     Unstorable,
     decode_blocks,
@@ -71,7 +73,9 @@ def enable(model: torch.nn.Module, on: bool = True) -> None:
     setattr(model, _ATTR, on)
 
 
-def frontend_for(model: torch.nn.Module, locate) -> Frontend:
+def frontend_for(
+    model: torch.nn.Module, locate: Callable[[TracedModel], BlockMap]
+) -> Frontend[BlockMap]:
     """The model's :class:`Frontend`: from the export cache when enabled and valid, else built.
 
     A fresh shared export of an enabled model is stored (when the codec can store it exactly);
@@ -146,7 +150,9 @@ def _source_digest() -> str:
 def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and buffers under the export wrapper's names (tied ones too)."""
     prefix = WRAPPED + "."
-    named = {prefix + n: p for n, p in model.named_parameters(remove_duplicate=False)}
+    named: dict[str, torch.Tensor] = {
+        prefix + n: p for n, p in model.named_parameters(remove_duplicate=False)
+    }
     named.update({prefix + n: b for n, b in model.named_buffers(remove_duplicate=False)})
     return named
 
@@ -160,7 +166,7 @@ def _payload_digest(text: str, tensors: dict[str, torch.Tensor]) -> str:
     return digest.hexdigest()
 
 
-def _store(path: Path, key: dict, model: torch.nn.Module, frontend: Frontend) -> None:
+def _store(path: Path, key: dict, model: torch.nn.Module, frontend: Frontend[BlockMap]) -> None:
     """Write the frontend's shared export as an entry at ``path`` (atomically).
 
     Raises:
@@ -168,7 +174,8 @@ def _store(path: Path, key: dict, model: torch.nn.Module, frontend: Frontend) ->
     """
     from safetensors.torch import save_file
 
-    traced, blocks = frontend.shared  # type: ignore[misc]
+    assert frontend.shared is not None  # frontend_for stores a shared export only
+    traced, blocks = frontend.shared
     own = _model_tensors(model)
     state = dict(traced.program.state_dict)
     consts = {k: v for k, v in traced.program.constants.items()}
@@ -219,7 +226,9 @@ def _flat(out) -> list[torch.Tensor]:
     return list(out) if isinstance(out, tuple | list) else [out]
 
 
-def _load(path: Path, key: dict, model: torch.nn.Module):
+def _load(
+    path: Path, key: dict, model: torch.nn.Module
+) -> tuple[TracedModel, BlockMap, tuple[str, ...]] | None:
     """``(traced, blocks, reasons)`` from the entry at ``path``, or None when it is missing,
     unreadable, for another key, or its digest does not match its content."""
     from safetensors import SafetensorError
@@ -264,7 +273,7 @@ def _rebuild(info: dict, stored: dict[str, torch.Tensor], model: torch.nn.Module
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown dtype {info['dtype']}")
     return TracedModel(
-        program,  # type: ignore[arg-type]  (reads only what TracedModel reads of a program)
+        program,
         dict(info["param_of"]),
         info["input_name"],
         dtype,

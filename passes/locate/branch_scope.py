@@ -116,11 +116,11 @@ def unmatched_weights(view: GraphView, sites: dict[fx.Node, LinearSite]) -> list
         w = node.args[pos]
         if not isinstance(w, fx.Node) or w.op != "call_function" or not view.param_only(w):
             continue
-        params = [a for a in w.args if isinstance(a, fx.Node) and view.param_root(a) is not None]
+        roots = [r for a in w.args if isinstance(a, fx.Node) and (r := view.param_root(a))]
         path = view.module_path(node)
-        if not params or path in found:
+        if not roots or path in found:
             continue
-        name = view.param_name(view.param_root(params[0]))
+        name = view.param_name(roots[0])
         found[path] = Rejection(
             path,
             f"{op_name(node)} reads {name} through {op_name(w)} {list(w.args[1:])}: no linear "

@@ -70,19 +70,19 @@ def find_mlp_core(
         if len(seen) > _CORE_LIMIT:
             return _miss(site, f"walking up from its input passed {_CORE_LIMIT} ops")
         if n in sites and n is not own:
-            inner = sites[n]
-            src = view.by_name[inner.source]
+            found = sites[n]
+            src = view.by_name[found.source]
             if source is not None and src is not source:
                 first = next(iter(frontier.values()))
                 return _miss(
                     site,
-                    f"the linears upstream of its input ({first.module}, {inner.module}) read "
+                    f"the linears upstream of its input ({first.module}, {found.module}) read "
                     "different tensors, not one MLP input",
                 )
             source = src
-            frontier[n] = inner
-            if inner.experts:  # the bank's rows are chosen by the router: walk it too
-                stack += routing_nodes(view, inner)
+            frontier[n] = found
+            if found.experts:  # the bank's rows are chosen by the router: walk it too
+                stack += routing_nodes(view, found)
             continue
         if n.op == "placeholder":
             return _miss(site, "walking up from its input reached the model input, no linear")

@@ -19,7 +19,7 @@ from torch import fx
 
 from ctxc.passes.locate.block_map import ExpertOutput, NormSite, Rejection, StepKind, TailStep
 from ctxc.passes.locate.find_mlp_core import MlpCore
-from ctxc.passes.locate.graph_view import VIEW_LIKE, GraphView, op_name
+from ctxc.passes.locate.graph_view import VIEW_LIKE, GraphView, arg_node, op_name
 from ctxc.passes.locate.match_linears import ADDS
 from ctxc.passes.locate.match_norms import FUSED_NORMS, fused_norm, scale_site, written_norm
 
@@ -89,9 +89,10 @@ def follow_tail(view: GraphView, core: MlpCore) -> Tail | Rejection:
         step = _step(view, where, u, cur, norm, chain)
         if isinstance(step, Rejection):
             return step
-        norm = _with_step(view, where, step, u, cur, norm)
-        if isinstance(norm, Rejection):
-            return norm
+        with_step = _with_step(view, where, step, u, cur, norm)
+        if isinstance(with_step, Rejection):
+            return with_step
+        norm = with_step
         chain.append(step)
         cur = u
         if step.kind == StepKind.ADD and step.side is not None:
@@ -253,7 +254,7 @@ def _residual_leaf(view: GraphView, side: fx.Node, z_anc: set[fx.Node]) -> fx.No
         if single and n.target in ADDS:
             stack.extend(a for a in n.args if view.is_tensor(a))
         elif single and (n.target in VIEW_LIKE or view.keeps_rows(n)):
-            stack.append(n.args[0])
+            stack.append(arg_node(n))
         elif single and (scaled := _scaled_term(view, n)) is not None:
             stack.append(scaled)
     return None
@@ -330,7 +331,8 @@ def _per_token_sum(view: GraphView, u: fx.Node) -> tuple[fx.Node, int, None] | N
     if (
         len(sums) == 1
         and sums[0].target == aten.sum.dim_IntList
-        and list(sums[0].args[1]) in ([1], [-2])
+        and isinstance(dims := sums[0].args[1], list | tuple)
+        and list(dims) in ([1], [-2])
         and isinstance(top_k, int)
     ):
         return sums[0], top_k, None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import weakref
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeGuard
 
 import sympy
 import torch
@@ -22,7 +22,15 @@ from ctxc.frontend.trace import WRAPPED, TracedModel
 if TYPE_CHECKING:  # networkx is imported when a graph is analysed: a cached export needs none
     import networkx as nx
 
-__all__ = ["ELEMENTWISE", "ROW_VIEWS", "TRANSPOSES", "VIEW_LIKE", "GraphView", "op_name"]
+__all__ = [
+    "ELEMENTWISE",
+    "ROW_VIEWS",
+    "TRANSPOSES",
+    "VIEW_LIKE",
+    "GraphView",
+    "arg_node",
+    "op_name",
+]
 
 aten = torch.ops.aten
 
@@ -95,6 +103,21 @@ def op_name(node: fx.Node) -> str:
         return node.op
     name = str(node.target)
     return name[: -len(".default")] if name.endswith(".default") else name
+
+
+def arg_node(node: fx.Node, i: int = 0) -> fx.Node:
+    """``node.args[i]`` where the op takes a tensor there (a view's, cast's or norm's input).
+
+    fx types an argument as any value one can hold; at these positions the matched ops read a
+    tensor, so anything else is a matcher bug, raised as such, not a graph to reject.
+
+    Raises:
+        TypeError: the argument is not a node.
+    """
+    arg = node.args[i]
+    if not isinstance(arg, fx.Node):
+        raise TypeError(f"{node.name}: argument {i} of {op_name(node)} is not a node: {arg!r}")
+    return arg
 
 
 class GraphView:
@@ -249,7 +272,7 @@ class GraphView:
             return None
         return param, ids[0]
 
-    def is_tensor(self, node: object) -> bool:
+    def is_tensor(self, node: object) -> TypeGuard[fx.Node]:
         """A node whose value is a tensor, or a tuple of tensors (``topk``, ``chunk``)."""
         if not isinstance(node, fx.Node):
             return False

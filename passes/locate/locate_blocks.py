@@ -71,7 +71,10 @@ def locate_blocks(traced: TracedModel, view: GraphView | None = None) -> BlockMa
     rejections: list[Rejection] = []
     for y in sorted(groups, key=view.index.__getitem__):
         found_block = _assemble(view, groups[y], sites)
-        (blocks if isinstance(found_block, MlpBlock) else rejections).append(found_block)
+        if isinstance(found_block, MlpBlock):
+            blocks.append(found_block)
+        else:
+            rejections.append(found_block)
     # A core whose own tail fails but whose input feeds a located block is part of that block's
     # inner function (a shared expert): not a rejection of its own.
     # A core whose output reaches the residual stream only through a token mixer, or not at

@@ -18,7 +18,7 @@ import torch
 from torch import fx
 
 from ctxc.passes.locate.block_map import LinearSite
-from ctxc.passes.locate.graph_view import TRANSPOSES, VIEW_LIKE, GraphView, op_name
+from ctxc.passes.locate.graph_view import TRANSPOSES, VIEW_LIKE, GraphView, arg_node, op_name
 
 __all__ = [
     "ADDS",
@@ -146,7 +146,7 @@ def match_expert_bank(view: GraphView, node: fx.Node) -> LinearSite | None:
     repeat = 1
     if x.op == "call_function" and x.target == aten.repeat_interleave.self_int:
         repeat = int(x.args[1]) if isinstance(x.args[1], int) else 1  # the top-k
-        source = view.row_source(x.args[0])
+        source = view.row_source(arg_node(x))
     else:
         source = view.row_source(x)
     return LinearSite(
@@ -202,7 +202,7 @@ def match_split_bank(view: GraphView, node: fx.Node) -> LinearSite | None:
         layout="out_in",
         op="aten.linear",
         experts=split.name,
-        source=view.row_source(x.args[0] if tokens else x).name,
+        source=view.row_source(arg_node(x) if tokens else x).name,
         tokens=tokens.name if tokens else None,
     )
 
@@ -249,7 +249,9 @@ def _slice_linear(view: GraphView, node: object) -> tuple[fx.Node, fx.Node, int]
         return None
     split, i = x.args
     param = view.param_root(w.args[0]) if isinstance(w.args[0], fx.Node) else None
-    if param is None or not isinstance(split, fx.Node) or w.args[1:] != (0, i):
+    if param is None or not isinstance(split, fx.Node) or not isinstance(i, int):
+        return None
+    if w.args[1:] != (0, i):
         return None
     if split.target != aten.split_with_sizes.default or split.args[2:] not in ((), (0,)):
         return None
@@ -266,11 +268,9 @@ def _token_gather(view: GraphView, x: fx.Node) -> fx.Node | None:
     if not isinstance(index, list | tuple) or len(index) != 1:
         return None
     t = index[0]
-    ok = (
-        isinstance(t, fx.Node)
-        and len(view.shape(t) or ()) == 1
-        and len(view.shape(base) or ()) == 2
-    )
+    if not isinstance(t, fx.Node):
+        return None
+    ok = len(view.shape(t) or ()) == 1 and len(view.shape(base) or ()) == 2
     return t if ok else None
 
 
@@ -320,16 +320,19 @@ def _param_matrix(view: GraphView, node: fx.Node) -> tuple[fx.Node, bool] | None
     transposed = False
     while node.op == "call_function":
         if node.target in VIEW_LIKE:
-            node = node.args[0]
+            pass  # the value itself, cast or copied
         elif node.target in TRANSPOSES or (
-            node.target == aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2])
+            node.target == aten.permute.default
+            and isinstance(dims := node.args[1], list | tuple)
+            and list(dims) in ([1, 0], [-1, -2])
         ):
             transposed = not transposed
-            node = node.args[0]
         else:
             break
-        if not isinstance(node, fx.Node):
+        arg = node.args[0]
+        if not isinstance(arg, fx.Node):
             return None
+        node = arg
     val = node.meta.get("val")
     if view.is_param(node) and isinstance(val, torch.Tensor) and val.dim() == 2:
         return node, transposed

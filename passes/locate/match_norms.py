@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from ctxc.passes.locate.block_map import NormSite, ScaleSite
-from ctxc.passes.locate.graph_view import VIEW_LIKE, GraphView, op_name
+from ctxc.passes.locate.graph_view import VIEW_LIKE, GraphView, arg_node, op_name
 
 __all__ = [
     "FUSED_NORMS",
@@ -111,7 +111,7 @@ def fused_norm(view: GraphView, node: fx.Node) -> NormSite:
         scale = ScaleSite(node.name, "", view.param_name(weight), 1.0, 0.0, module)
     return NormSite(
         module=module,
-        input=node.args[0].name,
+        input=arg_node(node).name,
         centered=layer,
         fused=op_name(node),
         eps=float(eps) if isinstance(eps, int | float) else 1e-5,
@@ -165,7 +165,7 @@ def is_norm_output(view: GraphView, node: fx.Node) -> bool:
         if node.target in FUSED_NORMS:
             return True
         if node.target in VIEW_LIKE:
-            node = node.args[0]
+            node = arg_node(node)
             continue
         acts = [a for a in view.value_args(node) if a in view.input_dependent]
         if node.target in (aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor) and len(acts) == 2:
@@ -214,7 +214,7 @@ def _affine_of_param(view: GraphView, node: fx.Node) -> tuple[fx.Node, float, fl
         if node.op != "call_function":
             return None
         if node.target in VIEW_LIKE:
-            node = node.args[0]
+            node = arg_node(node)
             continue
         tensors = [a for a in node.args if isinstance(a, fx.Node)]
         consts = [a for a in node.args if isinstance(a, int | float)]

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from ctxc.core.errors import SolveError
 from ctxc.passes.locate.block_map import LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
-from ctxc.passes.solver.multi_scale import multi_refusal
 
 __all__ = [
     "LORA_RULE",
@@ -24,6 +23,7 @@ __all__ = [
     "ParamMove",
     "check_in_time",
     "checked_plan",
+    "multi_refusal",
     "plan",
 ]
 
@@ -204,3 +204,31 @@ def checked_plan(view: GraphView, block: MlpBlock, update: str, k: int) -> Block
     for move in todo.output_moves:
         check_in_time(view, block, move.param, block.mlp_in)
     return todo
+
+
+def multi_refusal(block: MlpBlock, k: int) -> str:
+    """Why ``block`` cannot be matched at ``k > 1`` query positions, or ``""`` if it can.
+
+    Decided from the block's shape alone, before any pass runs.
+    """
+    ctl = block.output_control
+    if ctl == "bias":
+        return (
+            f"a post-norm bias adds one vector at every position and the norm's output has no "
+            f"scale to share: it can match one query position, not {k} (query of {k} tokens)"
+        )
+    if ctl != "scale":
+        return ""
+    assert block.norm is not None
+    if block.norm.centered:
+        return (
+            f"the post norm is a LayerNorm (centred): one shared scale for {k} query positions "
+            "is solved for RMS norms only; use a single-token query"
+        )
+    if not block.stable_ok:
+        return (
+            "ops between the down projection and the post norm: the down projection cannot set "
+            f"each of the {k} query positions' normalised output, and one scale alone matches "
+            "one position; use a single-token query"
+        )
+    return ""

@@ -10,22 +10,35 @@ Analysis: an action reads the run's values when it is applied and mutates nothin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import fx
 
 from ctxc.core.delta_math import add_in_float32, lowrank_action
 from ctxc.passes.locate.block_map import MlpBlock
-from ctxc.passes.solver.block_moves import row_experts
 from ctxc.patch import Delta
 
-__all__ = ["linear_action", "vector_action"]
+__all__ = ["linear_action", "row_experts", "vector_action"]
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """Positions as rows: [1, k, d] or [k, d] -> [k, d] (a view)."""
     return x.reshape(-1, x.shape[-1])
+
+
+def row_experts(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """Each bank row's expert [rows], int64: the ids node's value, or from a split's chunks.
+
+    Args:
+        value: the per-row ids (any shape), or the chunks of ``split_with_sizes`` whose
+            chunk ``i`` expert ``i`` maps
+            (:func:`~ctxc.passes.locate.match_linears.match_split_bank`).
+    """
+    if isinstance(value, torch.Tensor):
+        return value.reshape(-1).long()
+    sizes = torch.tensor([len(c) for c in value], dtype=torch.long)
+    return torch.repeat_interleave(torch.arange(len(value)), sizes)
 
 
 def linear_action(

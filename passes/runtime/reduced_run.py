@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import fx
@@ -48,11 +48,13 @@ class ReducedRun(PlacingInterpreter):
         self,
         view: GraphView,
         keep: Iterable[fx.Node],
-        inputs: tuple,
+        inputs: Sequence[object],
         stops: Iterable = (),
         ops: Mapping[fx.Node, Callable] | None = None,
     ) -> None:
-        placer = view.traced.placer(inputs[view.traced.input_index])
+        ids = inputs[view.traced.input_index]
+        assert isinstance(ids, torch.Tensor)  # the input ids, among weights and constants
+        placer = view.traced.placer(ids)
         super().__init__(view.traced.graph_module, placer, garbage_collect_values=False)
         self.view = view
         self.keep = frozenset(keep)
@@ -70,11 +72,12 @@ class ReducedRun(PlacingInterpreter):
         stops = frozenset((*named, *self.keep, *self.ops))
         # A dispersed model's ops run through its placer, node by node: no compiled stretches.
         plain = stops and placer is None
-        self.segments = (compile_segments(self.module, stops) if plain else None) or {}
+        self.segments = (compile_segments(view.traced.graph_module, stops) if plain else None) or {}
         self._pending = iter(self.graph.nodes)
         self._dependents: dict[tuple[fx.Node, fx.Node], list[fx.Node]] = {}
         self._last: fx.Node | None = None
-        self._replaced: dict[fx.Node, torch.Tensor] = {}  # param -> its value before replacing
+        # param -> its value before replacing (None: not computed yet)
+        self._replaced: dict[fx.Node, torch.Tensor | None] = {}
         self.result = None
 
     # -- stepping ----------------------------------------------------------------------------

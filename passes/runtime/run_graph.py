@@ -128,6 +128,7 @@ class _Recorder(PlacingInterpreter):
         if not usable(q, mask, call["dropout_p"], call["is_causal"]):
             return None
         node = n.args[3] if len(n.args) > 3 else n.kwargs["attn_mask"]
+        assert isinstance(node, fx.Node)  # usable(): the mask is a tensor, so a node's value
         if node not in self.bands:  # masks are shared by many layers: scan each once
             self.bands[node] = mask_bands(mask)
         extra = {"enable_gqa": call["enable_gqa"]} if "enable_gqa" in call else {}

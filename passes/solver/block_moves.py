@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ctxc.passes.locate.block_map import LinearSite, MlpBlock, TailStep
+from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.solver.multi_scale import SharedScaleFit, fit_shared_scale
 from ctxc.passes.solver.output_magnitude import (
     choose_magnitude,
@@ -41,7 +42,6 @@ __all__ = [
     "input_moves",
     "outer_move",
     "output_reads",
-    "row_experts",
     "row_tokens",
     "scale_move",
     "shared_scale_move",
@@ -83,7 +83,7 @@ def bank_input_move(
         bank: the bank's weights [E, ., .].
         site: the bank's site (its layout, and ``repeat`` rows per query position).
         ids: the value of ``site.experts``: each row's expert, or a split's chunks
-            (:func:`row_experts`).
+            (:func:`~ctxc.passes.runtime.delta_actions.row_experts`).
         tokens: the value of ``site.tokens`` (each row's query position), or None.
         z: the input reached [k, in].
         z_target: the full run's input [k, in].
@@ -102,20 +102,6 @@ def bank_input_move(
         u, v = input_move(w, ze, z_target[mine], pinv)
         out.append((e, u, v))
     return out
-
-
-def row_experts(value: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
-    """Each bank row's expert [rows], int64: the ids node's value, or from a split's chunks.
-
-    Args:
-        value: the per-row ids (any shape), or the chunks of ``split_with_sizes`` whose
-            chunk ``i`` expert ``i`` maps
-            (:func:`~ctxc.passes.locate.match_linears.match_split_bank`).
-    """
-    if isinstance(value, torch.Tensor):
-        return value.reshape(-1).long()
-    sizes = torch.tensor([len(c) for c in value], dtype=torch.long)
-    return torch.repeat_interleave(torch.arange(len(value)), sizes)
 
 
 def row_tokens(rows: int, repeat: int, tokens: torch.Tensor | None) -> torch.Tensor:
@@ -204,7 +190,7 @@ def scale_move(
     """
     residual, lam = None, 1.0
     r = u_now.double().pow(2).mean().sqrt() if u_now is not None else None  # rms(u)
-    if u_now is not None and stable:
+    if u_now is not None and r is not None and stable:
         target = stable_post_norm_target(s, t[0], u_now[0])  # [d], at rms(u)
         if summed is not None:
             w = target.double() / r  # [d]: s' ~ t / w where w moves (MATH.md 12)
@@ -262,7 +248,7 @@ def shared_scale_move(
     tol = (torch.finfo(y_target.dtype).eps * y_target.float().abs()).amax(dim=0)  # [d]
     low = y_target.dtype != torch.float32
     fit = fit_shared_scale(s, f, t, tol, allow_unreached=low)
-    if lam is None:
+    if lam is None or summed is None:  # both None together (least_rounding_targets)
         return fit
     gain = (s + fit.ds).double().abs()[None] / r[:, None]  # [k, d], at the reached magnitudes
     figure = rounding_gain(gain, summed, t, lam.tolist())

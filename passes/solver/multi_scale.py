@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxc.passes.locate.block_map import MlpBlock
 from ctxc.passes.solver.scale_start import bisect_start
 from ctxc.passes.solver.update_rules import SCALE_FLOOR, ConditionError, ScaleMove
 
@@ -39,7 +38,6 @@ __all__ = [
     "SharedScale",
     "SharedScaleFit",
     "fit_shared_scale",
-    "multi_refusal",
     "shared_scale_targets",
 ]
 
@@ -339,31 +337,3 @@ def fit_shared_scale(
         unreached=int(bad.sum()),
         max_unreached=float(miss[bad].max()) if bool(bad.any()) else 0.0,
     )
-
-
-def multi_refusal(block: MlpBlock, k: int) -> str:
-    """Why ``block`` cannot be matched at ``k > 1`` query positions, or ``""`` if it can.
-
-    Decided from the block's shape alone, before any pass runs.
-    """
-    ctl = block.output_control
-    if ctl == "bias":
-        return (
-            f"a post-norm bias adds one vector at every position and the norm's output has no "
-            f"scale to share: it can match one query position, not {k} (query of {k} tokens)"
-        )
-    if ctl != "scale":
-        return ""
-    assert block.norm is not None
-    if block.norm.centered:
-        return (
-            f"the post norm is a LayerNorm (centred): one shared scale for {k} query positions "
-            "is solved for RMS norms only; use a single-token query"
-        )
-    if not block.stable_ok:
-        return (
-            "ops between the down projection and the post norm: the down projection cannot set "
-            f"each of the {k} query positions' normalised output, and one scale alone matches "
-            "one position; use a single-token query"
-        )
-    return ""

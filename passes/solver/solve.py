@@ -150,8 +150,9 @@ class _Solver(SolverValues):
     def _move_banks(self, block: MlpBlock, z: torch.Tensor, z_target: torch.Tensor) -> None:
         """Input move of the expert banks, each once the router has chosen its experts."""
         banks: dict[str, list[LinearSite]] = {}
-        for site in (s for s in block.inner if s.experts):
-            banks.setdefault(site.experts, []).append(site)
+        for site in block.inner:
+            if site.experts:
+                banks.setdefault(site.experts, []).append(site)
         for ids_name in sorted(banks, key=lambda n: self.view.index[self.view.by_name[n]]):
             ids_node = self.advance_to(ids_name)
             chosen = self.run.env[ids_node]  # each row's expert, or a split's chunks
@@ -223,6 +224,7 @@ class _Solver(SolverValues):
 
         y_target = self.full.targets[block.path].y  # [k, d], model dtype
         stable = todo.stable or t.shape[0] > 1  # the outer moves first (MATH.md 4, 9)
+        move: ScaleMove
         if t.shape[0] > 1 or (todo.stable and not block.norm.centered):  # MATH.md 9; 8: gains
             f_now = self.normalized(block)  # [k, d]
             move = moves.shared_scale_move(

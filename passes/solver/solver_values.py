@@ -15,8 +15,8 @@ from torch import fx
 
 from ctxc.passes.locate.block_map import LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
+from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.runtime.reduced_run import ReducedRun
-from ctxc.passes.solver.block_moves import row_experts
 from ctxc.passes.solver.output_magnitude import bank_summed_terms, summed_terms
 
 __all__ = ["ExpertRows", "SolverValues", "rows"]

@@ -175,7 +175,7 @@ def test_three_token_query_through_post_norm_scales(family: str, update: str) ->
 
 def test_post_norm_bias_with_several_positions_is_refused_up_front() -> None:
     from ctxc.passes.locate.block_map import MlpBlock, NormSite
-    from ctxc.passes.solver.multi_scale import multi_refusal
+    from ctxc.passes.locate.plan import multi_refusal
 
     block = MlpBlock(
         path="model.layers.0.mlp",

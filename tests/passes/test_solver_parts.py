@@ -12,6 +12,7 @@ from ctxc.core.delta_math import add_in_float32, lowrank_dense
 from ctxc.passes.locate.classify import classify
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.locate.plan import UPDATE_RULES, plan
+from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import run_logits
 from ctxc.passes.solver import block_moves as moves
@@ -105,4 +106,4 @@ def test_rows_in_any_order_give_the_moves_of_consecutive_rows() -> None:
             f"expert {e0}: max {float(diff.max()):.3g} mean {float(diff.mean()):.3g}"
         )
     chunks = [torch.zeros(3, 1), torch.zeros(0, 1), torch.zeros(2, 1)]
-    assert moves.row_experts(chunks).tolist() == [0, 0, 0, 2, 2]
+    assert row_experts(chunks).tolist() == [0, 0, 0, 2, 2]

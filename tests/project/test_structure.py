@@ -1,11 +1,17 @@
-"""The package's shape (issue 8): layering, file and function sizes, no private imports.
+"""The package's shape (issues 8, 22): layer contracts, file and function sizes, no private
+imports.
 
-These read the source with ``ast``; they import nothing from ctxc, so they run in milliseconds.
+These read the source with ``ast`` and import nothing from ctxc; the layer contracts are
+import-linter's (pyproject's ``[tool.importlinter]``), run in a subprocess in under a second.
 """
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -17,7 +23,7 @@ PACKAGES = {
     "ctxc.backends": ROOT / "backends",
     "ctxc": ROOT / "compiler",
 }
-MAX_FILE_LINES = 600
+WARN_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 
 
@@ -46,28 +52,44 @@ def _imports(tree: ast.AST) -> list[tuple[str, list[str]]]:
 SOURCES = _sources()
 
 
-def _layer(module: str) -> str:
-    if module.startswith("ctxc.passes"):
-        return "passes"
-    if module.startswith("ctxc.backends"):
-        return "backends"
-    return "compiler"
+def _installed_view(dest: Path) -> Path:
+    """A folder holding ``ctxc`` as an installed copy would, made of links to the sources.
+
+    pyproject's package-dir maps ``ctxc`` onto three folders; import-linter finds a package
+    through its import spec, which in an editable install sees ``compiler/`` alone.
+    """
+    package = dest / "ctxc"
+    package.mkdir(parents=True)
+    for entry in PACKAGES["ctxc"].iterdir():
+        if entry.name != "__pycache__":
+            (package / entry.name).symlink_to(entry)
+    (package / "passes").symlink_to(PACKAGES["ctxc.passes"])
+    (package / "backends").symlink_to(PACKAGES["ctxc.backends"])
+    return dest
 
 
-@pytest.mark.parametrize(("module", "path"), SOURCES, ids=[m for m, _ in SOURCES])
-def test_layering(module: str, path: Path) -> None:
-    """passes never import backends or the driver; backends never import the CLI or pipeline."""
-    forbidden = {
-        "passes": ("ctxc.backends", "ctxc.cli.app", "ctxc.pipeline"),
-        "backends": ("ctxc.cli.app", "ctxc.pipeline"),
-        "compiler": (),
-    }[_layer(module)]
-    bad = [
-        name
-        for name, _ in _imports(ast.parse(path.read_text()))
-        if any(name == f or name.startswith(f + ".") for f in forbidden)
-    ]
-    assert not bad, f"{module} imports {bad}, across its layer"
+def test_layer_contracts(tmp_path: Path) -> None:
+    """pyproject's import-linter contracts hold: layers, transitively, lazy imports included.
+
+    Run in a fresh interpreter (under a second), so that the ``ctxc`` it analyses is the linked
+    tree, not the editable install this process may already have imported.
+    """
+    site = _installed_view(tmp_path / "site")
+    check = (
+        "import sys; from importlinter.cli import lint_imports; "
+        "sys.exit(lint_imports(sys.argv[1], no_cache=True))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    run = subprocess.run(
+        [sys.executable, "-c", check, str(ROOT / "pyproject.toml")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    assert "0 broken" in run.stdout, run.stdout[-4000:]
 
 
 @pytest.mark.parametrize(("module", "path"), SOURCES, ids=[m for m, _ in SOURCES])
@@ -83,16 +105,30 @@ def test_no_private_imports(module: str, path: Path) -> None:
     assert not bad, f"{module} imports private names {bad}"
 
 
+class FileSizeWarning(UserWarning):
+    """A module past the size where cohesion should be looked at again (not a failure)."""
+
+
 @pytest.mark.parametrize(("module", "path"), SOURCES, ids=[m for m, _ in SOURCES])
 def test_sizes(module: str, path: Path) -> None:
-    """No file over 600 lines, no function over 80."""
+    """No function over 80 lines (a failure); a file over 600 lines is a warning.
+
+    Cohesion decides a file's size (issue 22): past 600 lines the warning asks whether the file
+    still holds one thing; it does not force a split.
+    """
     text = path.read_text()
     lines = len(text.splitlines())
-    assert lines <= MAX_FILE_LINES, f"{module}: {lines} lines (at most {MAX_FILE_LINES})"
+    if lines > WARN_FILE_LINES:
+        warnings.warn(
+            f"{module}: {lines} lines (over {WARN_FILE_LINES}: is it still one thing?)",
+            FileSizeWarning,
+            stacklevel=1,
+        )
     long = [
         f"{node.name} ({node.end_lineno - node.lineno + 1} lines)"
         for node in ast.walk(ast.parse(text))
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.end_lineno is not None
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, f"{module}: functions over {MAX_FUNCTION_LINES} lines: {long}"
