@@ -140,3 +140,36 @@ def test_sources_found() -> None:
     assert {"ctxc.cli.app", "ctxc.passes.solver.solve", "ctxc.backends.onnx.model"} <= names, (
         sorted(names)
     )
+
+
+def test_stage_folders() -> None:
+    """Folders are the stages: at most 12 modules at the top of each of the three package folders,
+    and no prefix shared by several modules of one folder (a prefix stands in for a subpackage)."""
+    for folder in PACKAGES.values():
+        for parent in [folder, *(p for p in folder.iterdir() if (p / "__init__.py").exists())]:
+            modules = sorted(p.stem for p in parent.glob("*.py") if p.stem != "__init__")
+            if parent == folder:
+                assert len(modules) <= 12, f"{parent}: {len(modules)} top-level modules {modules}"
+            prefixes: dict[str, list[str]] = {}
+            for m in modules:
+                if "_" in m.strip("_"):
+                    prefixes.setdefault(m.strip("_").split("_")[0], []).append(m)
+            grouped = {p: ms for p, ms in prefixes.items() if len(ms) >= 3}
+            assert not grouped, f"{parent}: prefix groups that want a subpackage: {grouped}"
+
+
+def test_no_import_cycle() -> None:
+    """No cycle among the package's modules, lazy and type-only imports included."""
+    import networkx as nx
+
+    names = {m for m, _ in SOURCES}
+    graph = nx.DiGraph()
+    for module, path in SOURCES:
+        for name, items in _imports(ast.parse(path.read_text())):
+            for target in [f"{name}.{i}" for i in items] + [name]:
+                while target and target not in names:
+                    target = target.rpartition(".")[0]
+                if target and target != module and not module.startswith(target + "."):
+                    graph.add_edge(module, target)
+    cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
+    assert not cycles, f"import cycles: {cycles}"
