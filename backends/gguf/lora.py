@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ctxc.backends.gguf.llama_cpp import run_in_llama_cpp
-from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures
+from ctxc.backends.gguf.llama_cpp.check import run_in_llama_cpp
+from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures
 from ctxc.backends.gguf.model import GGUF_ATOL, GGUF_TYPES
 from ctxc.backends.gguf.names import gguf_arch, gguf_name
 from ctxc.backends.gguf.write import tensor_array

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ctxc.backends.gguf.llama_cpp import run_in_llama_cpp
-from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures
+from ctxc.backends.gguf.llama_cpp.check import run_in_llama_cpp
+from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures
 from ctxc.backends.gguf.names import gguf_arch
 from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits

@@ -31,7 +31,7 @@ from transformers.utils import logging as hf_logging
 
 import ctxc
 from benchmarks.tables import invocation, write_table
-from ctxc.backends.gguf.llama_cpp_run import (
+from ctxc.backends.gguf.llama_cpp.run import (
     LLAMA_CPP_FACTOR,
     LlamaCppFigures,
     llama_cpp_check,

@@ -11,9 +11,9 @@ import json
 import pytest
 
 import ctxc
-from ctxc.backends.gguf import llama_cpp as gguf_llama_cpp
-from ctxc.backends.gguf import llama_cpp_run
-from ctxc.backends.gguf.llama_cpp_run import LlamaCppFigures, llama_cpp_unavailable
+from ctxc.backends.gguf.llama_cpp import check as gguf_llama_cpp
+from ctxc.backends.gguf.llama_cpp import run as llama_cpp_run
+from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures, llama_cpp_unavailable
 from ctxc.backends.gguf.lora import emit_gguf_lora
 from ctxc.backends.gguf.model import emit_gguf
 from tests.backends.test_backend_gguf import _model_dir, bpe_tokenizer

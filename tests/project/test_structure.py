@@ -144,18 +144,16 @@ def test_sources_found() -> None:
 
 def test_stage_folders() -> None:
     """Folders are the stages: at most 12 modules at the top of each of the three package folders,
-    and no prefix shared by several modules of one folder (a prefix stands in for a subpackage)."""
+    and there no prefix shared by three modules (a prefix standing in for a subpackage)."""
     for folder in PACKAGES.values():
-        for parent in [folder, *(p for p in folder.iterdir() if (p / "__init__.py").exists())]:
-            modules = sorted(p.stem for p in parent.glob("*.py") if p.stem != "__init__")
-            if parent == folder:
-                assert len(modules) <= 12, f"{parent}: {len(modules)} top-level modules {modules}"
-            prefixes: dict[str, list[str]] = {}
-            for m in modules:
-                if "_" in m.strip("_"):
-                    prefixes.setdefault(m.strip("_").split("_")[0], []).append(m)
-            grouped = {p: ms for p, ms in prefixes.items() if len(ms) >= 3}
-            assert not grouped, f"{parent}: prefix groups that want a subpackage: {grouped}"
+        modules = sorted(p.stem for p in folder.glob("*.py") if p.stem != "__init__")
+        assert len(modules) <= 12, f"{folder}: {len(modules)} top-level modules {modules}"
+        prefixes: dict[str, list[str]] = {}
+        for m in modules:
+            if "_" in m.strip("_"):
+                prefixes.setdefault(m.strip("_").split("_")[0], []).append(m)
+        grouped = {p: ms for p, ms in prefixes.items() if len(ms) >= 3}
+        assert not grouped, f"{folder}: prefix groups that want a subpackage: {grouped}"
 
 
 def test_no_import_cycle() -> None:

@@ -1,6 +1,6 @@
 """Run GGUF files in llama.cpp and save their logits: the child process of :mod:`llama_cpp_run`.
 
-``python -m ctxc.backends.gguf.llama_cpp_worker JOBS.json OUT.npz`` reads a list of jobs, each
+``python -m ctxc.backends.gguf.llama_cpp.worker JOBS.json OUT.npz`` reads a list of jobs, each
 ``{"model": path, "lora": path or null, "ids": [...], "k": n}``, runs ``ids`` through llama.cpp
 (libllama of the PyPI wheel ``llama-cpp-py-sync``, through its cffi bindings) in one decode,
 and saves the logits of the last ``k`` positions of job ``i`` as ``job{i}`` [k, vocab] float32.

@@ -94,7 +94,7 @@ def llama_cpp_logits(jobs: list[dict], what: str) -> list[torch.Tensor]:
         spec, result = Path(tmp) / "jobs.json", Path(tmp) / "logits.npz"
         spec.write_text(json.dumps([{**j, "model": str(j["model"])} for j in jobs]))
         threads = str(max(1, torch.get_num_threads()))
-        worker = [sys.executable, "-m", "ctxc.backends.gguf.llama_cpp_worker"]
+        worker = [sys.executable, "-m", "ctxc.backends.gguf.llama_cpp.worker"]
         proc = subprocess.run(
             [*worker, str(spec), str(result), threads],
             capture_output=True,
