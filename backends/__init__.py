@@ -61,6 +61,8 @@ class Backend:
         return getattr(importlib.import_module(module), function)
 
 
+# One entry per name of ``ctxc.core.vocabulary.BACKEND_NAMES``, in its order (what each name
+# means is said there; tests/core/test_vocabulary.py holds them equal).
 BACKENDS: dict[str, Backend] = {
     b.name: b
     for b in (

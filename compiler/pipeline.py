@@ -14,6 +14,7 @@ from ctxc.core.errors import CtxcError, SolveError, UnpatchableError, Untraceabl
 from ctxc.core.metrics import Fidelity, fidelity
 from ctxc.core.report import CompileReport, reference_name
 from ctxc.core.tokens import split_tokens
+from ctxc.core.vocabulary import RULES, check_choice
 from ctxc.frontend.ladder import Frontend
 from ctxc.frontend.trace import TracedModel
 from ctxc.models.devices import check_on_device, describe
@@ -24,7 +25,7 @@ from ctxc.models.offload import input_device
 from ctxc.passes.locate.block_map import BlockMap, Rejection
 from ctxc.passes.locate.locate_blocks import locate_blocks
 from ctxc.passes.runtime.run_graph import run_logits
-from ctxc.passes.solver.solve import RULES, solve
+from ctxc.passes.solver.solve import solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.runs.image_run import image_figures, multimodal_full_graph
 from ctxc.runs.patched_forward import patched_logits
@@ -148,8 +149,7 @@ def compile(
     Raises:
         CtxcError: bad input, rejected blocks, or a failed condition (see its message).
     """
-    if update not in RULES:
-        raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(RULES)}")
+    check_choice("update", update, RULES, "update rule")
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     if device is not None:

@@ -27,6 +27,7 @@ from ctxc.bake.data import (
     text_queries,
 )
 from ctxc.core.errors import CtxcError, UnpatchableError
+from ctxc.core.vocabulary import BAKE_METHODS, check_choice
 from ctxc.models.fingerprint import fingerprint
 from ctxc.models.load import check_length
 from ctxc.passes.runtime.run_graph import BlockTargets
@@ -36,8 +37,6 @@ from ctxc.patch import Patch, PatchMeta
 from ctxc.pipeline import traced_blocks
 
 __all__ = ["BAKE_METHODS", "BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]
-
-BAKE_METHODS = ("fit", "distill")
 
 
 @dataclass(frozen=True)
@@ -188,8 +187,7 @@ def bake(
     """
     o = options or BakeOptions()
     stage = on_stage or (lambda _name: None)
-    if o.method not in BAKE_METHODS:
-        raise CtxcError(f"unknown method {o.method!r}; expected one of {', '.join(BAKE_METHODS)}")
+    check_choice("method", o.method, BAKE_METHODS, "method")
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before baking")
     timings: dict[str, float] = {}

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from enum import Enum
 from pathlib import Path
 
 import typer
@@ -21,6 +20,7 @@ from ctxc._version import __version__
 from ctxc.cli.bake import bake_cmd, eval_bake_cmd
 from ctxc.cli.devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
 from ctxc.cli.images import generate_inputs, image_options, processor_of, refuse_image_patch
+from ctxc.cli.options import DType, Format, GgufType, Update, emit_help
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import (
     VERBOSE,
@@ -52,31 +52,6 @@ app.command("eval-bake")(eval_bake_cmd)
 hide_flag_types()  # --force, not --force <bool>, in --help
 
 
-class Update(str, Enum):
-    standard = "standard"
-    stable = "stable"
-    output = "output"
-    lora = "lora"
-
-
-class DType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class GgufType(str, Enum):
-    F32 = "F32"
-    F16 = "F16"
-    BF16 = "BF16"
-
-
-class Format(str, Enum):
-    text = "text"
-    json = "json"
-    html = "html"
-
-
 def _version(value: bool) -> None:
     if value:
         say(f"ctxc {__version__}")
@@ -102,15 +77,10 @@ def compile_cmd(
     model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
     query: str = typer.Option(None, "--query", help="Query text (default: last context token)."),
     out_dir: Path = typer.Option(Path("ctxc-out"), "--out", help="Output folder."),
-    update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
-    dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
-    emit: str = typer.Option(
-        "torch",
-        "--emit",
-        help="Comma list of artefacts: torch (model/), onnx, ort-adapter, peft (adapter/), "
-        "lora (lora/), gguf (model.gguf), gguf-lora (lora.gguf).",
-    ),
-    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
+    update: Update = typer.Option("stable", "--update", help="Update rule."),
+    dtype: DType = typer.Option("float32", "--dtype", help="Model dtype."),
+    emit: str = typer.Option("torch", "--emit", help=emit_help("Comma list of artefacts")),
+    gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
@@ -138,13 +108,11 @@ def compile_cmd(
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
     kinds = parse_emit(emit)
     where = placement_for(device, device_map, max_memory, kinds)
-    opts = Options(
-        update.value, start_layer, skip_unpatchable, kinds, gguf_type.value, placement=where
-    )
+    opts = Options(update, start_layer, skip_unpatchable, kinds, gguf_type, placement=where)
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
-        rc = compile_batch(contexts, out_dir, model, dtype.value, force, opts, resume)
+        rc = compile_batch(contexts, out_dir, model, dtype, force, opts, resume)
         raise typer.Exit(rc)
     if resume:
         raise CtxcError("--resume applies to --contexts")
@@ -154,7 +122,7 @@ def compile_cmd(
     if image:
         opts = image_options(opts, image)  # every image read now, before the model loads
     with output_folder(out_dir, force, "compile") as tmp:
-        net, tokenizer = load(model, dtype.value, where)
+        net, tokenizer = load(model, dtype, where)
         if image:
             tokenizer = processor_of(net, model)
         with stage_progress("compiling", "solving") as (on_stage, on_block):
@@ -173,12 +141,8 @@ def export_cmd(
         ..., "--patch", help="patch.safetensors from ctxc compile, or its folder."
     ),
     model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
-    to: str = typer.Option(
-        "torch",
-        "--to",
-        help="Artefact: torch (the model folder), onnx, ort-adapter, peft, lora, gguf, gguf-lora.",
-    ),
-    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
+    to: str = typer.Option("torch", "--to", help=emit_help("Artefact (torch: the folder itself)")),
+    gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),
@@ -225,7 +189,7 @@ def export_cmd(
                 patchable,
                 full=full,
                 tokenizer=tokenizer,
-                gguf_type=gguf_type.value,
+                gguf_type=gguf_type,
             )
         except ArtefactError as exc:  # what passed is kept (cli_output: DIR.failed)
             _failed_report(tmp, report, exc)
@@ -271,7 +235,7 @@ def _failed_report(tmp: Path, report: dict, exc) -> None:
 def inspect_cmd(
     model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
     fmt: Format = typer.Option(
-        Format.text, "--format", help="text, json, or html (a page with a diagram per shape)."
+        "text", "--format", help="text, json, or html (a page with a diagram per shape)."
     ),
     device: str = DEVICE,
     device_map: str = DEVICE_MAP,
@@ -288,11 +252,11 @@ def inspect_cmd(
 
     stage("tracing the model")
     info = inspect_model(net)
-    if fmt is Format.text:
+    if fmt == "text":
         say(render_text(info))
     else:  # plain bytes on stdout: no console wrapping or markup in machine-read formats
         finish()  # the progress trail ends before the bytes go out
-        sys.stdout.write(render_json(info) if fmt is Format.json else render_html(info))
+        sys.stdout.write(render_json(info) if fmt == "json" else render_html(info))
         sys.stdout.flush()
 
 
@@ -301,8 +265,8 @@ def generate_cmd(
     context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
     model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
     max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
-    update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
-    dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
+    update: Update = typer.Option("stable", "--update", help="Update rule."),
+    dtype: DType = typer.Option("float32", "--dtype", help="Model dtype."),
     out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
     device: str = DEVICE,
     device_map: str = DEVICE_MAP,
@@ -329,7 +293,7 @@ def generate_cmd(
         from ctxc.generate.steps import generate
         from ctxc.models.load import check_length
 
-        net, tokenizer = load(model, dtype.value, where)
+        net, tokenizer = load(model, dtype, where)
         if image:
             ids, prefill = generate_inputs(net, model, text, image)
         else:
@@ -341,7 +305,7 @@ def generate_cmd(
                 net,
                 ids,
                 max_new_tokens,
-                update=update.value,
+                update=update,
                 on_step=lambda s: bar.update(task, completed=s.step + 1),
                 prefill=prefill,
             )

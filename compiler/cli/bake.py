@@ -7,22 +7,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from enum import Enum
 from pathlib import Path
 
 import typer
 
+from ctxc.cli.options import BakeMethod
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
 from ctxc.cli.support import emit_checked, load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 
 __all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
-
-
-class Method(str, Enum):
-    fit = "fit"
-    distill = "distill"
 
 
 def parse_rank(rank: str) -> int | None:
@@ -44,7 +39,7 @@ def bake_cmd(
     samples: int = typer.Option(32, "--samples", help="K continuations sampled to fit on."),
     sample_tokens: int = typer.Option(32, "--sample-tokens", help="Tokens per sample."),
     rank: str = typer.Option("64", "--rank", help="Rank budget per matrix, or 'full'."),
-    method: Method = typer.Option(Method.fit, "--method", help="fit (closed form) or distill."),
+    method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
     seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
     steps: int = typer.Option(200, "--steps", help="distill: optimiser steps."),
@@ -76,7 +71,7 @@ def bake_cmd(
         raise CtxcError("--eval-samples must be at least 0 and --steps at least 1")
     if seconds is not None and not seconds > 0:
         raise CtxcError(f"--seconds must be positive (got {seconds})")
-    if method is Method.distill and importlib.util.find_spec("peft") is None:
+    if method == "distill" and importlib.util.find_spec("peft") is None:
         raise CtxcError("--method distill needs peft: pip install 'ctxc[peft]'")
     kinds = parse_emit(emit)
     with output_folder(out_dir, force, "bake") as tmp:
@@ -87,7 +82,7 @@ def bake_cmd(
             samples=samples,
             sample_tokens=sample_tokens,
             rank=r,
-            method=method.value,
+            method=method,
             ridge=ridge,
             seed=seed,
             distill_steps=steps,

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ctxc.core.errors import CtxcError
 from ctxc.core.thresholds import RUNTIME_SLACK
+from ctxc.core.vocabulary import EXACT_RULES
 
 __all__ = [
     "EXACT_RULES",
@@ -59,8 +60,6 @@ _FIDELITIES = {
     "gguf-lora": ("applied",),
 }
 _HALF = {"F16": "float16", "BF16": "bfloat16"}
-# The update rules whose patch is exact: without a recorded solver figure, expect rounding only.
-EXACT_RULES = ("standard", "stable", "output")
 
 
 class ArtefactError(CtxcError):

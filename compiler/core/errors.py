@@ -7,9 +7,12 @@ and exits non-zero, without a traceback.
 from __future__ import annotations
 
 import re
+import string
+from collections.abc import Callable
 
 __all__ = [
     "CtxcError",
+    "OptionError",
     "SolveError",
     "UnpatchableError",
     "UntraceableError",
@@ -27,6 +30,36 @@ _LIBRARY = {"Torchvision": "torchvision", "timm": "timm", "PIL": "Pillow"}
 
 class CtxcError(Exception):
     """A problem the user can fix: bad input, a missing model, an unsupported block."""
+
+
+class OptionError(CtxcError):
+    """A bad value of a library parameter: the message names the parameter, not a CLI flag.
+
+    The CLI prints it with each parameter's flag instead (``compiler/cli/options.py``: FLAGS).
+
+    Args:
+        template: a ``str.format`` template: each named field is a parameter
+            (``{max_new_tokens}``), each unnamed one (``{}``, ``{!r}``) takes the next value.
+        values: the values of the unnamed fields (never parsed as a template).
+
+    Example:
+        ``OptionError("{rank} must be at least 1 (got {})", 0)``: ``rank must be at least 1
+        (got 0)``, printed by ``ctxc bake`` as ``--rank must be at least 1 (got 0)``.
+    """
+
+    def __init__(self, template: str, *values: object) -> None:
+        self.template = template
+        self.values = values
+        self.params = tuple(
+            name
+            for _, name, _, _ in string.Formatter().parse(template)
+            if name and not name.isdigit()
+        )
+        super().__init__(self.render())
+
+    def render(self, name_of: Callable[[str], str] = str) -> str:
+        """The message with each parameter named by ``name_of`` (default: its own name)."""
+        return self.template.format(*self.values, **{p: name_of(p) for p in self.params})
 
 
 class UnpatchableError(CtxcError):
