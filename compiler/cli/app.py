@@ -20,7 +20,7 @@ from ctxc._version import __version__
 from ctxc.cli.bake import bake_cmd, eval_bake_cmd
 from ctxc.cli.devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
 from ctxc.cli.images import generate_inputs, image_options, processor_of, refuse_image_patch
-from ctxc.cli.options import DType, Format, GgufType, Update, emit_help
+from ctxc.cli.options import DType, Format, GgufType, Update, cli_message, emit_help
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import (
     VERBOSE,
@@ -99,6 +99,7 @@ def compile_cmd(
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
     from ctxc.cli.batch import Options, compile_batch, compile_into
+    from ctxc.core.options import CompileOptions
 
     if image and contexts is not None:
         raise CtxcError("--image applies to --context (or to no context: the images alone)")
@@ -108,7 +109,8 @@ def compile_cmd(
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
     kinds = parse_emit(emit)
     where = placement_for(device, device_map, max_memory, kinds)
-    opts = Options(update, start_layer, skip_unpatchable, kinds, gguf_type, placement=where)
+    compiling = CompileOptions(update, start_layer, skip_unpatchable)  # validated here, once
+    opts = Options(compiling, kinds, gguf_type, placement=where)
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
@@ -285,8 +287,9 @@ def generate_cmd(
         from ctxc.models.images import read_images
 
         read_images(image)  # every image read now, before the model loads
-    if max_new_tokens < 1:
-        raise CtxcError("--max-new-tokens must be at least 1")
+    from ctxc.core.options import GenerateOptions
+
+    options = GenerateOptions(max_new_tokens, update)  # validated here, once
     where = placement_for(device, device_map, max_memory)
     with output_folder(out_dir, force, "generate") as tmp:
         from ctxc.generate.report import plot_steps, steps_table, write_json
@@ -304,10 +307,9 @@ def generate_cmd(
             result = generate(
                 net,
                 ids,
-                max_new_tokens,
-                update=update,
                 on_step=lambda s: bar.update(task, completed=s.step + 1),
                 prefill=prefill,
+                options=options,
             )
         tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
         write_json(result, tmp / "generate.json", tokens)
@@ -356,7 +358,7 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         rc = 130
     except CtxcError as exc:
-        return _error(str(exc))
+        return _error(cli_message(exc))
     except Exception as exc:
         missing = missing_package_error(exc, "this run")  # torchvision, timm, Pillow
         if missing is not None:

@@ -5,7 +5,6 @@ No torch import at module level (``ctxc --help`` stays fast).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -21,16 +20,14 @@ __all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
 
 
 def parse_rank(rank: str) -> int | None:
-    """``full`` -> None, else a positive integer; a CtxcError otherwise."""
+    """``full`` -> None, else the integer (``BakeOptions`` checks its range); a CtxcError for
+    anything else."""
     if rank.strip().lower() == "full":
         return None
     try:
-        value = int(rank)
+        return int(rank)
     except ValueError:
         raise CtxcError(f"--rank {rank!r} is not an integer or 'full'") from None
-    if value < 1:
-        raise CtxcError(f"--rank must be at least 1 (got {value})")
-    return value
 
 
 def bake_cmd(
@@ -57,38 +54,29 @@ def bake_cmd(
 ) -> None:
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
     from ctxc.bake.data import read_queries
+    from ctxc.core.options import BakeOptions
 
     text = read_context(context)
     fit_texts = read_queries(queries) if queries is not None else None
     held_texts = read_queries(eval_queries) if eval_queries is not None else None
-    r = parse_rank(rank)
-    for flag, value, low in (("--samples", samples, 0), ("--sample-tokens", sample_tokens, 1)):
-        if value < low:
-            raise CtxcError(f"{flag} must be at least {low} (got {value})")
-    if samples == 0 and fit_texts is None:
-        raise CtxcError("--samples 0 and no --queries: nothing to fit the patch on")
-    if eval_samples < 0 or steps < 1:
-        raise CtxcError("--eval-samples must be at least 0 and --steps at least 1")
-    if seconds is not None and not seconds > 0:
-        raise CtxcError(f"--seconds must be positive (got {seconds})")
-    if method == "distill" and importlib.util.find_spec("peft") is None:
-        raise CtxcError("--method distill needs peft: pip install 'ctxc[peft]'")
+    opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
+        samples=samples,
+        sample_tokens=sample_tokens,
+        rank=parse_rank(rank),
+        method=method,
+        ridge=ridge,
+        seed=seed,
+        distill_steps=steps,
+        distill_seconds=seconds,
+        distill_from_fit=from_fit,
+    )
+    if eval_samples < 0:
+        raise CtxcError(f"--eval-samples must be at least 0 (got {eval_samples})")
     kinds = parse_emit(emit)
     with output_folder(out_dir, force, "bake") as tmp:
-        from ctxc.bake.fit import BakeOptions, bake
+        from ctxc.bake.fit import bake
 
         net, tokenizer = load(model, "float32")
-        opts = BakeOptions(
-            samples=samples,
-            sample_tokens=sample_tokens,
-            rank=r,
-            method=method,
-            ridge=ridge,
-            seed=seed,
-            distill_steps=steps,
-            distill_seconds=seconds,
-            distill_from_fit=from_fit,
-        )
         with stage_progress("baking", "fitting") as (on_stage, on_block):
             result = bake(
                 net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage, on_block=on_block

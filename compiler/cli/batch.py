@@ -13,12 +13,14 @@ import re
 from pathlib import Path
 
 from ctxc._version import __version__
+from ctxc.cli.options import cli_message
 from ctxc.cli.output import MARKER
 from ctxc.cli.progress import progress, stage
 from ctxc.cli.support import emit_checked, err, out, reload_fidelity, written
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
+from ctxc.core.options import CompileOptions
 
 __all__ = ["compile_batch", "compile_into", "read_lines"]
 
@@ -27,11 +29,13 @@ _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The compile options shared by every context of a run."""
+    """The compile options shared by every context of a run.
 
-    update: str
-    start_layer: int
-    skip_unpatchable: bool
+    Attributes:
+        compile: the library's options, validated once when the command started.
+    """
+
+    compile: CompileOptions
     kinds: list[str]
     gguf_type: str = "F32"
     images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
@@ -57,14 +61,12 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **h
         tokenizer,
         context=text,
         query=query,
-        update=opts.update,
-        start_layer=opts.start_layer,
-        skip_unpatchable=opts.skip_unpatchable,
         images=list(opts.images) or None,
         # With model/ written, its reload measures the same weights at the same addresses
         # (README: 3.1e-6 both ways): the in-memory run would be a second forward pass and a
         # second materialisation of every patched weight for the same figure.
         verify="torch" not in opts.kinds,
+        options=opts.compile,
         **hooks,
     )
     result.patch.save(tmp / "patch.safetensors")
@@ -237,9 +239,9 @@ def _options(opts: Options, dtype: str) -> dict:
     return {
         "ctxc_version": __version__,
         "dtype": dtype,
-        "update": opts.update,
-        "start_layer": opts.start_layer,
-        "skip_unpatchable": opts.skip_unpatchable,
+        "update": opts.compile.update,
+        "start_layer": opts.compile.start_layer,
+        "skip_unpatchable": opts.compile.skip_unpatchable,
         "emit": list(opts.kinds),
         "gguf_type": opts.gguf_type,
         "device": getattr(where, "device", None),
@@ -281,7 +283,7 @@ def _one(net, tokenizer, folder, entry: dict, opts: Options):
         return f"{_line(exc)}; the patch and what passed are kept in {where}/", None
     except CtxcError as exc:
         folder.discard(staging)
-        return _line(exc), None
+        return _line(cli_message(exc)), None
     except Exception as exc:  # a bug on one line: recorded, and the other lines still run
         folder.discard(staging)
         if os.environ.get("CTXC_DEBUG"):
@@ -293,5 +295,5 @@ def _one(net, tokenizer, folder, entry: dict, opts: Options):
     return None, headline(json.loads((folder.final / entry["name"] / "report.json").read_text()))
 
 
-def _line(exc: BaseException) -> str:
+def _line(exc: BaseException | str) -> str:
     return " ".join(str(exc).split())

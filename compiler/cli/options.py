@@ -9,9 +9,20 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+from ctxc.core.errors import CtxcError
 from ctxc.core.vocabulary import BACKEND_NAMES, BAKE_METHODS, DTYPES, FORMATS, GGUF_TYPES, RULES
 
-__all__ = ["BakeMethod", "DType", "Format", "GgufType", "Update", "emit_help"]
+__all__ = [
+    "FLAGS",
+    "BakeMethod",
+    "DType",
+    "Format",
+    "GgufType",
+    "Update",
+    "cli_message",
+    "emit_help",
+    "flag_of",
+]
 
 # A Literal of the vocabulary's names: typer makes it a choice and passes the plain string on.
 # A type checker sees str (a Literal cannot be built from a tuple it has not read).
@@ -29,3 +40,36 @@ def emit_help(head: str) -> str:
     """``HEAD: torch (model/), onnx (model.onnx), ...``: the backends and what each writes."""
     kinds = ", ".join(f"{name} ({what.split(':')[0]})" for name, what in BACKEND_NAMES.items())
     return f"{head}: {kinds}."
+
+
+# The library's parameters (``ctxc.core.options``, ``Placement.parse``) -> the flags that set
+# them: an error naming a parameter (``CtxcError.naming``) is printed with its flag.
+FLAGS: dict[str, str] = {
+    "update": "--update",
+    "start_layer": "--start-layer",
+    "skip_unpatchable": "--skip-unpatchable",
+    "dtype": "--dtype",
+    "gguf_type": "--gguf-type",
+    "query": "--query",
+    "device": "--device",
+    "device_map": "--device-map",
+    "max_memory": "--max-memory",
+    "max_new_tokens": "--max-new-tokens",
+    "samples": "--samples",
+    "sample_tokens": "--sample-tokens",
+    "rank": "--rank",
+    "queries": "--queries",
+    "method": "--method",
+    "distill_steps": "--steps",
+    "distill_seconds": "--seconds",
+}
+
+
+def flag_of(param: str) -> str:
+    """The flag that sets the library parameter ``param`` (the parameter's name if none)."""
+    return FLAGS.get(param, param)
+
+
+def cli_message(exc: CtxcError) -> str:
+    """``exc``'s message as the CLI prints it: each library parameter named by its flag."""
+    return exc.render(flag_of)
