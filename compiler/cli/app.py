@@ -9,7 +9,6 @@ printed as ``ctxc: interrupted``. No error leaves a partly written output folder
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from pathlib import Path
@@ -167,6 +166,7 @@ def export_cmd(
         net, tokenizer = load(model, patch.meta.dtype, where)
         patch.check(net)  # fingerprint and shapes, without applying
         from ctxc.backends import precheck
+        from ctxc.core.report import write_report
 
         refuse_image_patch(net, patch)
         precheck(net, kinds)
@@ -194,10 +194,10 @@ def export_cmd(
                 gguf_type=gguf_type,
             )
         except ArtefactError as exc:  # what passed is kept (cli_output: DIR.failed)
-            _failed_report(tmp, report, exc)
+            if "torch" in report or exc.passed:  # else nothing passed: nothing is kept
+                write_report(tmp, report, exc.passed, exc)
             raise
-        report.update({kind: f.to_dict() for kind, f in figures.items()})
-        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_report(tmp, report, figures)
     if "torch" in kinds:
         say(
             f"model folder, reloaded, fed the query alone: max |logit diff| "
@@ -222,15 +222,6 @@ def _export_torch(net, tokenizer, patch, tmp: Path):
         reloaded = reload_fidelity(sub, patch, patch.meta.dtype, full, net)
         gate("torch", "model folder", reloaded, patch.meta, full)
     return full, reloaded
-
-
-def _failed_report(tmp: Path, report: dict, exc) -> None:
-    """report.json of an export whose artefact failed, when an artefact passed before it."""
-    if "torch" not in report and not exc.passed:
-        return  # nothing passed: nothing is kept
-    report.update({kind: f.to_dict() for kind, f in exc.passed.items()})
-    report["failed"] = {"artefact": exc.artefact, "error": str(exc)}
-    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
 @app.command("inspect")

@@ -75,6 +75,7 @@ def bake_cmd(
     kinds = parse_emit(emit)
     with output_folder(out_dir, force, "bake") as tmp:
         from ctxc.bake.fit import bake
+        from ctxc.core.report import write_report
 
         net, tokenizer = load(model, "float32")
         with stage_progress("baking", "fitting") as (on_stage, on_block):
@@ -84,8 +85,9 @@ def bake_cmd(
         report = result.report
         report["figures"] = _figures(net, tokenizer, result, held_texts, eval_samples, seed)
         result.patch.save(tmp / "patch.safetensors")
-        report["artefacts"] = _emit(net, tokenizer, result.patch, tmp, kinds)
-        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_report(
+            tmp, report, _emit(net, tokenizer, result.patch, tmp, kinds), under="artefacts"
+        )
     for line in _summary(report["figures"]):
         say(line)
     say(f"wrote {out_dir}/")

@@ -21,6 +21,7 @@ from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
 from ctxc.core.options import CompileOptions
+from ctxc.core.textfile import read_text
 
 __all__ = ["compile_batch", "compile_into", "read_lines"]
 
@@ -113,29 +114,18 @@ def _emit_all(net, tokenizer, tmp: Path, result, opts: Options, state: dict) -> 
 
 def _write_report(tmp: Path, state: dict, figures: dict, failed=None) -> None:
     """report.json: the compile's figures, the artefacts' and, when one failed, the failure."""
-    data = state["report"].to_dict()
-    data["emitted_measured_on"] = state["measured"]
-    data.update({kind: f.to_dict() for kind, f in figures.items()})
-    if failed is not None:
-        data["failed"] = {"artefact": failed.artefact, "error": str(failed)}
-    (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
+    from ctxc.core.report import write_report
+
+    head = {**state["report"].to_dict(), "emitted_measured_on": state["measured"]}
+    write_report(tmp, head, figures, failed)
 
 
 def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
     """(line number, parsed entry or None, error or None) for every non-blank line of ``path``."""
-    if path.is_dir():
+    if path.is_dir():  # the reader would say "is not a file": say what --contexts takes
         raise CtxcError(f"--contexts takes a JSON Lines file; {path} is a folder")
-    if not path.is_file():
-        raise CtxcError(f"contexts file not found: {path}")
-    try:
-        raw = path.read_bytes().decode("utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise CtxcError(f"contexts file is not UTF-8 text: {path} (byte {exc.start})") from None
-    except OSError as exc:
-        raise CtxcError(f"cannot read contexts file {path}: {exc.strerror}") from None
+    raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
     numbered = [(n, line) for n, line in enumerate(raw, 1) if line.strip()]
-    if not numbered:
-        raise CtxcError(f"contexts file is empty: {path}")
     width = max(4, len(str(numbered[-1][0])))
     seen: set[str] = set()
     lines = []

@@ -10,6 +10,7 @@ from pathlib import Path
 from ctxc.cli.progress import err, out, quiet_libraries, stage
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
+from ctxc.core.textfile import read_text
 
 __all__ = [
     "emit_checked",
@@ -24,20 +25,9 @@ __all__ = [
 
 
 def read_context(path: Path) -> str:
-    """The UTF-8 text of ``path``; a CtxcError for a missing, unreadable, empty or binary file."""
-    if not path.exists():
-        raise CtxcError(f"context file not found: {path}")
-    if not path.is_file():
-        raise CtxcError(f"context path is not a file: {path}")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise CtxcError(f"context file is not UTF-8 text: {path} (byte {exc.start})") from None
-    except OSError as exc:
-        raise CtxcError(f"cannot read context file {path}: {exc.strerror}") from None
-    if not text.strip():
-        raise CtxcError(f"context file is empty: {path}")
-    return text
+    """The UTF-8 text of ``path`` (``ctxc.core.textfile.read_text``: one line naming the file
+    for a missing, unreadable, empty or binary one)."""
+    return read_text(path, "context file")
 
 
 def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
