@@ -19,7 +19,16 @@ from ctxc._version import __version__
 from ctxc.cli.bake import bake_cmd, eval_bake_cmd
 from ctxc.cli.devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
 from ctxc.cli.images import generate_inputs, image_options, processor_of, refuse_image_patch
-from ctxc.cli.options import DType, Format, GgufType, Update, cli_message, emit_help
+from ctxc.cli.options import (
+    FORCE,
+    MODEL,
+    DType,
+    Format,
+    GgufType,
+    Update,
+    cli_message,
+    emit_help,
+)
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import (
     VERBOSE,
@@ -32,7 +41,7 @@ from ctxc.cli.progress import (
     stage,
     stage_progress,
 )
-from ctxc.cli.support import emit_checked, load, parse_emit, read_context, reload_fidelity, written
+from ctxc.cli.support import load, parse_emit, read_context, written
 from ctxc.cli.usage import hide_flag_types, is_click, usage_message
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError, missing_package_error
@@ -73,7 +82,7 @@ def compile_cmd(
     contexts: Path = typer.Option(
         None, "--contexts", help="JSON Lines: one {context, query?, name?} per line."
     ),
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
+    model: str | None = MODEL,
     query: str = typer.Option(None, "--query", help="Query text (default: last context token)."),
     out_dir: Path = typer.Option(Path("ctxc-out"), "--out", help="Output folder."),
     update: Update = typer.Option("stable", "--update", help="Update rule."),
@@ -87,7 +96,7 @@ def compile_cmd(
     device: str = DEVICE,
     device_map: str = DEVICE_MAP,
     max_memory: str = MAX_MEMORY,
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    force: bool = FORCE,
     image: list[Path] = typer.Option(
         None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
     ),
@@ -97,7 +106,8 @@ def compile_cmd(
     verbose: bool = VERBOSE,
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
-    from ctxc.cli.batch import Options, compile_batch, compile_into
+    from ctxc.cli.batch import compile_batch
+    from ctxc.cli.compile import CompileJob, compile_into
     from ctxc.core.options import CompileOptions
 
     if image and contexts is not None:
@@ -109,7 +119,7 @@ def compile_cmd(
     kinds = parse_emit(emit)
     where = placement_for(device, device_map, max_memory, kinds)
     compiling = CompileOptions(update, start_layer, skip_unpatchable)  # validated here, once
-    opts = Options(compiling, kinds, gguf_type, placement=where)
+    opts = CompileJob(compiling, kinds, gguf_type, placement=where)
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
@@ -141,7 +151,7 @@ def export_cmd(
     patch_file: Path = typer.Option(
         ..., "--patch", help="patch.safetensors from ctxc compile, or its folder."
     ),
-    model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
+    model: str | None = MODEL,
     to: str = typer.Option("torch", "--to", help=emit_help("Artefact (torch: the folder itself)")),
     gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(
@@ -151,7 +161,7 @@ def export_cmd(
     device: str = DEVICE,
     device_map: str = DEVICE_MAP,
     max_memory: str = MAX_MEMORY,
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    force: bool = FORCE,
     verbose: bool = VERBOSE,
 ) -> None:
     """Emit an artefact from a saved patch."""
@@ -165,68 +175,38 @@ def export_cmd(
     with output_folder(out_dir, force, "export") as tmp:
         net, tokenizer = load(model, patch.meta.dtype, where)
         patch.check(net)  # fingerprint and shapes, without applying
-        from ctxc.backends import precheck
+        from ctxc.backends import emit_checked, precheck
         from ctxc.core.report import write_report
 
         refuse_image_patch(net, patch)
         precheck(net, kinds)
         pause_point("writing")
         report: dict = {"patch": str(patch_file.resolve()), "model": patch.meta.model}
-        full = None
-        try:
-            if "torch" in kinds:
-                from ctxc.core.report import reference_name
-
-                full, reloaded = _export_torch(net, tokenizer, patch, tmp)
-                report["torch"] = {
-                    "emitted": {**reloaded.to_dict(), "reference": reference_name(net)},
-                    "emitted_measured_on": "the folder reloaded with "
-                    "AutoModelForCausalLM.from_pretrained",
-                }
+        try:  # torch: the output folder is the model folder itself (folder="")
             figures = emit_checked(
                 net,
                 patch,
                 tmp,
                 kinds,
-                patchable,
-                full=full,
+                patchable=patchable,
+                on_stage=stage,
                 tokenizer=tokenizer,
                 gguf_type=gguf_type,
+                folder="",
             )
         except ArtefactError as exc:  # what passed is kept (cli_output: DIR.failed)
-            if "torch" in report or exc.passed:  # else nothing passed: nothing is kept
+            if exc.passed:  # else nothing passed: nothing is kept
                 write_report(tmp, report, exc.passed, exc)
             raise
         write_report(tmp, report, figures)
-    if "torch" in kinds:
-        say(
-            f"model folder, reloaded, fed the query alone: max |logit diff| "
-            f"{reloaded.max_abs_logit_diff:.3g}, top-1 "
-            f"{'match' if reloaded.top1_match else 'MISMATCH'}"
-        )
     for f in figures.values():
         say(f.summary())
     say(f"wrote {out_dir}/")
 
 
-def _export_torch(net, tokenizer, patch, tmp: Path):
-    """The model folder as ``tmp`` itself, reloaded and checked: (full logits, its Fidelity)."""
-    from ctxc.backends.torch.model import emit_torch
-    from ctxc.backends.torch.verify import reference_logits
-    from ctxc.core.checks import gate, staged
-
-    stage("writing the model folder and reloading it")
-    with staged(tmp, "torch", "model folder") as sub:
-        emit_torch(net, tokenizer, patch, sub)
-        full = reference_logits(net, patch)
-        reloaded = reload_fidelity(sub, patch, patch.meta.dtype, full, net)
-        gate("torch", "model folder", reloaded, patch.meta, full)
-    return full, reloaded
-
-
 @app.command("inspect")
 def inspect_cmd(
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
+    model: str | None = MODEL,
     fmt: Format = typer.Option(
         "text", "--format", help="text, json, or html (a page with a diagram per shape)."
     ),
@@ -256,7 +236,7 @@ def inspect_cmd(
 @app.command("generate")
 def generate_cmd(
     context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
+    model: str | None = MODEL,
     max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
     update: Update = typer.Option("stable", "--update", help="Update rule."),
     dtype: DType = typer.Option("float32", "--dtype", help="Model dtype."),
@@ -264,7 +244,7 @@ def generate_cmd(
     device: str = DEVICE,
     device_map: str = DEVICE_MAP,
     max_memory: str = MAX_MEMORY,
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    force: bool = FORCE,
     image: list[Path] = typer.Option(
         None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
     ),

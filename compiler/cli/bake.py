@@ -10,10 +10,10 @@ from pathlib import Path
 
 import typer
 
-from ctxc.cli.options import BakeMethod
+from ctxc.cli.options import FORCE, MODEL, BakeMethod
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
-from ctxc.cli.support import emit_checked, load, parse_emit, read_context
+from ctxc.cli.support import load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 
 __all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
@@ -46,10 +46,10 @@ def bake_cmd(
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
     eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out samples (seed + 1)."),
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
+    model: str | None = MODEL,
     emit: str = typer.Option("torch", "--emit", help="Comma list: torch, onnx, peft."),
     out_dir: Path = typer.Option(Path("ctxc-bake"), "--out", help="Output folder."),
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    force: bool = FORCE,
     verbose: bool = VERBOSE,
 ) -> None:
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
@@ -117,17 +117,11 @@ def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -
 
 
 def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
-    """The artefacts of ``kinds``; their check figures (fidelity on the first fit query)."""
-    figures = {}
-    if "torch" in kinds:
-        from ctxc.backends.torch.model import emit_torch
+    """The artefacts of ``kinds``, each checked as a compile's are (model/ reloaded too); their
+    figures (at the first fit query) by kind."""
+    from ctxc.backends import emit_checked
 
-        stage("writing model/")
-        emit_torch(net, tokenizer, patch, tmp / "model")
-        figures["torch"] = {"written": "model/"}
-    found = emit_checked(net, patch, tmp, kinds, tokenizer=tokenizer)
-    figures.update({k: f.to_dict() for k, f in found.items()})
-    return figures
+    return emit_checked(net, patch, tmp, kinds, on_stage=stage, tokenizer=tokenizer)
 
 
 def _summary(figures: dict) -> list[str]:
@@ -150,7 +144,7 @@ def eval_bake_cmd(
     samples: int = typer.Option(0, "--samples", help="Held-out samples to draw."),
     seed: int = typer.Option(1, "--seed", help="Seed of the held-out samples."),
     gen_tokens: int = typer.Option(32, "--gen-tokens", help="Greedy tokens per query."),
-    model: str = typer.Option(None, "--model", help="The model the patch was baked on."),
+    model: str | None = MODEL,
     verbose: bool = VERBOSE,
 ) -> None:
     """Measure a baked patch on held-out queries against the model fed the context."""

@@ -7,117 +7,24 @@ lists every line with its status and headline figures. No torch import at module
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
 
 from ctxc._version import __version__
+from ctxc.cli.compile import CompileJob, compile_into
 from ctxc.cli.options import cli_message
 from ctxc.cli.output import MARKER
-from ctxc.cli.progress import progress, stage
-from ctxc.cli.support import emit_checked, err, out, reload_fidelity, written
+from ctxc.cli.progress import progress
+from ctxc.cli.support import err, out, written
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
-from ctxc.core.options import CompileOptions
 from ctxc.core.textfile import read_text
 
-__all__ = ["compile_batch", "compile_into", "read_lines"]
+__all__ = ["compile_batch", "read_lines"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The compile options shared by every context of a run.
-
-    Attributes:
-        compile: the library's options, validated once when the command started.
-    """
-
-    compile: CompileOptions
-    kinds: list[str]
-    gguf_type: str = "F32"
-    images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
-    placement: object = None  # a ctxc.models.devices.Placement: where the model is loaded
-
-
-def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
-    """Compile one context and write patch.safetensors, report.json and artefacts into ``tmp``.
-
-    Returns:
-        (the report as written, the emitted artefacts' figures).
-
-    Raises:
-        ArtefactError: an artefact failed; ``tmp`` then holds the patch, the artefacts that
-            passed and report.json with the failure under ``"failed"``.
-    """
-    import ctxc
-    from ctxc.backends import precheck
-
-    precheck(net, opts.kinds)
-    result = ctxc.compile(
-        net,
-        tokenizer,
-        context=text,
-        query=query,
-        images=list(opts.images) or None,
-        # With model/ written, its reload measures the same weights at the same addresses
-        # (README: 3.1e-6 both ways): the in-memory run would be a second forward pass and a
-        # second materialisation of every patched weight for the same figure.
-        verify="torch" not in opts.kinds,
-        options=opts.compile,
-        **hooks,
-    )
-    result.patch.save(tmp / "patch.safetensors")
-    pause_point("writing")
-    state = {"report": result.report, "figures": {}}
-    state["measured"] = "the patched model in memory (no model/ written)"
-    try:
-        _emit_all(net, tokenizer, tmp, result, opts, state)
-    except ArtefactError as exc:
-        _write_report(tmp, state, {**exc.passed, **state["figures"]}, exc)
-        raise
-    _write_report(tmp, state, state["figures"])
-    return state["report"], state["figures"]
-
-
-def _emit_all(net, tokenizer, tmp: Path, result, opts: Options, state: dict) -> None:
-    """model/ (reloaded and gated), then the checked artefacts; ``state`` gathers figures."""
-    from ctxc.backends.torch.model import emit_torch
-    from ctxc.core.checks import gate, staged
-    from ctxc.models.vlm import auto_model_class
-
-    if "torch" in opts.kinds:
-        state["measured"] = "the solver's pass (model/ failed its check)"  # until it passed
-        stage("writing model/ and reloading it")
-        with staged(tmp, "torch", "model/") as sub:
-            emit_torch(net, tokenizer, result.patch, sub / "model")
-            full, dtype = result.full_logits, state["report"].dtype
-            reloaded = reload_fidelity(sub / "model", result.patch, dtype, full, net)
-            gate("torch", "model/", reloaded, result.patch.meta, full)
-        state["report"] = dataclasses.replace(state["report"], emitted=reloaded)
-        name = auto_model_class(net.config).__name__
-        state["measured"] = f"model/ reloaded with {name}.from_pretrained"
-    state["figures"] = emit_checked(
-        net,
-        result.patch,
-        tmp,
-        opts.kinds,
-        full=result.full_logits,
-        tokenizer=tokenizer,
-        gguf_type=opts.gguf_type,
-        baked=result.patched_logits,
-    )
-
-
-def _write_report(tmp: Path, state: dict, figures: dict, failed=None) -> None:
-    """report.json: the compile's figures, the artefacts' and, when one failed, the failure."""
-    from ctxc.core.report import write_report
-
-    head = {**state["report"].to_dict(), "emitted_measured_on": state["measured"]}
-    write_report(tmp, head, figures, failed)
 
 
 def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
@@ -161,7 +68,7 @@ def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
 
 
 def compile_batch(
-    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: Options, resume=False
+    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: CompileJob, resume=False
 ):
     """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
 
@@ -204,7 +111,7 @@ def compile_batch(
     return 0
 
 
-def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: Options) -> None:
+def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: CompileJob) -> None:
     """Compile each line (or keep it, resuming), updating ``rows`` and index.json after each."""
     with _progress() as bar:
         task = bar.add_task("contexts", total=len(lines))
@@ -223,7 +130,7 @@ def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: Options) -
             pause_point(f"line {n} done")
 
 
-def _options(opts: Options, dtype: str) -> dict:
+def _options(opts: CompileJob, dtype: str) -> dict:
     """What must match for a --resume to keep earlier lines (the model: its fingerprint)."""
     where = opts.placement
     return {
@@ -248,7 +155,7 @@ def _progress():
     return progress(rate="contexts/s")
 
 
-def _one(net, tokenizer, folder, entry: dict, opts: Options):
+def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
     """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
 
     A line already written by an earlier run (``--resume``) is kept; an artefact that fails

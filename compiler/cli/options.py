@@ -9,11 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Literal
 
+import typer
+
 from ctxc.core.errors import CtxcError
 from ctxc.core.vocabulary import BACKEND_NAMES, BAKE_METHODS, DTYPES, FORMATS, GGUF_TYPES, RULES
 
 __all__ = [
     "FLAGS",
+    "FORCE",
+    "MODEL",
     "BakeMethod",
     "DType",
     "Format",
@@ -34,6 +38,15 @@ else:
     GgufType = Literal[tuple(GGUF_TYPES)]
     Format = Literal[tuple(FORMATS)]
     BakeMethod = Literal[tuple(BAKE_METHODS)]
+
+# Declared once, taken by every command that loads a model or writes an output folder.
+MODEL = typer.Option(
+    None,
+    "--model",
+    help="Alias, model folder or .gguf file (default: the bundled Gemma 3 270M); for export and "
+    "eval-bake, the model the patch was made on.",
+)
+FORCE = typer.Option(False, "--force", help="Replace an earlier ctxc output folder.")
 
 
 def emit_help(head: str) -> str:
