@@ -13,10 +13,14 @@ import typer
 
 from ctxc.core.errors import CtxcError
 from ctxc.core.vocabulary import BACKEND_NAMES, BAKE_METHODS, DTYPES, FORMATS, GGUF_TYPES, RULES
+from ctxc.models.devices import Placement
 
 __all__ = [
+    "DEVICE",
+    "DEVICE_MAP",
     "FLAGS",
     "FORCE",
+    "MAX_MEMORY",
     "MODEL",
     "BakeMethod",
     "DType",
@@ -26,6 +30,7 @@ __all__ = [
     "cli_message",
     "emit_help",
     "flag_of",
+    "placement_for",
 ]
 
 # A Literal of the vocabulary's names: typer makes it a choice and passes the plain string on.
@@ -47,6 +52,36 @@ MODEL = typer.Option(
     "eval-bake, the model the patch was made on.",
 )
 FORCE = typer.Option(False, "--force", help="Replace an earlier ctxc output folder.")
+
+# --device, --device-map and --max-memory, which every model command takes: checked by
+# ctxc.models.devices.Placement.parse before an output folder or a model is touched.
+DEVICE = typer.Option(None, "--device", help="cpu (default), cuda, cuda:N or mps.")
+DEVICE_MAP = typer.Option(
+    None,
+    "--device-map",
+    help="auto, balanced or sequential: disperse the model over GPUs, CPU and disk (accelerate).",
+)
+MAX_MEMORY = typer.Option(
+    None, "--max-memory", help="With --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB."
+)
+
+
+def placement_for(
+    device: str | None, device_map: str | None, max_memory: str | None, kinds=()
+) -> Placement:
+    """The checked placement of the options; a CtxcError names the bad one.
+
+    Args:
+        kinds: the artefacts asked for: ONNX and PEFT need the model in one place.
+    """
+    placement = Placement.parse(device, device_map, max_memory)
+    other = [k for k in kinds if k != "torch"]
+    if placement.device_map is not None and other:
+        raise CtxcError(
+            f"--device-map writes the torch model folder only, not {', '.join(other)}: "
+            "those exporters need the whole model in one place"
+        )
+    return placement
 
 
 def emit_help(head: str) -> str:
