@@ -47,7 +47,7 @@ class TorchFigures:
     vs_patched: float | None = None
 
     def to_dict(self) -> dict:
-        data = {
+        data: dict[str, object] = {
             "emitted": {**self.reloaded.to_dict(), "reference": self.reference},
             "emitted_measured_on": self.measured_on,
         }
