@@ -1,8 +1,11 @@
-"""The options several ``ctxc`` commands share, declared once, and their choices.
+"""The options several ``ctxc`` commands share, declared once, their choices, and the flags of
+the library's parameters.
 
 Each choice's values come from ``ctxc.core.vocabulary`` (one place per decision): typer lists
-them in ``--help`` and refuses any other value with click's one-line message. No torch import
-(``ctxc --help`` stays fast).
+them in ``--help`` and refuses any other value with click's one-line message. The values
+themselves are validated by the library (``ctxc.core.options``), whose errors name its own
+parameters: :data:`FLAGS` maps each to the flag that sets it when the CLI prints one
+(:func:`cli_message`). No torch import (``ctxc --help`` stays fast).
 """
 
 from __future__ import annotations
