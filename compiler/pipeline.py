@@ -5,13 +5,20 @@ from __future__ import annotations
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 
 import torch
 
 from ctxc._version import __version__
-from ctxc.core.errors import CtxcError, SolveError, UnpatchableError, UntraceableError
+from ctxc.core.errors import (
+    CtxcError,
+    OptionError,
+    SolveError,
+    UnpatchableError,
+    UntraceableError,
+)
 from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.options import CompileOptions
 from ctxc.core.report import CompileReport, reference_name
 from ctxc.core.tokens import split_tokens
 from ctxc.frontend.ladder import Frontend
@@ -23,8 +30,8 @@ from ctxc.models.load import check_length
 from ctxc.models.offload import input_device
 from ctxc.passes.locate.block_map import BlockMap, Rejection
 from ctxc.passes.locate.locate_blocks import locate_blocks
-from ctxc.passes.runtime.run_graph import FullRun, run_logits
-from ctxc.passes.solver.solve import RULES, solve
+from ctxc.passes.runtime.run_graph import run_logits
+from ctxc.passes.solver.solve import solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.runs.image_run import image_figures, multimodal_full_graph
 from ctxc.runs.patched_forward import patched_logits
@@ -115,6 +122,7 @@ def compile(
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
     device: str | None = None,
+    options: CompileOptions | None = None,
 ) -> CompileResult:
     """Compile a context into a :class:`Patch` for ``model``; the model is left unmodified.
 
@@ -128,7 +136,7 @@ def compile(
             processor's layout of the images and ``context`` (``compiler/models/images.py``); then
             ``tokenizer`` may be the model's processor (else it is loaded from the model's
             folder). The patch changes the language model's blocks only.
-        update: ``stable`` (default; MATH.md 4) or ``standard`` (the paper's Theorem 1).
+        update: ``stable`` (default), ``standard``, ``output``, ``lora`` (core/vocabulary.py).
         start_layer: blocks with index below it stay unpatched.
         skip_unpatchable: patch the patchable blocks when others are rejected (else an error).
         verify: run the model with the patch applied on the query, for ``report.emitted``.
@@ -141,15 +149,17 @@ def compile(
         device: the device to run on (``cpu``, ``cuda``, ``cuda:N``, ``mps``): the model must be
             there (``ctxc.load_model(..., device=...)``); default: where the model is. A model
             dispersed by accelerate (``device_map``) runs where each block lives.
+        options: a :class:`~ctxc.core.options.CompileOptions` (already validated) instead of
+            ``update``, ``start_layer``, ``skip_unpatchable`` and ``apply``.
 
     Returns:
         the :class:`CompileResult`.
 
     Raises:
-        CtxcError: bad input, rejected blocks, or a failed condition (see its message).
+        CtxcError: bad input, rejected blocks, or a failed condition (see its message); an
+            :class:`~ctxc.core.errors.OptionError` names the bad parameter.
     """
-    if update not in RULES:
-        raise CtxcError(f"unknown update rule {update!r}; expected one of {', '.join(RULES)}")
+    options = _options(options, (update, start_layer, skip_unpatchable, apply))
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     if device is not None:
@@ -165,11 +175,9 @@ def compile(
     else:
         ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
-    options = _Options(
-        update, start_layer, skip_unpatchable, verify, apply, on_stage, on_block, image
-    )
     try:
-        return _compile_ids(model, ctx_ids, q_ids, options)
+        run = _Run(options, verify, on_stage, on_block, image)
+        return _compile_ids(model, ctx_ids, q_ids, run)
     except RuntimeError as exc:  # a runtime assertion of a specialised export (frontend.py)
         if "Runtime assertion failed" not in str(exc):
             raise
@@ -179,25 +187,31 @@ def compile(
         ) from exc
 
 
-@dataclass(frozen=True)
-class _Options:
-    """The keyword arguments of :func:`compile` that the stages read."""
+def _options(options: CompileOptions | None, given: tuple) -> CompileOptions:
+    """``options``, or the keyword arguments ``given`` made into one (validated, once)."""
+    if options is None:
+        return CompileOptions(*given)
+    if given != astuple(CompileOptions()):
+        raise CtxcError("give options or update/start_layer/skip_unpatchable/apply, not both")
+    return options
 
-    update: str
-    start_layer: int
-    skip_unpatchable: bool
+
+@dataclass(frozen=True)
+class _Run:
+    """One :func:`compile`: its validated options, progress hooks and image context."""
+
+    options: CompileOptions
     verify: bool
-    apply: str
     on_stage: Callable[[str], None] | None
     on_block: Callable[[int, int, str], None] | None
     image: ImageContext | None = None
 
 
 def _compile_ids(
-    model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Options
+    model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Run
 ) -> CompileResult:
     """:func:`compile` on checked token ids: trace, control, full run, solve, verify, report."""
-    stage = o.on_stage or (lambda _name: None)
+    stage, opt = o.on_stage or (lambda _name: None), o.options
     timings: dict[str, float] = {}
     clock = time.perf_counter()
 
@@ -212,7 +226,7 @@ def _compile_ids(
         model, ctx_ids, q_ids, o
     )
     lap("trace")
-    _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
+    _check_blocks(blocks, opt.skip_unpatchable, opt.start_layer)
     device = input_device(model)  # the embedding's device (a dispersed model's too)
     full_ids = torch.tensor([ctx_ids + q_ids], dtype=torch.long, device=device)
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
@@ -227,21 +241,17 @@ def _compile_ids(
     assert full.reference is not None  # full_run records it (reference=True)
     lap("full_run")
     stage("solving")
-    solution, failed = _solve_skipping(
-        (traced, blocks, full, query, o.update, o.start_layer, o.on_block, o.apply),
-        o.skip_unpatchable,
-        attention.query_ops,
-    )
+    solution, failed = _solve_skipping((traced, blocks, full, query), o, attention.query_ops)
     lap("solve")
     rejections = tuple(str(r) for r in (*blocks.rejections, *failed))
-    if not solution.deltas:  # e.g. --skip-unpatchable with every block failing: never a no-op
-        raise UnpatchableError(
-            "no block was patched"
-            + (f": {'; '.join(rejections)}" if rejections else f" from start layer {o.start_layer}")
+    if not solution.deltas:  # e.g. skip_unpatchable with every block failing: never a no-op
+        where = (
+            f": {'; '.join(rejections)}" if rejections else f" from start layer {opt.start_layer}"
         )
+        raise UnpatchableError("no block was patched" + where)
 
     solver = fidelity(solution.logits, full.logits)
-    meta = _meta(model, traced, ctx_ids, q_ids, o.update, o.start_layer, solver)
+    meta = _meta(model, traced, ctx_ids, q_ids, opt.update, opt.start_layer, solver)
     patch = Patch(solution.deltas, meta)
     lap("fingerprint")
     emitted, eager = solution.logits, None
@@ -253,8 +263,8 @@ def _compile_ids(
     report = CompileReport(
         model=meta.model,
         dtype=meta.dtype,
-        update=o.update,
-        start_layer=o.start_layer,
+        update=opt.update,
+        start_layer=opt.start_layer,
         context_ids=ctx_ids,
         query_ids=q_ids,
         patched=solver,
@@ -264,7 +274,7 @@ def _compile_ids(
         rejections=rejections,
         timings=timings,
         ctxc_version=__version__,
-        apply=o.apply,
+        apply=opt.apply,
         frontend=frontend,
         images=None if o.image is None else image_figures(o.image, image_run, full.reference),
         device=str(device),
@@ -275,7 +285,7 @@ def _compile_ids(
     return CompileResult(patch, report, full_logits=reference, patched_logits=eager)
 
 
-def _traces(model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Options) -> tuple:
+def _traces(model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Run) -> tuple:
     """The full run's and the reduced run's graphs and block maps, the frontend's rung, and
     for an image context its :class:`MultimodalRun` (else None)."""
     if o.image is None:
@@ -285,7 +295,7 @@ def _traces(model: torch.nn.Module, ctx_ids: list[int], q_ids: list[int], o: _Op
         return full_traced, full_blocks, traced, blocks, frontend, None
     # The images enter through the model's own forward (compiler/runs/image_run.py).
     traced, blocks = traced_blocks(model, len(q_ids))
-    _check_blocks(blocks, o.skip_unpatchable, o.start_layer)
+    _check_blocks(blocks, o.options.skip_unpatchable, o.options.start_layer)
     run = multimodal_full_graph(model, blocks, o.image.inputs, len(q_ids))
     return run.traced, run.blocks, traced, blocks, traced.frontend, run
 
@@ -295,13 +305,13 @@ def _check_blocks(blocks: BlockMap, skip_unpatchable: bool, start_layer: int) ->
     if not blocks.blocks:
         raise UnpatchableError("no residual MLP block found in this model" + _reasons(blocks))
     if blocks.rejections and not skip_unpatchable:
-        raise UnpatchableError(
-            f"{len(blocks.rejections)} block(s) admit no exact patch"
-            + _reasons(blocks)
-            + " (--skip-unpatchable patches the rest)"
+        raise UnpatchableError().naming(
+            "{} block(s) admit no exact patch{} ({skip_unpatchable} patches the rest)",
+            len(blocks.rejections),
+            _reasons(blocks),
         )
-    if not 0 <= start_layer < len(blocks.blocks):
-        raise CtxcError(f"start layer {start_layer} is outside 0..{len(blocks.blocks) - 1}")
+    if start_layer >= len(blocks.blocks):  # CompileOptions: at least 0
+        raise OptionError("{start_layer} {} is outside 0..{}", start_layer, len(blocks.blocks) - 1)
 
 
 def _meta(
@@ -322,28 +332,40 @@ def _meta(
     )
 
 
-def _solve_skipping(
-    args: tuple[TracedModel, BlockMap, FullRun, torch.Tensor, str, int, Callable | None, str],
-    skip_unpatchable: bool,
-    ops: dict | None = None,
-) -> tuple:
+def _solve_skipping(runs: tuple, o: _Run, ops: dict | None = None) -> tuple:
     """Solve; with ``skip_unpatchable``, leave a block whose condition fails unpatched and solve
-    again (the blocks above it absorb its difference), until no block fails. ``ops``: the
-    reduced run's attention calls as the runtime makes them
-    (``compiler/runs/runtime_attention.py``).
+    again (the blocks above it absorb its difference), until no block fails.
+
+    Args:
+        runs: ``(traced, blocks, full run, query ids)``.
+        o: the compile's options and its ``on_block`` hook.
+        ops: the reduced run's attention calls as the runtime makes them
+            (``compiler/runs/runtime_attention.py``).
     """
+    opt = o.options
+    traced, blocks, full, query = runs
     failed: list[Rejection] = []
     while True:
         skip = {r.where: r.reason for r in failed}
         try:
-            return solve(*args, skip=skip, ops=ops), tuple(failed)
+            solution = solve(
+                traced,
+                blocks,
+                full,
+                query,
+                opt.update,
+                opt.start_layer,
+                o.on_block,
+                opt.apply,
+                skip=skip,
+                ops=ops,
+            )
+            return solution, tuple(failed)
         except SolveError as exc:
-            if not skip_unpatchable or exc.block in skip:
-                raise SolveError(exc.block, exc.reason + _SKIP_HINT) from exc
+            if not opt.skip_unpatchable or exc.block in skip:
+                hint = "block {}: {} ({skip_unpatchable} patches the other blocks)"
+                raise SolveError(exc.block, exc.reason).naming(hint, exc.block, exc.reason) from exc
             failed.append(Rejection(exc.block, exc.reason))
-
-
-_SKIP_HINT = " (--skip-unpatchable patches the other blocks)"
 
 
 def _run_patched(

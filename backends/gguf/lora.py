@@ -23,7 +23,7 @@ import torch
 
 from ctxc.backends.gguf.llama_cpp.check import run_in_llama_cpp
 from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures
-from ctxc.backends.gguf.model import GGUF_ATOL, GGUF_TYPES
+from ctxc.backends.gguf.model import GGUF_ATOL
 from ctxc.backends.gguf.names import gguf_arch, gguf_name
 from ctxc.backends.gguf.write import tensor_array
 from ctxc.backends.peft.lora_adapter import servable_deltas
@@ -31,6 +31,7 @@ from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.vocabulary import GGUF_TYPES, check_choice
 from ctxc.patch import Patch
 
 __all__ = ["GGUF_LORA_FILE", "GgufLoraFigures", "emit_gguf_lora", "write_gguf_lora"]
@@ -205,8 +206,7 @@ def emit_gguf_lora(
             deltas do not reproduce the patched model, or (llama.cpp installed) an adapter
             further from llama.cpp's full-context run than its bound.
     """
-    if gguf_type not in GGUF_TYPES:
-        raise CtxcError(f"invalid --gguf-type {gguf_type!r}; expected one of {GGUF_TYPES}")
+    check_choice("gguf_type", gguf_type, GGUF_TYPES, "GGUF type")
     clock = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     path = out / GGUF_LORA_FILE

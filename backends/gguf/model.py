@@ -27,9 +27,9 @@ from ctxc.backends.gguf.names import gguf_arch
 from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
-from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
 from ctxc.core.thresholds import GGUF_ATOL
+from ctxc.core.vocabulary import GGUF_TYPES, check_choice
 from ctxc.patch import Patch
 
 __all__ = [
@@ -41,7 +41,6 @@ __all__ = [
 ]
 
 GGUF_FILE = "model.gguf"
-GGUF_TYPES = ("F32", "F16", "BF16")
 
 
 @dataclass(frozen=True)
@@ -157,8 +156,7 @@ def emit_gguf(
             that does not reproduce the patched model, or (llama.cpp installed) a file further
             from llama.cpp's full-context run than its bound.
     """
-    if gguf_type not in GGUF_TYPES:
-        raise CtxcError(f"invalid --gguf-type {gguf_type!r}; expected one of {GGUF_TYPES}")
+    check_choice("gguf_type", gguf_type, GGUF_TYPES, "GGUF type")
     clock = time.perf_counter()
     gguf_arch(model)  # an unknown architecture fails before anything is written
     out.mkdir(parents=True, exist_ok=True)

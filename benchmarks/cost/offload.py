@@ -107,8 +107,7 @@ def child(argv: list[str], out: str) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     import ctxc
-    import ctxc.backends.torch.model
-    import ctxc.cli.batch
+    import ctxc.backends.torch.check
     from ctxc.cli.app import main
     from ctxc.models.load import bundled_model_dir
 
@@ -120,8 +119,8 @@ def child(argv: list[str], out: str) -> None:
     phases.wrap(transformers.AutoTokenizer, "from_pretrained", "tokenizer", classmethod_=True)
     phases.wrap(transformers.AutoModelForCausalLM, "from_pretrained", "model load", True)
     phases.wrap(ctxc, "compile", "compile")
-    phases.wrap(ctxc.backends.torch.model, "emit_torch", "write model/")
-    phases.wrap(ctxc.cli.batch, "reload_fidelity", "reload model/")
+    phases.wrap(ctxc.backends.torch.check, "emit_torch", "write model/")
+    phases.wrap(ctxc.backends.torch.check, "reload_fidelity", "reload model/")
     rc = main(argv)
     phases.leave()
     figures = {

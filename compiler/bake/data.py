@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ctxc.core.errors import CtxcError
+from ctxc.core.textfile import read_text
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.run_graph import BlockTargets, record_targets
@@ -76,17 +77,9 @@ def special_prefix(tokenizer) -> list[int]:
 
 
 def read_queries(path: Path) -> list[str]:
-    """The non-blank lines of a UTF-8 query file; a CtxcError if it has none."""
-    if not path.is_file():
-        raise CtxcError(f"query file not found: {path}")
-    try:
-        lines = path.read_bytes().decode("utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise CtxcError(f"query file is not UTF-8 text: {path} (byte {exc.start})") from None
-    queries = [line.strip() for line in lines if line.strip()]
-    if not queries:
-        raise CtxcError(f"query file is empty: {path}")
-    return queries
+    """The non-blank lines of a UTF-8 query file, stripped (``ctxc.core.textfile.read_text``:
+    one line naming the file for a missing, unreadable, blank or binary one)."""
+    return [line.strip() for line in read_text(path, "query file").splitlines() if line.strip()]
 
 
 def text_queries(tokenizer, texts: Sequence[str]) -> list[list[int]]:

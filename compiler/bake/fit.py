@@ -26,7 +26,8 @@ from ctxc.bake.data import (
     special_prefix,
     text_queries,
 )
-from ctxc.core.errors import CtxcError, UnpatchableError
+from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
+from ctxc.core.options import BakeOptions
 from ctxc.models.fingerprint import fingerprint
 from ctxc.models.load import check_length
 from ctxc.passes.runtime.run_graph import BlockTargets
@@ -35,52 +36,7 @@ from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.pipeline import traced_blocks
 
-__all__ = ["BAKE_METHODS", "BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]
-
-BAKE_METHODS = ("fit", "distill")
-
-
-@dataclass(frozen=True)
-class BakeOptions:
-    """How a thought patch is made.
-
-    Attributes:
-        samples: K, continuations sampled from the model fed the context.
-        sample_tokens: tokens per sampled continuation.
-        rank: rank budget per matrix; None: no budget.
-        method: ``fit`` or ``distill``.
-        ridge: relative ridge of the matrix fits
-        (:class:`~ctxc.passes.solver.fit_moves.FitOptions`);
-            among 0.05-5, 1.0 was best held out on the hand-written questions and within
-            0.02 of 5 on fresh samples (docs/results/thought_patches.md, levers).
-        scale_ridge: relative ridge of the post-norm scale fit (0.1: best among 0.01-1).
-        seed: the sampling (and training) seed.
-        distill_steps: optimiser steps of ``distill``.
-        distill_seconds: a wall-time budget for ``distill`` instead of ``distill_steps`` (the
-            training loop's time; the report gives the steps reached). None: the step count.
-        distill_lr: its learning rate.
-        distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
-        fit_prefix: the prefix positions (BOS, matched to the context's last token) are
-            constraints too; False (default): they are run but not fitted. The BOS position is
-            the same in every query (K identical rows of a very large norm): fitted, it
-            dominated the least squares and held-out KL on fresh samples was 0.71 against
-            0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/results/thought_patches.md).
-        input_moves: fit the inner linears' input moves too; False: the output move only.
-    """
-
-    samples: int = 32
-    sample_tokens: int = 32
-    rank: int | None = None
-    method: str = "fit"
-    ridge: float = 1.0
-    scale_ridge: float = 0.1
-    seed: int = 0
-    distill_steps: int = 200
-    distill_seconds: float | None = None
-    distill_lr: float = 1e-3
-    distill_from_fit: bool = False
-    fit_prefix: bool = False
-    input_moves: bool = True
+__all__ = ["BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]
 
 
 @dataclass(frozen=True)
@@ -112,13 +68,12 @@ def bake_data(
 ) -> FitData:
     """The fit data: the query texts' ids, then ``samples`` sampled continuations.
 
+    Args:
+        samples: K, at least 0 (``BakeOptions`` validated it; an evaluation's count, its caller).
+
     Raises:
-        CtxcError: nothing to fit (no query and K = 0), or an input past the model's positions.
+        CtxcError: an input past the model's positions.
     """
-    if samples < 0:
-        raise CtxcError(f"--samples must be at least 0 (got {samples})")
-    if not queries and samples == 0:
-        raise CtxcError("--samples 0 and no query file: nothing to fit the patch on")
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
@@ -136,17 +91,21 @@ def bake_data(
 
 
 def check_rank(rank: int | None, model: torch.nn.Module, blocks) -> None:
-    """Refuse a rank of 0 or past every patched matrix's size (one line)."""
+    """Refuse a rank past every patched matrix's size (``BakeOptions`` refused one below 1).
+
+    Raises:
+        OptionError: naming ``rank``.
+    """
     if rank is None:
         return
-    if rank < 1:
-        raise CtxcError(f"--rank must be at least 1 (got {rank})")
     largest = 0
     for block in blocks.blocks:
         for site in (*block.inner, block.outer):
             largest = max(largest, min(model.get_parameter(site.weight).shape[-2:]))
     if rank > largest:
-        raise CtxcError(f"--rank {rank} is past the matrix size: the largest rank is {largest}")
+        raise OptionError(
+            "{rank} {} is past the matrix size: the largest rank is {}", rank, largest
+        )
 
 
 def bake(
@@ -188,13 +147,12 @@ def bake(
     """
     o = options or BakeOptions()
     stage = on_stage or (lambda _name: None)
-    if o.method not in BAKE_METHODS:
-        raise CtxcError(f"unknown method {o.method!r}; expected one of {', '.join(BAKE_METHODS)}")
     if Patch.is_applied(model):
         raise CtxcError("a patch is applied to this model: remove it before baking")
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     if data is None:
+        o.check_fit(queries)
         ids = _context_ids(tokenizer, context, context_ids)
         stage("sampling")
         data = bake_data(model, tokenizer, ids, queries, o.samples, o.sample_tokens, o.seed)

@@ -5,41 +5,41 @@ no error); 2 a usage error or any other error a user can cause, printed as one l
 ``ctxc: error: ...``; 1 an internal error (a bug: one line, ``CTXC_DEBUG=1`` for the
 traceback); 130 after Ctrl-C and 143 after SIGTERM (128 + the signal, as shells report it),
 printed as ``ctxc: interrupted``. No error leaves a partly written output folder.
+
+This module holds the typer app, ``main`` and the translation of click's usage errors into
+those lines; each command lives in a module of its own (``compile.py``, ``export.py``,
+``inspect.py``, ``generate.py``, ``bake.py``: bake and eval-bake), the options they share in
+``options.py``. ``python -m ctxc.cli.app`` and the ``ctxc`` script both run :func:`main`.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
-from enum import Enum
-from pathlib import Path
+from typing import Protocol, TypeGuard
 
 import typer
 
 from ctxc._version import __version__
 from ctxc.cli.bake import bake_cmd, eval_bake_cmd
-from ctxc.cli.devices import DEVICE, DEVICE_MAP, MAX_MEMORY, placement_for
-from ctxc.cli.images import generate_inputs, image_options, processor_of, refuse_image_patch
-from ctxc.cli.output import output_folder
-from ctxc.cli.progress import (
-    VERBOSE,
-    command_trail,
-    err,
-    finish,
-    progress,
-    quiet_defaults,
-    say,
-    stage,
-    stage_progress,
-)
-from ctxc.cli.support import emit_checked, load, parse_emit, read_context, reload_fidelity, written
-from ctxc.cli.usage import hide_flag_types, is_click, usage_message
-from ctxc.core.checks import ArtefactError
+from ctxc.cli.compile import compile_cmd
+from ctxc.cli.export import export_cmd
+from ctxc.cli.generate import generate_cmd
+from ctxc.cli.inspect import inspect_cmd
+from ctxc.cli.options import cli_message
+from ctxc.cli.progress import VERBOSE, command_trail, err, finish, quiet_defaults, say
 from ctxc.core.errors import CtxcError, missing_package_error
-from ctxc.core.interrupts import install_handlers, pause_point, received
+from ctxc.core.interrupts import install_handlers, received
 
-__all__ = ["app", "main"]
+__all__ = [
+    "app",
+    "command_names",
+    "hide_flag_types",
+    "is_click",
+    "main",
+    "raw_value",
+    "usage_message",
+]
 
 app = typer.Typer(
     add_completion=False,
@@ -47,34 +47,13 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Compile a context into exact low-rank patches of a transformer's MLP weights.",
 )
-app.command("bake")(bake_cmd)  # thought patches (issue 13): compiler/cli/bake.py
+# One module per command (compiler/cli/<command>.py), registered in the order --help lists them.
+app.command("bake")(bake_cmd)  # thought patches (issue 13)
 app.command("eval-bake")(eval_bake_cmd)
-hide_flag_types()  # --force, not --force <bool>, in --help
-
-
-class Update(str, Enum):
-    standard = "standard"
-    stable = "stable"
-    output = "output"
-    lora = "lora"
-
-
-class DType(str, Enum):
-    float32 = "float32"
-    bfloat16 = "bfloat16"
-    float16 = "float16"
-
-
-class GgufType(str, Enum):
-    F32 = "F32"
-    F16 = "F16"
-    BF16 = "BF16"
-
-
-class Format(str, Enum):
-    text = "text"
-    json = "json"
-    html = "html"
+app.command("compile")(compile_cmd)
+app.command("export")(export_cmd)
+app.command("inspect")(inspect_cmd)
+app.command("generate")(generate_cmd)
 
 
 def _version(value: bool) -> None:
@@ -91,279 +70,6 @@ def _root(
     verbose: bool = VERBOSE,
 ) -> None:
     """Compile a context into exact low-rank patches of a transformer's MLP weights."""
-
-
-@app.command("compile")
-def compile_cmd(
-    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
-    contexts: Path = typer.Option(
-        None, "--contexts", help="JSON Lines: one {context, query?, name?} per line."
-    ),
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
-    query: str = typer.Option(None, "--query", help="Query text (default: last context token)."),
-    out_dir: Path = typer.Option(Path("ctxc-out"), "--out", help="Output folder."),
-    update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
-    dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
-    emit: str = typer.Option(
-        "torch",
-        "--emit",
-        help="Comma list of artefacts: torch (model/), onnx, ort-adapter, peft (adapter/), "
-        "lora (lora/), gguf (model.gguf), gguf-lora (lora.gguf).",
-    ),
-    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
-    start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
-    skip_unpatchable: bool = typer.Option(
-        False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."
-    ),
-    device: str = DEVICE,
-    device_map: str = DEVICE_MAP,
-    max_memory: str = MAX_MEMORY,
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
-    image: list[Path] = typer.Option(
-        None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
-    ),
-    resume: bool = typer.Option(
-        False, "--resume", help="With --contexts: keep the lines an earlier run wrote in --out."
-    ),
-    verbose: bool = VERBOSE,
-) -> None:
-    """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
-    from ctxc.cli.batch import Options, compile_batch, compile_into
-
-    if image and contexts is not None:
-        raise CtxcError("--image applies to --context (or to no context: the images alone)")
-    if context is None and contexts is None and not image:
-        raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
-    if context is not None and contexts is not None:
-        raise CtxcError("--context and --contexts are mutually exclusive: give one")
-    kinds = parse_emit(emit)
-    where = placement_for(device, device_map, max_memory, kinds)
-    opts = Options(
-        update.value, start_layer, skip_unpatchable, kinds, gguf_type.value, placement=where
-    )
-    if contexts is not None:
-        if query is not None:
-            raise CtxcError("--query applies to --context; give each query in the JSON lines")
-        rc = compile_batch(contexts, out_dir, model, dtype.value, force, opts, resume)
-        raise typer.Exit(rc)
-    if resume:
-        raise CtxcError("--resume applies to --contexts")
-    text = read_context(context) if context is not None else ""
-    if query == "":  # " " or "\n" is a query: real tokens (compiler/core/tokens.py)
-        raise CtxcError("the query is empty")
-    if image:
-        opts = image_options(opts, image)  # every image read now, before the model loads
-    with output_folder(out_dir, force, "compile") as tmp:
-        net, tokenizer = load(model, dtype.value, where)
-        if image:
-            tokenizer = processor_of(net, model)
-        with stage_progress("compiling", "solving") as (on_stage, on_block):
-            report, figures = compile_into(
-                net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
-            )
-    say(report.summary(tokenizer.decode if hasattr(tokenizer, "decode") else None))
-    for f in figures.values():
-        say(f.summary())
-    say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
-
-
-@app.command("export")
-def export_cmd(
-    patch_file: Path = typer.Option(
-        ..., "--patch", help="patch.safetensors from ctxc compile, or its folder."
-    ),
-    model: str = typer.Option(None, "--model", help="The model the patch was computed on."),
-    to: str = typer.Option(
-        "torch",
-        "--to",
-        help="Artefact: torch (the model folder), onnx, ort-adapter, peft, lora, gguf, gguf-lora.",
-    ),
-    gguf_type: GgufType = typer.Option(GgufType.F32, "--gguf-type", help="GGUF matrix type."),
-    patchable: bool = typer.Option(
-        False, "--patchable", help="ONNX with the patch factors as graph inputs."
-    ),
-    out_dir: Path = typer.Option(..., "--out", help="Output folder."),
-    device: str = DEVICE,
-    device_map: str = DEVICE_MAP,
-    max_memory: str = MAX_MEMORY,
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
-    verbose: bool = VERBOSE,
-) -> None:
-    """Emit an artefact from a saved patch."""
-    from ctxc.patch import Patch
-
-    kinds = parse_emit(to, "--to")
-    if patchable and "onnx" not in kinds:
-        raise CtxcError("--patchable applies to --to onnx")
-    where = placement_for(device, device_map, max_memory, kinds)
-    patch = Patch.load(patch_file)  # validated: finite values, factor shapes, ranks
-    with output_folder(out_dir, force, "export") as tmp:
-        net, tokenizer = load(model, patch.meta.dtype, where)
-        patch.check(net)  # fingerprint and shapes, without applying
-        from ctxc.backends import precheck
-
-        refuse_image_patch(net, patch)
-        precheck(net, kinds)
-        pause_point("writing")
-        report: dict = {"patch": str(patch_file.resolve()), "model": patch.meta.model}
-        full = None
-        try:
-            if "torch" in kinds:
-                from ctxc.core.report import reference_name
-
-                full, reloaded = _export_torch(net, tokenizer, patch, tmp)
-                report["torch"] = {
-                    "emitted": {**reloaded.to_dict(), "reference": reference_name(net)},
-                    "emitted_measured_on": "the folder reloaded with "
-                    "AutoModelForCausalLM.from_pretrained",
-                }
-            figures = emit_checked(
-                net,
-                patch,
-                tmp,
-                kinds,
-                patchable,
-                full=full,
-                tokenizer=tokenizer,
-                gguf_type=gguf_type.value,
-            )
-        except ArtefactError as exc:  # what passed is kept (cli_output: DIR.failed)
-            _failed_report(tmp, report, exc)
-            raise
-        report.update({kind: f.to_dict() for kind, f in figures.items()})
-        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    if "torch" in kinds:
-        say(
-            f"model folder, reloaded, fed the query alone: max |logit diff| "
-            f"{reloaded.max_abs_logit_diff:.3g}, top-1 "
-            f"{'match' if reloaded.top1_match else 'MISMATCH'}"
-        )
-    for f in figures.values():
-        say(f.summary())
-    say(f"wrote {out_dir}/")
-
-
-def _export_torch(net, tokenizer, patch, tmp: Path):
-    """The model folder as ``tmp`` itself, reloaded and checked: (full logits, its Fidelity)."""
-    from ctxc.backends.torch.model import emit_torch
-    from ctxc.backends.torch.verify import reference_logits
-    from ctxc.core.checks import gate, staged
-
-    stage("writing the model folder and reloading it")
-    with staged(tmp, "torch", "model folder") as sub:
-        emit_torch(net, tokenizer, patch, sub)
-        full = reference_logits(net, patch)
-        reloaded = reload_fidelity(sub, patch, patch.meta.dtype, full, net)
-        gate("torch", "model folder", reloaded, patch.meta, full)
-    return full, reloaded
-
-
-def _failed_report(tmp: Path, report: dict, exc) -> None:
-    """report.json of an export whose artefact failed, when an artefact passed before it."""
-    if "torch" not in report and not exc.passed:
-        return  # nothing passed: nothing is kept
-    report.update({kind: f.to_dict() for kind, f in exc.passed.items()})
-    report["failed"] = {"artefact": exc.artefact, "error": str(exc)}
-    (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-
-
-@app.command("inspect")
-def inspect_cmd(
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
-    fmt: Format = typer.Option(
-        Format.text, "--format", help="text, json, or html (a page with a diagram per shape)."
-    ),
-    device: str = DEVICE,
-    device_map: str = DEVICE_MAP,
-    max_memory: str = MAX_MEMORY,
-    verbose: bool = VERBOSE,
-) -> None:
-    """Report every residual MLP block: its shape, parts and roles, what ctxc patches per
-    update rule, or why a block cannot be patched."""
-    net, _ = load(model, "float32", placement_for(device, device_map, max_memory))
-    from ctxc.inspect.model import inspect_model
-    from ctxc.inspect.render_html import render_html
-    from ctxc.inspect.render_json import render_json
-    from ctxc.inspect.render_text import render_text
-
-    stage("tracing the model")
-    info = inspect_model(net)
-    if fmt is Format.text:
-        say(render_text(info))
-    else:  # plain bytes on stdout: no console wrapping or markup in machine-read formats
-        finish()  # the progress trail ends before the bytes go out
-        sys.stdout.write(render_json(info) if fmt is Format.json else render_html(info))
-        sys.stdout.flush()
-
-
-@app.command("generate")
-def generate_cmd(
-    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
-    max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
-    update: Update = typer.Option(Update.stable, "--update", help="Update rule."),
-    dtype: DType = typer.Option(DType.float32, "--dtype", help="Model dtype."),
-    out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
-    device: str = DEVICE,
-    device_map: str = DEVICE_MAP,
-    max_memory: str = MAX_MEMORY,
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
-    image: list[Path] = typer.Option(
-        None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
-    ),
-    verbose: bool = VERBOSE,
-) -> None:
-    """The paper's protocol: recompile the patch at every token against greedy generation."""
-    if context is None and not image:
-        raise CtxcError("missing option '--context'")
-    text = read_context(context) if context is not None else ""
-    if image:
-        from ctxc.models.images import read_images
-
-        read_images(image)  # every image read now, before the model loads
-    if max_new_tokens < 1:
-        raise CtxcError("--max-new-tokens must be at least 1")
-    where = placement_for(device, device_map, max_memory)
-    with output_folder(out_dir, force, "generate") as tmp:
-        from ctxc.generate.report import plot_steps, steps_table, write_json
-        from ctxc.generate.steps import generate
-        from ctxc.models.load import check_length
-
-        net, tokenizer = load(model, dtype.value, where)
-        if image:
-            ids, prefill = generate_inputs(net, model, text, image)
-        else:
-            ids, prefill = list(tokenizer(text).input_ids), None
-        check_length(net, len(ids) + max_new_tokens, f"context + {max_new_tokens} new tokens")
-        with progress() as bar:
-            task = bar.add_task("generating", total=max_new_tokens, unit="tokens")
-            result = generate(
-                net,
-                ids,
-                max_new_tokens,
-                update=update.value,
-                on_step=lambda s: bar.update(task, completed=s.step + 1),
-                prefill=prefill,
-            )
-        tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
-        write_json(result, tmp / "generate.json", tokens)
-        plotted = plot_steps(result, tmp / "generate.png")
-    say(steps_table(result, tokenizer.decode))
-    summary = result.to_dict()["summary"]
-    say(
-        f"top-1 match {summary['top1_match_rate']:.1%} over {summary['steps']} steps; "
-        f"max |logit diff| {summary['max_abs_logit_diff']:.3g}; "
-        f"mean step {result.timings['steps'] / max(1, len(result.steps)):.3f} s "
-        f"(targets from {result.targets_from})"
-    )
-    if plotted is None:
-        err.print(
-            "ctxc: generate.png skipped: matplotlib is not installed (pip install 'ctxc[plot]')",
-            highlight=False,
-            markup=False,
-            soft_wrap=True,
-        )
-    say(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -392,7 +98,7 @@ def _run(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         rc = 130
     except CtxcError as exc:
-        return _error(str(exc))
+        return _error(cli_message(exc))
     except Exception as exc:
         missing = missing_package_error(exc, "this run")  # torchvision, timm, Pillow
         if missing is not None:
@@ -429,6 +135,88 @@ def command_names() -> list[str]:
 def _error(message: str) -> int:
     err.print(f"ctxc: error: {message}", highlight=False, soft_wrap=True, markup=False)
     return 2
+
+
+# Click's usage errors as the one-line messages of the CLI contract (DESIGN.md).
+
+
+def hide_flag_types() -> None:
+    """Show flags in ``--help`` as ``--force``, not ``--force <bool>``.
+
+    Typer's help prints every option's value type, flags included (they take no value), and
+    ``--help`` itself is built inside typer, out of reach of a ``metavar``: a flag's type column
+    is left empty instead, for every command. Side effects: patches typer's option class once.
+    """
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+    if getattr(shown, "ctxc_flags_hidden", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    display_type_rich.ctxc_flags_hidden = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]  # the patch
+
+
+class ClickError(Protocol):
+    """What the CLI reads of a click exception (typer's vendored click or click)."""
+
+    def format_message(self) -> str: ...
+
+
+def is_click(exc: BaseException, name: str) -> TypeGuard[ClickError]:
+    """Whether ``exc`` is click's exception class ``name`` (or derives from it)."""
+    # Typer vendors its own click (typer._click), so `except click.ClickException` misses its
+    # exceptions; match the class by name through the hierarchy instead, for either click.
+    return any(cls.__name__ == name for cls in type(exc).__mro__)
+
+
+def usage_message(exc, argv: list[str], commands: list[str]) -> str:
+    """Click's message as one line that names the option, its value and what it takes.
+
+    Args:
+        exc: the click exception (typer's vendored click or click itself).
+        argv: the command line, to quote the value given.
+        commands: the app's command names, listed for an unknown command.
+
+    Returns:
+        the message, without the ``ctxc: error:`` prefix.
+    """
+    message = " ".join(str(exc.format_message()).split()).rstrip(".")
+    head, sep, detail = message.partition("': ")
+    if message.startswith("Invalid value for") and sep:
+        # Typer validates through pydantic: drop its prefix, and say what the value was.
+        detail = detail.removeprefix("Value error, ")
+        opts = getattr(getattr(exc, "param", None), "opts", None) or []
+        raw = raw_value(argv, opts)
+        if detail.startswith("Input should be a valid integer") and raw is not None:
+            detail = f"{raw!r} is not an integer"
+        elif detail.startswith("Input should be") and raw is not None:
+            detail = f"{raw!r}: {detail[:1].lower()}{detail[1:]}"
+        message = f"{head}{sep}{detail}"
+    elif message.startswith("Got unexpected extra argument"):
+        extra = message[message.rfind("(") + 1 :].rstrip(")")
+        message = f"unexpected argument {extra!r} (flags such as --force take no value)"
+    elif message.startswith("No such command"):
+        message = f"{message}; commands: {', '.join(commands)}"
+    return message[:1].lower() + message[1:]
+
+
+def raw_value(argv: list[str], opts: list[str]) -> str | None:
+    """The value given to one of ``opts`` on the command line (``--x v`` or ``--x=v``)."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in opts:
+            if eq:
+                return value
+            if i + 1 < len(argv):
+                return argv[i + 1]
+    return None
+
+
+hide_flag_types()  # --force, not --force <bool>, in --help
 
 
 if __name__ == "__main__":

@@ -5,37 +5,29 @@ No torch import at module level (``ctxc --help`` stays fast).
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from enum import Enum
 from pathlib import Path
 
 import typer
 
+from ctxc.cli.options import FORCE, MODEL, BakeMethod
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
-from ctxc.cli.support import emit_checked, load, parse_emit, read_context
+from ctxc.cli.support import load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 
 __all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
 
 
-class Method(str, Enum):
-    fit = "fit"
-    distill = "distill"
-
-
 def parse_rank(rank: str) -> int | None:
-    """``full`` -> None, else a positive integer; a CtxcError otherwise."""
+    """``full`` -> None, else the integer (``BakeOptions`` checks its range); a CtxcError for
+    anything else."""
     if rank.strip().lower() == "full":
         return None
     try:
-        value = int(rank)
+        return int(rank)
     except ValueError:
         raise CtxcError(f"--rank {rank!r} is not an integer or 'full'") from None
-    if value < 1:
-        raise CtxcError(f"--rank must be at least 1 (got {value})")
-    return value
 
 
 def bake_cmd(
@@ -44,7 +36,7 @@ def bake_cmd(
     samples: int = typer.Option(32, "--samples", help="K continuations sampled to fit on."),
     sample_tokens: int = typer.Option(32, "--sample-tokens", help="Tokens per sample."),
     rank: str = typer.Option("64", "--rank", help="Rank budget per matrix, or 'full'."),
-    method: Method = typer.Option(Method.fit, "--method", help="fit (closed form) or distill."),
+    method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
     seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
     steps: int = typer.Option(200, "--steps", help="distill: optimiser steps."),
@@ -54,46 +46,38 @@ def bake_cmd(
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
     eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out samples (seed + 1)."),
-    model: str = typer.Option(None, "--model", help="Alias, model folder or .gguf file."),
+    model: str | None = MODEL,
     emit: str = typer.Option("torch", "--emit", help="Comma list: torch, onnx, peft."),
     out_dir: Path = typer.Option(Path("ctxc-bake"), "--out", help="Output folder."),
-    force: bool = typer.Option(False, "--force", help="Replace an earlier ctxc output folder."),
+    force: bool = FORCE,
     verbose: bool = VERBOSE,
 ) -> None:
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
     from ctxc.bake.data import read_queries
+    from ctxc.core.options import BakeOptions
 
     text = read_context(context)
     fit_texts = read_queries(queries) if queries is not None else None
     held_texts = read_queries(eval_queries) if eval_queries is not None else None
-    r = parse_rank(rank)
-    for flag, value, low in (("--samples", samples, 0), ("--sample-tokens", sample_tokens, 1)):
-        if value < low:
-            raise CtxcError(f"{flag} must be at least {low} (got {value})")
-    if samples == 0 and fit_texts is None:
-        raise CtxcError("--samples 0 and no --queries: nothing to fit the patch on")
-    if eval_samples < 0 or steps < 1:
-        raise CtxcError("--eval-samples must be at least 0 and --steps at least 1")
-    if seconds is not None and not seconds > 0:
-        raise CtxcError(f"--seconds must be positive (got {seconds})")
-    if method is Method.distill and importlib.util.find_spec("peft") is None:
-        raise CtxcError("--method distill needs peft: pip install 'ctxc[peft]'")
+    opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
+        samples=samples,
+        sample_tokens=sample_tokens,
+        rank=parse_rank(rank),
+        method=method,
+        ridge=ridge,
+        seed=seed,
+        distill_steps=steps,
+        distill_seconds=seconds,
+        distill_from_fit=from_fit,
+    )
+    if eval_samples < 0:
+        raise CtxcError(f"--eval-samples must be at least 0 (got {eval_samples})")
     kinds = parse_emit(emit)
     with output_folder(out_dir, force, "bake") as tmp:
-        from ctxc.bake.fit import BakeOptions, bake
+        from ctxc.bake.fit import bake
+        from ctxc.core.report import write_report
 
         net, tokenizer = load(model, "float32")
-        opts = BakeOptions(
-            samples=samples,
-            sample_tokens=sample_tokens,
-            rank=r,
-            method=method.value,
-            ridge=ridge,
-            seed=seed,
-            distill_steps=steps,
-            distill_seconds=seconds,
-            distill_from_fit=from_fit,
-        )
         with stage_progress("baking", "fitting") as (on_stage, on_block):
             result = bake(
                 net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage, on_block=on_block
@@ -101,8 +85,9 @@ def bake_cmd(
         report = result.report
         report["figures"] = _figures(net, tokenizer, result, held_texts, eval_samples, seed)
         result.patch.save(tmp / "patch.safetensors")
-        report["artefacts"] = _emit(net, tokenizer, result.patch, tmp, kinds)
-        (tmp / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+        write_report(
+            tmp, report, _emit(net, tokenizer, result.patch, tmp, kinds), under="artefacts"
+        )
     for line in _summary(report["figures"]):
         say(line)
     say(f"wrote {out_dir}/")
@@ -132,17 +117,11 @@ def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -
 
 
 def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
-    """The artefacts of ``kinds``; their check figures (fidelity on the first fit query)."""
-    figures = {}
-    if "torch" in kinds:
-        from ctxc.backends.torch.model import emit_torch
+    """The artefacts of ``kinds``, each checked as a compile's are (model/ reloaded too); their
+    figures (at the first fit query) by kind."""
+    from ctxc.backends import emit_checked
 
-        stage("writing model/")
-        emit_torch(net, tokenizer, patch, tmp / "model")
-        figures["torch"] = {"written": "model/"}
-    found = emit_checked(net, patch, tmp, kinds, tokenizer=tokenizer)
-    figures.update({k: f.to_dict() for k, f in found.items()})
-    return figures
+    return emit_checked(net, patch, tmp, kinds, on_stage=stage, tokenizer=tokenizer)
 
 
 def _summary(figures: dict) -> list[str]:
@@ -165,7 +144,7 @@ def eval_bake_cmd(
     samples: int = typer.Option(0, "--samples", help="Held-out samples to draw."),
     seed: int = typer.Option(1, "--seed", help="Seed of the held-out samples."),
     gen_tokens: int = typer.Option(32, "--gen-tokens", help="Greedy tokens per query."),
-    model: str = typer.Option(None, "--model", help="The model the patch was baked on."),
+    model: str | None = MODEL,
     verbose: bool = VERBOSE,
 ) -> None:
     """Measure a baked patch on held-out queries against the model fed the context."""

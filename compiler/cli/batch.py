@@ -7,135 +7,33 @@ lists every line with its status and headline figures. No torch import at module
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 from pathlib import Path
 from typing import Any
 
 from ctxc._version import __version__
+from ctxc.cli.compile import CompileJob, compile_into
+from ctxc.cli.options import cli_message
 from ctxc.cli.output import MARKER
-from ctxc.cli.progress import progress, stage
-from ctxc.cli.support import emit_checked, err, out, reload_fidelity, written
+from ctxc.cli.progress import progress
+from ctxc.cli.support import err, out, written
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
-from ctxc.models.devices import Placement
+from ctxc.core.textfile import read_text
 
-__all__ = ["compile_batch", "compile_into", "read_lines"]
+__all__ = ["compile_batch", "read_lines"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The compile options shared by every context of a run."""
-
-    update: str
-    start_layer: int
-    skip_unpatchable: bool
-    kinds: list[str]
-    gguf_type: str = "F32"
-    images: tuple = ()  # decoded images of an image context (``ctxc compile --image``)
-    placement: Placement | None = None  # where the model is loaded
-
-
-def compile_into(net, tokenizer, tmp: Path, text: str, query, opts: Options, **hooks):
-    """Compile one context and write patch.safetensors, report.json and artefacts into ``tmp``.
-
-    Returns:
-        (the report as written, the emitted artefacts' figures).
-
-    Raises:
-        ArtefactError: an artefact failed; ``tmp`` then holds the patch, the artefacts that
-            passed and report.json with the failure under ``"failed"``.
-    """
-    import ctxc
-    from ctxc.backends import precheck
-
-    precheck(net, opts.kinds)
-    result = ctxc.compile(
-        net,
-        tokenizer,
-        context=text,
-        query=query,
-        update=opts.update,
-        start_layer=opts.start_layer,
-        skip_unpatchable=opts.skip_unpatchable,
-        images=list(opts.images) or None,
-        # With model/ written, its reload measures the same weights at the same addresses
-        # (README: 3.1e-6 both ways): the in-memory run would be a second forward pass and a
-        # second materialisation of every patched weight for the same figure.
-        verify="torch" not in opts.kinds,
-        **hooks,
-    )
-    result.patch.save(tmp / "patch.safetensors")
-    pause_point("writing")
-    state: dict[str, Any] = {"report": result.report, "figures": {}}
-    state["measured"] = "the patched model in memory (no model/ written)"
-    try:
-        _emit_all(net, tokenizer, tmp, result, opts, state)
-    except ArtefactError as exc:
-        _write_report(tmp, state, {**exc.passed, **state["figures"]}, exc)
-        raise
-    _write_report(tmp, state, state["figures"])
-    return state["report"], state["figures"]
-
-
-def _emit_all(net, tokenizer, tmp: Path, result, opts: Options, state: dict) -> None:
-    """model/ (reloaded and gated), then the checked artefacts; ``state`` gathers figures."""
-    from ctxc.backends.torch.model import emit_torch
-    from ctxc.core.checks import gate, staged
-    from ctxc.models.vlm import auto_model_class
-
-    if "torch" in opts.kinds:
-        state["measured"] = "the solver's pass (model/ failed its check)"  # until it passed
-        stage("writing model/ and reloading it")
-        with staged(tmp, "torch", "model/") as sub:
-            emit_torch(net, tokenizer, result.patch, sub / "model")
-            full, dtype = result.full_logits, state["report"].dtype
-            reloaded = reload_fidelity(sub / "model", result.patch, dtype, full, net)
-            gate("torch", "model/", reloaded, result.patch.meta, full)
-        state["report"] = dataclasses.replace(state["report"], emitted=reloaded)
-        name = auto_model_class(net.config).__name__
-        state["measured"] = f"model/ reloaded with {name}.from_pretrained"
-    state["figures"] = emit_checked(
-        net,
-        result.patch,
-        tmp,
-        opts.kinds,
-        full=result.full_logits,
-        tokenizer=tokenizer,
-        gguf_type=opts.gguf_type,
-        baked=result.patched_logits,
-    )
-
-
-def _write_report(tmp: Path, state: dict, figures: dict, failed=None) -> None:
-    """report.json: the compile's figures, the artefacts' and, when one failed, the failure."""
-    data = state["report"].to_dict()
-    data["emitted_measured_on"] = state["measured"]
-    data.update({kind: f.to_dict() for kind, f in figures.items()})
-    if failed is not None:
-        data["failed"] = {"artefact": failed.artefact, "error": str(failed)}
-    (tmp / "report.json").write_text(json.dumps(data, indent=2) + "\n")
-
-
 def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
     """(line number, parsed entry or None, error or None) for every non-blank line of ``path``."""
-    if path.is_dir():
+    if path.is_dir():  # the reader would say "is not a file": say what --contexts takes
         raise CtxcError(f"--contexts takes a JSON Lines file; {path} is a folder")
-    if not path.is_file():
-        raise CtxcError(f"contexts file not found: {path}")
-    try:
-        raw = path.read_bytes().decode("utf-8").splitlines()
-    except UnicodeDecodeError as exc:
-        raise CtxcError(f"contexts file is not UTF-8 text: {path} (byte {exc.start})") from None
-    except OSError as exc:
-        raise CtxcError(f"cannot read contexts file {path}: {exc.strerror}") from None
+    raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
     numbered = [(n, line) for n, line in enumerate(raw, 1) if line.strip()]
-    if not numbered:
-        raise CtxcError(f"contexts file is empty: {path}")
     width = max(4, len(str(numbered[-1][0])))
     seen: set[str] = set()
     lines = []
@@ -172,7 +70,7 @@ def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
 
 
 def compile_batch(
-    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: Options, resume=False
+    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: CompileJob, resume=False
 ):
     """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
 
@@ -215,7 +113,7 @@ def compile_batch(
     return 0
 
 
-def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: Options) -> None:
+def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: CompileJob) -> None:
     """Compile each line (or keep it, resuming), updating ``rows`` and index.json after each."""
     with _progress() as bar:
         task = bar.add_task("contexts", total=len(lines))
@@ -234,15 +132,15 @@ def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: Options) -
             pause_point(f"line {n} done")
 
 
-def _options(opts: Options, dtype: str) -> dict:
+def _options(opts: CompileJob, dtype: str) -> dict:
     """What must match for a --resume to keep earlier lines (the model: its fingerprint)."""
     where = opts.placement
     return {
         "ctxc_version": __version__,
         "dtype": dtype,
-        "update": opts.update,
-        "start_layer": opts.start_layer,
-        "skip_unpatchable": opts.skip_unpatchable,
+        "update": opts.compile.update,
+        "start_layer": opts.compile.start_layer,
+        "skip_unpatchable": opts.compile.skip_unpatchable,
         "emit": list(opts.kinds),
         "gguf_type": opts.gguf_type,
         "device": getattr(where, "device", None),
@@ -259,7 +157,7 @@ def _progress():
     return progress(rate="contexts/s")
 
 
-def _one(net, tokenizer, folder, entry: dict, opts: Options):
+def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
     """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
 
     A line already written by an earlier run (``--resume``) is kept; an artefact that fails
@@ -284,7 +182,7 @@ def _one(net, tokenizer, folder, entry: dict, opts: Options):
         return f"{_line(exc)}; the patch and what passed are kept in {where}/", None
     except CtxcError as exc:
         folder.discard(staging)
-        return _line(exc), None
+        return _line(cli_message(exc)), None
     except Exception as exc:  # a bug on one line: recorded, and the other lines still run
         folder.discard(staging)
         if os.environ.get("CTXC_DEBUG"):
@@ -296,5 +194,5 @@ def _one(net, tokenizer, folder, entry: dict, opts: Options):
     return None, headline(json.loads((folder.final / entry["name"] / "report.json").read_text()))
 
 
-def _line(exc: BaseException) -> str:
+def _line(exc: BaseException | str) -> str:
     return " ".join(str(exc).split())

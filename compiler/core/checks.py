@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ctxc.core.errors import CtxcError
 from ctxc.core.thresholds import RUNTIME_SLACK
+from ctxc.core.vocabulary import EXACT_RULES
 
 __all__ = [
     "EXACT_RULES",
@@ -51,6 +52,7 @@ _KIND = {
 }
 # --emit kind -> the figures' attributes that hold a Fidelity against the full context.
 _FIDELITIES = {
+    "torch": ("reloaded",),
     "onnx": ("fidelity",),
     "ort-adapter": ("fidelity",),
     "peft": ("lora", "merged"),
@@ -59,8 +61,6 @@ _FIDELITIES = {
     "gguf-lora": ("applied",),
 }
 _HALF = {"F16": "float16", "BF16": "bfloat16"}
-# The update rules whose patch is exact: without a recorded solver figure, expect rounding only.
-EXACT_RULES = ("standard", "stable", "output")
 
 
 class ArtefactError(CtxcError):
@@ -134,9 +134,9 @@ def gate(kind: str, artefact: str, figures, meta, full, gguf_type: str | None = 
     """Check each fidelity of an artefact's figures against :func:`fidelity_limit`.
 
     Args:
-        kind: the ``--emit`` kind (``torch``: ``figures`` is the reloaded model's Fidelity).
+        kind: the ``--emit`` kind.
         artefact: its name in the message.
-        figures: the emitter's figures (or a Fidelity for ``torch``).
+        figures: the emitter's figures.
         meta: the patch's metadata.
         full: the full-context logits at the query positions [k, vocab].
         gguf_type: the GGUF matrix type, for ``gguf`` and ``gguf-lora``.

@@ -7,9 +7,12 @@ and exits non-zero, without a traceback.
 from __future__ import annotations
 
 import re
+import string
+from collections.abc import Callable
 
 __all__ = [
     "CtxcError",
+    "OptionError",
     "SolveError",
     "UnpatchableError",
     "UntraceableError",
@@ -26,7 +29,54 @@ _LIBRARY = {"Torchvision": "torchvision", "timm": "timm", "PIL": "Pillow"}
 
 
 class CtxcError(Exception):
-    """A problem the user can fix: bad input, a missing model, an unsupported block."""
+    """A problem the user can fix: bad input, a missing model, an unsupported block.
+
+    A message that names parameters of the library is made with :meth:`naming`: ``str()`` names
+    them as the library does (``skip_unpatchable``), :meth:`render` as the caller asks (the CLI:
+    ``--skip-unpatchable``, ``compiler/cli/options.py``: ``FLAGS``). Library messages never name
+    CLI flags.
+    """
+
+    template: str | None = None
+    values: tuple[object, ...] = ()
+    params: tuple[str, ...] = ()
+
+    def naming(self, template: str, *values: object) -> CtxcError:
+        """This error, its message made from ``template``; returns ``self``.
+
+        Args:
+            template: a ``str.format`` template: each named field is a library parameter
+                (``{max_new_tokens}``), each unnamed one (``{}``, ``{!r}``) takes the next value.
+            values: the values of the unnamed fields (never parsed as a template).
+        """
+        self.template, self.values = template, values
+        fields = string.Formatter().parse(template)
+        self.params = tuple(name for _, name, _, _ in fields if name and not name.isdigit())
+        self.args = (self.render(),)
+        return self
+
+    def render(self, name_of: Callable[[str], str] = str) -> str:
+        """The message with each parameter it names called ``name_of(parameter)``."""
+        if self.template is None:
+            return str(self)
+        return self.template.format(*self.values, **{p: name_of(p) for p in self.params})
+
+
+class OptionError(CtxcError):
+    """A bad value of a library parameter; the message names the parameter (:meth:`naming`).
+
+    Args:
+        template: the message template (:meth:`CtxcError.naming`).
+        values: the values of its unnamed fields.
+
+    Example:
+        ``OptionError("{rank} must be at least 1 (got {})", 0)``: ``rank must be at least 1
+        (got 0)``, printed by ``ctxc bake`` as ``--rank must be at least 1 (got 0)``.
+    """
+
+    def __init__(self, template: str, *values: object) -> None:
+        super().__init__()
+        self.naming(template, *values)
 
 
 class UnpatchableError(CtxcError):

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ctxc.core.block_stats import BlockStats
 from ctxc.core.metrics import Fidelity
 
-__all__ = ["SOLVER_REFERENCE", "CompileReport", "reference_name"]
+if TYPE_CHECKING:
+    from ctxc.core.checks import ArtefactError
+
+__all__ = ["REPORT_FILE", "SOLVER_REFERENCE", "CompileReport", "reference_name", "write_report"]
+
+REPORT_FILE = "report.json"
 
 # What the solver's figure is measured against: its own arithmetic.
 SOLVER_REFERENCE = (
@@ -183,3 +191,37 @@ class CompileReport:
 def _clean(d: dict) -> dict:
     # JSON has no NaN: figures that do not apply to a block are null.
     return {k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in d.items()}
+
+
+def write_report(
+    folder: Path,
+    head: Mapping,
+    artefacts: Mapping | None = None,
+    failed: ArtefactError | None = None,
+    under: str | None = None,
+) -> dict:
+    """Write ``folder/report.json``, the one writer of every command's report.
+
+    Args:
+        folder: the output (staging) folder.
+        head: the command's own figures, first (a compile's :meth:`CompileReport.to_dict`).
+        artefacts: each emitted artefact's figures by ``--emit`` kind (objects with
+            ``to_dict``, or dicts), at the top level or under ``under``.
+        failed: the artefact error that stopped the run: recorded under ``"failed"``.
+        under: the key that holds the artefacts' figures (``ctxc bake``: ``"artefacts"``).
+
+    Returns:
+        the data written (indented JSON, one trailing newline).
+    """
+    data = dict(head)
+    figures = {
+        kind: f if isinstance(f, Mapping) else f.to_dict() for kind, f in (artefacts or {}).items()
+    }
+    if under is None:
+        data.update(figures)
+    else:
+        data[under] = figures
+    if failed is not None:
+        data["failed"] = {"artefact": failed.artefact, "error": str(failed)}
+    (folder / REPORT_FILE).write_text(json.dumps(data, indent=2) + "\n")
+    return data

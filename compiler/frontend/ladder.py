@@ -4,7 +4,7 @@
 length (a sliding window compared with it, a chunk size, a cache sized from the config). The
 ladder tries, in order:
 
-1. ``dynamic``: ``seq`` from 1 to the config's maximum position (``trace.max_positions``).
+1. ``dynamic``: ``seq`` from 1 to the config's maximum position (``trace.longest_input``).
 2. ``bounded``: the ranges ``torch.export`` suggests in its error (``Dim('seq', min=.., max=..)``;
    each failed try may suggest a narrower one), then ``[1, max - 1]``, ``[2, max]`` and
    ``[2, max - 1]`` (guards that hold below the configured maximum, or from 2 tokens on).
@@ -37,7 +37,7 @@ from typing import Generic, TypeVar
 import torch
 
 from ctxc.core.errors import CtxcError, UntraceableError
-from ctxc.frontend.trace import TracedModel, max_positions, trace
+from ctxc.frontend.trace import TracedModel, longest_input, trace
 
 __all__ = ["Frontend", "build_frontend", "suggested_range"]
 
@@ -205,7 +205,7 @@ def build_frontend(
     """
     import weakref
 
-    top = max_positions(model)
+    top = longest_input(model)
     reasons: list[str] = []
     try:
         traced = trace(model, seq_range=(1, top))

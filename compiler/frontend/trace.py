@@ -20,6 +20,7 @@ from torch.export import Dim, export
 from torch.export.graph_signature import InputKind
 
 from ctxc.core.errors import CtxcError
+from ctxc.models.load import max_positions
 from ctxc.models.offload import input_device, is_dispersed, meta_skeleton, weight_source
 from ctxc.models.placement import Placer
 
@@ -29,7 +30,7 @@ __all__ = [
     "LiftedProgram",
     "LogitsOnly",
     "TracedModel",
-    "max_positions",
+    "longest_input",
     "no_cache",
     "trace",
 ]
@@ -246,7 +247,7 @@ def trace(
         wrapper = LogitsOnly(meta_skeleton(model) if dispersed else model)
     wrapper = wrapper.eval()
     vocab = getattr(getattr(model, "config", None), "vocab_size", 2) or 2
-    lo, hi = seq_range or (1, max_positions(model))
+    lo, hi = seq_range or (1, longest_input(model))
     length = min(max(example_len, lo), hi)
     ids = torch.arange(length, dtype=torch.long).remainder(vocab).unsqueeze(0)
     if not dispersed:
@@ -283,15 +284,9 @@ def trace(
     )
 
 
-# Config attributes that bound the sequence length, first found wins.
-_LENGTH_KEYS = ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length")
-
-
-def max_positions(model: torch.nn.Module) -> int:
-    """The longest input the model's config allows (``MAX_SEQ`` at most; at least 2)."""
-    config = getattr(model, "config", None)
-    for key in _LENGTH_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return max(2, min(value, _MAX_SEQ))
-    return _MAX_SEQ
+def longest_input(model: torch.nn.Module) -> int:
+    """The longest input an export of ``model`` must hold: the model's positions
+    (:func:`ctxc.models.load.max_positions`, a multimodal model's text config first), at most
+    ``MAX_SEQ`` and at least 2."""
+    found = max_positions(getattr(model, "config", None))
+    return _MAX_SEQ if found is None else max(2, min(found[0], _MAX_SEQ))

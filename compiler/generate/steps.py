@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ctxc.core.errors import CtxcError
+from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.metrics import fidelity
+from ctxc.core.options import GenerateOptions
 from ctxc.frontend.trace import TracedModel
 from ctxc.generate.shared_head import head_split
 from ctxc.models.offload import input_device
@@ -293,41 +294,61 @@ class _Stepper:
             self.worker.shutdown()
 
 
+def _options(
+    options: GenerateOptions | None, max_new_tokens: int | None, update: str, apply: str | None
+) -> GenerateOptions:
+    """``options``, or :func:`generate`'s keyword arguments made into one (validated, once)."""
+    if options is None:
+        if max_new_tokens is None:
+            raise OptionError("give {max_new_tokens} (or options)")
+        return GenerateOptions(max_new_tokens, update, apply or "lowrank")
+    if (max_new_tokens, update, apply) != (None, "stable", None):
+        raise CtxcError("give options or max_new_tokens/update/apply, not both")
+    return options
+
+
 def generate(
     model: torch.nn.Module,
     context_ids: list[int],
-    max_new_tokens: int,
+    max_new_tokens: int | None = None,
     update: str = "stable",
     apply: str | None = None,
     on_step: Callable[[GenerateStep], None] | None = None,
     prefill: dict | None = None,
+    *,
+    options: GenerateOptions | None = None,
 ) -> GenerateResult:
     """Run the per-token protocol for ``max_new_tokens`` steps.
 
     Args:
         model: a causal LM; left unmodified.
         context_ids: the context, at least 2 tokens (the last one is the first query).
-        max_new_tokens: steps to run.
+        max_new_tokens: steps to run (at least 1).
         update: the update rule.
         apply: ``lowrank`` (default) or ``baked``.
         on_step: called with each step's record.
         prefill: the baseline's prefill inputs over ``context_ids[:-1]`` when they are more than
             ids (an image context: ``ctxc.models.images.prefill_inputs``); the steps are text.
+        options: a :class:`~ctxc.core.options.GenerateOptions` (validated) instead of
+            ``max_new_tokens``, ``update`` and ``apply``.
 
     Returns:
         the :class:`GenerateResult`.
+
+    Raises:
+        OptionError: a bad ``max_new_tokens``, ``update`` or ``apply`` (named).
     """
+    options = _options(options, max_new_tokens, update, apply)
+    max_new_tokens, update, apply = options.max_new_tokens, options.update, options.apply
     if len(context_ids) < 2:
         raise CtxcError("the context needs at least two tokens")
-    if max_new_tokens < 1:
-        raise CtxcError("--max-new-tokens must be at least 1")
     traced, blocks = traced_blocks(model)
     if blocks.rejections:
         raise CtxcError("; ".join(str(r) for r in blocks.rejections))
     dtype = traced.dtype
-    # The protocol measures the patched model in memory: low-rank actions beside the weights
-    # cost far less than materialising every patched matrix at every token (MATH.md 6).
-    apply = apply or "lowrank"
+    # lowrank by default (GenerateOptions): the protocol measures the patched model in memory,
+    # and actions beside the weights cost far less than materialising every patched matrix at
+    # every token (MATH.md 6).
     device = input_device(model)  # the embedding's device, dispersed or not
     ids = torch.tensor([context_ids], dtype=torch.long, device=device)
     hooks = _TargetHooks(model, traced, blocks)

@@ -14,6 +14,7 @@ from dataclasses import replace
 
 import torch
 
+from ctxc.core.vocabulary import RULES
 from ctxc.inspect.analysis import (
     BlockInspection,
     ModelInspection,
@@ -32,7 +33,7 @@ from ctxc.passes.locate.classify import (
     Role,
     classify,
 )
-from ctxc.passes.locate.plan import RULES, plan
+from ctxc.passes.locate.plan import plan
 
 __all__ = ["ModelInspection", "describe", "inspect_model"]
 

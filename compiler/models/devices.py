@@ -15,7 +15,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass, field
 
-from ctxc.core.errors import CtxcError
+from ctxc.core.errors import CtxcError, OptionError
 
 __all__ = [
     "DEVICE_MAPS",
@@ -78,28 +78,31 @@ def parse_max_memory(text: str) -> dict[int | str, int]:
     for part in text.split(","):
         key, eq, size = (s.strip() for s in part.partition("="))
         if not eq or not key or not size:
-            raise CtxcError(f"--max-memory: malformed part {part.strip()!r} (expected KEY=SIZE)")
+            raise OptionError("{max_memory}: malformed part {!r} (expected KEY=SIZE)", part.strip())
         if not (key.isdigit() or key in ("cpu", "mps")):
-            raise CtxcError(
-                f"--max-memory: unknown device {key!r} in {part.strip()!r} "
-                "(a GPU index, cpu or mps)"
+            raise OptionError(
+                "{max_memory}: unknown device {!r} in {!r} (a GPU index, cpu or mps)",
+                key,
+                part.strip(),
             )
         try:
             value = convert_file_size_to_int(int(size) if size.isdigit() else size)
         except ValueError:
             value = -1
         if value <= 0:
-            raise CtxcError(
-                f"--max-memory: bad size {size!r} in {part.strip()!r} (bytes, or e.g. 20GiB, 500MB)"
+            raise OptionError(
+                "{max_memory}: bad size {!r} in {!r} (bytes, or e.g. 20GiB, 500MB)",
+                size,
+                part.strip(),
             )
         name: int | str = int(key) if key.isdigit() else key
         if name in out:
-            raise CtxcError(f"--max-memory: {key!r} is given twice")
+            raise OptionError("{max_memory}: {!r} is given twice", key)
         if isinstance(name, int):
             try:
                 resolve_device(f"cuda:{name}")
             except CtxcError as exc:
-                raise CtxcError(f"--max-memory: {part.strip()!r}: {exc}") from None
+                raise OptionError("{max_memory}: {!r}: {}", part.strip(), exc) from None
         out[name] = value
     return out
 
@@ -128,12 +131,14 @@ class Placement:
         ``max_memory``: ``0=20GiB,cpu=60GiB``, or accelerate's dict as is.
         """
         if device is not None and device_map is not None:
-            raise CtxcError("--device and --device-map are exclusive: give one")
+            raise OptionError("{device} and {device_map} are exclusive: give one")
         if max_memory is not None and device_map is None:
-            raise CtxcError("--max-memory applies to --device-map")
+            raise OptionError("{max_memory} applies to {device_map}")
         if device_map is not None and device_map not in DEVICE_MAPS:
-            raise CtxcError(
-                f"--device-map: unknown strategy {device_map!r}; expected {', '.join(DEVICE_MAPS)}"
+            raise OptionError(
+                "{device_map}: unknown strategy {!r}; expected {}",
+                device_map,
+                ", ".join(DEVICE_MAPS),
             )
         name = None if device is None else str(resolve_device(device))
         memory = parse_max_memory(max_memory) if isinstance(max_memory, str) else max_memory
@@ -215,7 +220,7 @@ def check_on_device(model, device: str) -> None:
     if have != want and not (want.type == have.type and want.index in (None, have.index)):
         raise CtxcError(
             f"the model is on {have}, not {want}: load it there "
-            f"(ctxc.load_model(..., device={str(want)!r}) or --device {want})"
+            f"(ctxc.load_model(..., device={str(want)!r}))"
         )
 
 

@@ -145,7 +145,7 @@ def encode_image_context(
     ctx_ids = [int(i) for i in ids[0]]
     if query is None:
         if bool(is_image[-1]) or len(ctx_ids) < 2:
-            raise CtxcError("the context ends with an image: give a query (--query)")
+            raise CtxcError().naming("the context ends with an image: give a query ({query})")
         ctx_ids, q_ids = ctx_ids[:-1], ctx_ids[-1:]
         extended = dict(enc)
     else:

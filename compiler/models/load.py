@@ -17,6 +17,7 @@ import torch
 from ctxc.core.cache import cache_dir, partial_entry
 from ctxc.core.errors import CtxcError, missing_package_error
 from ctxc.core.interrupts import pause_point
+from ctxc.core.vocabulary import DTYPES, check_choice
 from ctxc.models.devices import Placement, block_device_map, fix_mmap_threshold
 
 if TYPE_CHECKING:
@@ -50,15 +51,15 @@ ALIASES: dict[str, str] = {
     "mistral-7b": "mistralai/Mistral-7B-v0.1",
     "gpt2": "openai-community/gpt2",
 }
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """``float32`` | ``bfloat16`` | ``float16`` -> torch dtype; anything else is a CtxcError."""
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise CtxcError(f"unknown dtype {name!r}; expected one of {', '.join(_DTYPES)}") from None
+    """A name of :data:`~ctxc.core.vocabulary.DTYPES` -> its torch dtype.
+
+    Raises:
+        OptionError: another name (naming the ``dtype`` parameter).
+    """
+    return getattr(torch, check_choice("dtype", name, DTYPES, "dtype"))
 
 
 # Config attributes that bound the input length, by family (GPT-2: n_positions, ...).

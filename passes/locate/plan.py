@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ctxc.core.errors import SolveError
+from ctxc.core.vocabulary import EXACT_RULES, LORA_RULE, RULES
 from ctxc.passes.locate.block_map import LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
 
@@ -27,14 +28,9 @@ __all__ = [
     "plan",
 ]
 
-# standard: the paper's rule (input move, then output move); stable: MATH.md 4 for scaled post
-# norms; output: no input move, the outer function absorbs the whole difference. All exact.
-UPDATE_RULES = ("standard", "stable", "output")
-# lora: linear weights only, what serving engines' LoRA adapters hold (issue 14): behind a post
-# norm the outer linear takes what it can reach, the blocks above absorb the rest
-# (reach_post_norm.py). Exact where the outer function is a linear (no post norm).
-LORA_RULE = "lora"
-RULES = (*UPDATE_RULES, LORA_RULE)
+# The rules and what each means: ``compiler/core/vocabulary.py``. lora: behind a post norm the
+# outer linear takes what it can reach, the blocks above absorb the rest (reach_post_norm.py).
+UPDATE_RULES = EXACT_RULES
 
 
 @dataclass(frozen=True)
@@ -113,15 +109,14 @@ def plan(block: MlpBlock, rule: str, k: int = 1) -> BlockPlan:
 
     Args:
         block: a located block.
-        rule: one of :data:`RULES`.
+        rule: one of :data:`RULES`, validated where it entered the library
+            (``ctxc.core.options.CompileOptions``).
         k: query tokens; with k > 1 every rule moves the outer linear before a post-norm scale
             (one scale for k positions, MATH.md 9: ``multi_scale.py``).
 
     Returns:
         the :class:`BlockPlan`.
     """
-    if rule not in RULES:
-        raise ValueError(f"unknown update rule {rule!r}; expected one of {RULES}")
     moves: list[ParamMove] = []
     if rule != "output":
         moves += [_matrix(site, "input", _inner_part(block, site)) for site in block.inner]

@@ -24,10 +24,11 @@ from torch import fx
 from ctxc.core.block_stats import BlockStats
 from ctxc.core.delta_math import at_alignment_of
 from ctxc.core.errors import SolveError
+from ctxc.core.vocabulary import LORA_RULE, RULES
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
-from ctxc.passes.locate.plan import LORA_RULE, RULES, UPDATE_RULES, BlockPlan, checked_plan
+from ctxc.passes.locate.plan import UPDATE_RULES, BlockPlan, checked_plan
 from ctxc.passes.runtime.delta_actions import linear_action, vector_action
 from ctxc.passes.runtime.reduced_run import Action, ReducedRun
 from ctxc.passes.runtime.run_graph import FullRun
@@ -303,15 +304,15 @@ def solve(
         blocks: the located blocks, in graph order.
         full: the full run's targets (:func:`record_targets`).
         query_ids: int64 [1, k], the query alone.
-        update: ``standard`` (Theorem 1), ``stable`` (MATH.md 4, for scaled post norms) or
-            ``output`` (no input move: the outer function absorbs the whole difference), or
-            ``lora`` (linear weights only; behind a post norm not exact: ``unreached_norm``).
+        update: one of ``ctxc.core.vocabulary.RULES`` (their meanings there), validated where it
+            entered the library (``CompileOptions``, ``generate``); ``lora`` behind a post norm
+            is not exact (``unreached_norm``).
         start_layer: blocks with index below it stay unpatched (ablation C.4).
         on_block: progress callback ``(done, total, path)``.
-        apply: ``baked`` (each patch materialised into its weight in the model's dtype, as the
-            emitted model holds it) or ``lowrank`` (each delta added as a float32 action on its
-            linear's output, beside the unchanged weights: MATH.md 6, bfloat16 rounds a baked
-            patch away).
+        apply: validated like ``update``: ``baked`` (each patch materialised into its weight in
+            the model's dtype, as the emitted model holds it) or ``lowrank`` (each delta added as
+            a float32 action on its linear's output, beside the unchanged weights: MATH.md 6,
+            bfloat16 rounds a baked patch away).
         skip: block path -> reason, for blocks to leave unpatched (a condition they failed).
         ops: node name -> ``fn(*args, **kwargs)`` computing that node instead of its op
             (``ctxc generate`` computes the LM head with the baseline's, one weight read).
@@ -325,10 +326,6 @@ def solve(
         SolveError: a block's condition fails (zero norm, zero divisor, gate sum 0), with its
             value.
     """
-    if update not in RULES:
-        raise ValueError(f"unknown update rule {update!r}; expected one of {RULES}")
-    if apply not in ("baked", "lowrank"):
-        raise ValueError(f"unknown apply mode {apply!r}; expected baked or lowrank")
     skip = skip or {}
     k = int(query_ids.shape[1])
     plans = [

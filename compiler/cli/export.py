@@ -1,0 +1,87 @@
+"""``ctxc export``: the artefacts of a saved patch, each checked as a compile's are.
+
+No torch import at module level (``ctxc --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ctxc.cli.images import refuse_image_patch
+from ctxc.cli.options import (
+    DEVICE,
+    DEVICE_MAP,
+    FORCE,
+    MAX_MEMORY,
+    MODEL,
+    GgufType,
+    emit_help,
+    placement_for,
+)
+from ctxc.cli.output import output_folder
+from ctxc.cli.progress import VERBOSE, say, stage
+from ctxc.cli.support import load, parse_emit
+from ctxc.core.checks import ArtefactError
+from ctxc.core.errors import CtxcError
+from ctxc.core.interrupts import pause_point
+
+__all__ = ["export_cmd"]
+
+
+def export_cmd(
+    patch_file: Path = typer.Option(
+        ..., "--patch", help="patch.safetensors from ctxc compile, or its folder."
+    ),
+    model: str | None = MODEL,
+    to: str = typer.Option("torch", "--to", help=emit_help("Artefact (torch: the folder itself)")),
+    gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
+    patchable: bool = typer.Option(
+        False, "--patchable", help="ONNX with the patch factors as graph inputs."
+    ),
+    out_dir: Path = typer.Option(..., "--out", help="Output folder."),
+    device: str = DEVICE,
+    device_map: str = DEVICE_MAP,
+    max_memory: str = MAX_MEMORY,
+    force: bool = FORCE,
+    verbose: bool = VERBOSE,
+) -> None:
+    """Emit an artefact from a saved patch."""
+    from ctxc.patch import Patch
+
+    kinds = parse_emit(to, "--to")
+    if patchable and "onnx" not in kinds:
+        raise CtxcError("--patchable applies to --to onnx")
+    where = placement_for(device, device_map, max_memory, kinds)
+    patch = Patch.load(patch_file)  # validated: finite values, factor shapes, ranks
+    with output_folder(out_dir, force, "export") as tmp:
+        net, tokenizer = load(model, patch.meta.dtype, where)
+        patch.check(net)  # fingerprint and shapes, without applying
+        from ctxc.backends import emit_checked, precheck
+        from ctxc.core.report import write_report
+
+        refuse_image_patch(net, patch)
+        precheck(net, kinds)
+        pause_point("writing")
+        report: dict = {"patch": str(patch_file.resolve()), "model": patch.meta.model}
+        try:  # torch: the output folder is the model folder itself (folder="")
+            figures = emit_checked(
+                net,
+                patch,
+                tmp,
+                kinds,
+                patchable=patchable,
+                on_stage=stage,
+                tokenizer=tokenizer,
+                gguf_type=gguf_type,
+                folder="",
+            )
+        except ArtefactError as exc:  # what passed is kept (cli_output: DIR.failed)
+            if exc.passed:  # else nothing passed: nothing is kept
+                write_report(tmp, report, exc.passed, exc)
+            raise
+        write_report(tmp, report, figures)
+    for f in figures.values():
+        say(f.summary())
+    say(f"wrote {out_dir}/")

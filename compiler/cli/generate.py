@@ -1,0 +1,97 @@
+"""``ctxc generate``: the paper's per-token protocol against greedy generation.
+
+No torch import at module level (``ctxc --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from ctxc.cli.images import generate_inputs
+from ctxc.cli.options import (
+    DEVICE,
+    DEVICE_MAP,
+    FORCE,
+    MAX_MEMORY,
+    MODEL,
+    DType,
+    Update,
+    placement_for,
+)
+from ctxc.cli.output import output_folder
+from ctxc.cli.progress import VERBOSE, err, progress, say
+from ctxc.cli.support import load, read_context
+from ctxc.core.errors import CtxcError
+
+__all__ = ["generate_cmd"]
+
+
+def generate_cmd(
+    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
+    model: str | None = MODEL,
+    max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
+    update: Update = typer.Option("stable", "--update", help="Update rule."),
+    dtype: DType = typer.Option("float32", "--dtype", help="Model dtype."),
+    out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
+    device: str = DEVICE,
+    device_map: str = DEVICE_MAP,
+    max_memory: str = MAX_MEMORY,
+    force: bool = FORCE,
+    image: list[Path] = typer.Option(
+        None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
+    ),
+    verbose: bool = VERBOSE,
+) -> None:
+    """The paper's protocol: recompile the patch at every token against greedy generation."""
+    if context is None and not image:
+        raise CtxcError("missing option '--context'")
+    text = read_context(context) if context is not None else ""
+    if image:
+        from ctxc.models.images import read_images
+
+        read_images(image)  # every image read now, before the model loads
+    from ctxc.core.options import GenerateOptions
+
+    options = GenerateOptions(max_new_tokens, update)  # validated here, once
+    where = placement_for(device, device_map, max_memory)
+    with output_folder(out_dir, force, "generate") as tmp:
+        from ctxc.generate.report import plot_steps, steps_table, write_json
+        from ctxc.generate.steps import generate
+        from ctxc.models.load import check_length
+
+        net, tokenizer = load(model, dtype, where)
+        if image:
+            ids, prefill = generate_inputs(net, model, text, image)
+        else:
+            ids, prefill = list(tokenizer(text).input_ids), None
+        check_length(net, len(ids) + max_new_tokens, f"context + {max_new_tokens} new tokens")
+        with progress() as bar:
+            task = bar.add_task("generating", total=max_new_tokens, unit="tokens")
+            result = generate(
+                net,
+                ids,
+                on_step=lambda s: bar.update(task, completed=s.step + 1),
+                prefill=prefill,
+                options=options,
+            )
+        tokens = [tokenizer.decode([s.baseline_token]) for s in result.steps]
+        write_json(result, tmp / "generate.json", tokens)
+        plotted = plot_steps(result, tmp / "generate.png")
+    say(steps_table(result, tokenizer.decode))
+    summary = result.to_dict()["summary"]
+    say(
+        f"top-1 match {summary['top1_match_rate']:.1%} over {summary['steps']} steps; "
+        f"max |logit diff| {summary['max_abs_logit_diff']:.3g}; "
+        f"mean step {result.timings['steps'] / max(1, len(result.steps)):.3f} s "
+        f"(targets from {result.targets_from})"
+    )
+    if plotted is None:
+        err.print(
+            "ctxc: generate.png skipped: matplotlib is not installed (pip install 'ctxc[plot]')",
+            highlight=False,
+            markup=False,
+            soft_wrap=True,
+        )
+    say(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")

@@ -1,0 +1,130 @@
+"""The options several ``ctxc`` commands share, declared once, their choices, and the flags of
+the library's parameters.
+
+Each choice's values come from ``ctxc.core.vocabulary`` (one place per decision): typer lists
+them in ``--help`` and refuses any other value with click's one-line message. The values
+themselves are validated by the library (``ctxc.core.options``), whose errors name its own
+parameters: :data:`FLAGS` maps each to the flag that sets it when the CLI prints one
+(:func:`cli_message`). No torch import (``ctxc --help`` stays fast).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Literal, TypeAlias
+
+import typer
+
+from ctxc.core.errors import CtxcError
+from ctxc.core.vocabulary import BACKEND_NAMES, BAKE_METHODS, DTYPES, FORMATS, GGUF_TYPES, RULES
+from ctxc.models.devices import Placement
+
+__all__ = [
+    "DEVICE",
+    "DEVICE_MAP",
+    "FLAGS",
+    "FORCE",
+    "MAX_MEMORY",
+    "MODEL",
+    "BakeMethod",
+    "DType",
+    "Format",
+    "GgufType",
+    "Update",
+    "cli_message",
+    "emit_help",
+    "flag_of",
+    "placement_for",
+]
+
+# A Literal of the vocabulary's names: typer makes it a choice and passes the plain string on.
+# A type checker sees str (a Literal cannot be built from a tuple it has not read).
+if TYPE_CHECKING:
+    Update: TypeAlias = str
+    DType: TypeAlias = str
+    GgufType: TypeAlias = str
+    Format: TypeAlias = str
+    BakeMethod: TypeAlias = str
+else:
+    Update = Literal[RULES]
+    DType = Literal[tuple(DTYPES)]
+    GgufType = Literal[tuple(GGUF_TYPES)]
+    Format = Literal[tuple(FORMATS)]
+    BakeMethod = Literal[tuple(BAKE_METHODS)]
+
+# Declared once, taken by every command that loads a model or writes an output folder.
+MODEL = typer.Option(
+    None,
+    "--model",
+    help="Alias, model folder or .gguf file (default: the bundled Gemma 3 270M); for export and "
+    "eval-bake, the model the patch was made on.",
+)
+FORCE = typer.Option(False, "--force", help="Replace an earlier ctxc output folder.")
+
+# --device, --device-map and --max-memory, which every model command takes: checked by
+# ctxc.models.devices.Placement.parse before an output folder or a model is touched.
+DEVICE = typer.Option(None, "--device", help="cpu (default), cuda, cuda:N or mps.")
+DEVICE_MAP = typer.Option(
+    None,
+    "--device-map",
+    help="auto, balanced or sequential: disperse the model over GPUs, CPU and disk (accelerate).",
+)
+MAX_MEMORY = typer.Option(
+    None, "--max-memory", help="With --device-map: memory per device, e.g. 0=20GiB,cpu=60GiB."
+)
+
+
+def placement_for(
+    device: str | None, device_map: str | None, max_memory: str | None, kinds=()
+) -> Placement:
+    """The checked placement of the options; a CtxcError names the bad one.
+
+    Args:
+        kinds: the artefacts asked for: ONNX and PEFT need the model in one place.
+    """
+    placement = Placement.parse(device, device_map, max_memory)
+    other = [k for k in kinds if k != "torch"]
+    if placement.device_map is not None and other:
+        raise CtxcError(
+            f"--device-map writes the torch model folder only, not {', '.join(other)}: "
+            "those exporters need the whole model in one place"
+        )
+    return placement
+
+
+def emit_help(head: str) -> str:
+    """``HEAD: torch (model/), onnx (model.onnx), ...``: the backends and what each writes."""
+    kinds = ", ".join(f"{name} ({what.split(':')[0]})" for name, what in BACKEND_NAMES.items())
+    return f"{head}: {kinds}."
+
+
+# The library's parameters (``ctxc.core.options``, ``Placement.parse``) -> the flags that set
+# them: an error naming a parameter (``CtxcError.naming``) is printed with its flag.
+FLAGS: dict[str, str] = {
+    "update": "--update",
+    "start_layer": "--start-layer",
+    "skip_unpatchable": "--skip-unpatchable",
+    "dtype": "--dtype",
+    "gguf_type": "--gguf-type",
+    "query": "--query",
+    "device": "--device",
+    "device_map": "--device-map",
+    "max_memory": "--max-memory",
+    "max_new_tokens": "--max-new-tokens",
+    "samples": "--samples",
+    "sample_tokens": "--sample-tokens",
+    "rank": "--rank",
+    "queries": "--queries",
+    "method": "--method",
+    "distill_steps": "--steps",
+    "distill_seconds": "--seconds",
+}
+
+
+def flag_of(param: str) -> str:
+    """The flag that sets the library parameter ``param`` (the parameter's name if none)."""
+    return FLAGS.get(param, param)
+
+
+def cli_message(exc: CtxcError) -> str:
+    """``exc``'s message as the CLI prints it: each library parameter named by its flag."""
+    return exc.render(flag_of)

@@ -1,0 +1,146 @@
+"""The library's options, typed and frozen, each validated once: when it is made.
+
+:func:`ctxc.compile`, :func:`ctxc.generate.steps.generate` and :func:`ctxc.bake.fit.bake` take
+these (or build one from their keyword arguments); every stage below them takes the values as
+they are. A bad value is an :class:`~ctxc.core.errors.OptionError` naming the library's
+parameter (``max_new_tokens``); the CLI, which makes these before it loads a model, prints the
+parameter's flag instead (``compiler/cli/options.py``: ``FLAGS``). Torch-free.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ctxc.core.errors import OptionError
+from ctxc.core.vocabulary import APPLY_MODES, BAKE_METHODS, RULES, check_choice
+
+__all__ = ["BakeOptions", "CompileOptions", "GenerateOptions"]
+
+
+def _at_least(param: str, value: object, low: int, got: bool = True) -> None:
+    """Refuse a non-integer (a bool too) or one below ``low``, naming ``param`` (and the value
+    given, unless ``got`` is False: the message ``ctxc generate`` has always printed)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise OptionError("{" + param + "} must be an integer (got {!r})", value)
+    if value < low:
+        more = " (got {})" if got else ""
+        raise OptionError("{" + param + "} must be at least {}" + more, low, value)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How :func:`ctxc.compile` compiles a context.
+
+    Attributes:
+        update: the update rule (``ctxc.core.vocabulary.RULE_MEANINGS``).
+        start_layer: blocks with index below it stay unpatched (at least 0; the model bounds it
+            above, checked once its blocks are found).
+        skip_unpatchable: patch the patchable blocks when others are rejected (else an error).
+        apply: ``baked`` or ``lowrank`` (``ctxc.core.vocabulary.APPLY_MODES``).
+
+    Raises:
+        OptionError: a bad value, naming its attribute.
+    """
+
+    update: str = "stable"
+    start_layer: int = 0
+    skip_unpatchable: bool = False
+    apply: str = "baked"
+
+    def __post_init__(self) -> None:
+        check_choice("update", self.update, RULES, "update rule")
+        check_choice("apply", self.apply, APPLY_MODES, "apply mode")
+        _at_least("start_layer", self.start_layer, 0)
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """How ``generate`` runs the paper's per-token protocol.
+
+    Attributes:
+        max_new_tokens: steps to run (at least 1).
+        update: the update rule.
+        apply: ``lowrank`` (the default: the cheap in-memory form) or ``baked``.
+
+    Raises:
+        OptionError: a bad value, naming its attribute.
+    """
+
+    max_new_tokens: int = 20
+    update: str = "stable"
+    apply: str = "lowrank"
+
+    def __post_init__(self) -> None:
+        _at_least("max_new_tokens", self.max_new_tokens, 1, got=False)
+        check_choice("update", self.update, RULES, "update rule")
+        check_choice("apply", self.apply, APPLY_MODES, "apply mode")
+
+
+@dataclass(frozen=True)
+class BakeOptions:
+    """How a thought patch is made (``ctxc.bake.fit.bake``).
+
+    Attributes:
+        samples: K, continuations sampled from the model fed the context (at least 0).
+        sample_tokens: tokens per sampled continuation (at least 1).
+        rank: rank budget per matrix (at least 1; the model bounds it above); None: no budget.
+        method: ``fit`` or ``distill`` (``ctxc.core.vocabulary.BAKE_METHODS``; distill needs
+            peft installed).
+        ridge: relative ridge of the matrix fits
+            (:class:`~ctxc.passes.solver.fit_moves.FitOptions`); among 0.05-5, 1.0 was best
+            held out on the hand-written questions and within 0.02 of 5 on fresh samples
+            (docs/thought_patches.md, levers).
+        scale_ridge: relative ridge of the post-norm scale fit (0.1: best among 0.01-1).
+        seed: the sampling (and training) seed.
+        distill_steps: optimiser steps of ``distill`` (at least 1).
+        distill_seconds: a wall-time budget for ``distill`` instead of ``distill_steps`` (the
+            training loop's time; the report gives the steps reached). None: the step count.
+        distill_lr: its learning rate.
+        distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
+        fit_prefix: the prefix positions (BOS, matched to the context's last token) are
+            constraints too; False (default): they are run but not fitted. The BOS position is
+            the same in every query (K identical rows of a very large norm): fitted, it
+            dominated the least squares and held-out KL on fresh samples was 0.71 against
+            0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
+        input_moves: fit the inner linears' input moves too; False: the output move only.
+
+    Raises:
+        OptionError: a bad value, naming its attribute.
+    """
+
+    samples: int = 32
+    sample_tokens: int = 32
+    rank: int | None = None
+    method: str = "fit"
+    ridge: float = 1.0
+    scale_ridge: float = 0.1
+    seed: int = 0
+    distill_steps: int = 200
+    distill_seconds: float | None = None
+    distill_lr: float = 1e-3
+    distill_from_fit: bool = False
+    fit_prefix: bool = False
+    input_moves: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least("samples", self.samples, 0)
+        _at_least("sample_tokens", self.sample_tokens, 1)
+        if self.rank is not None:
+            _at_least("rank", self.rank, 1)
+        check_choice("method", self.method, BAKE_METHODS, "method")
+        _at_least("distill_steps", self.distill_steps, 1)
+        if self.distill_seconds is not None and not self.distill_seconds > 0:
+            raise OptionError("{distill_seconds} must be positive (got {})", self.distill_seconds)
+        if self.method == "distill" and importlib.util.find_spec("peft") is None:
+            raise OptionError("{method} distill needs peft: pip install 'ctxc[peft]'")
+
+    def check_fit(self, queries: Sequence[str] | None) -> None:
+        """Refuse a bake with nothing to fit on: no query text and ``samples`` 0.
+
+        Raises:
+            OptionError: naming ``samples`` and ``queries``.
+        """
+        if self.samples == 0 and not queries:
+            raise OptionError("{samples} 0 and no {queries}: nothing to fit the patch on")

@@ -1,0 +1,113 @@
+"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, backends, formats.
+
+Each choice is a name and a one-line meaning, in the order the help lists them. The CLI builds its
+option choices from here (``compiler/cli/options.py``); the library validates a value against
+them once, where it enters (:func:`check_choice`, called by ``CompileOptions`` and the other
+options types), and every stage below takes the validated value. Torch-free: ``ctxc --help``
+reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ctxc.core.errors import OptionError
+
+__all__ = [
+    "APPLY_MODES",
+    "BACKEND_NAMES",
+    "BAKE_METHODS",
+    "DTYPES",
+    "EXACT_RULES",
+    "FORMATS",
+    "GGUF_TYPES",
+    "LORA_RULE",
+    "RULES",
+    "RULE_MEANINGS",
+    "check_choice",
+    "choices_help",
+]
+
+# The update rules, in the solver's order (MATH.md 1, 4; issue 14).
+RULE_MEANINGS: dict[str, str] = {
+    "standard": "the paper's rule: move the inner input, then the output (Theorem 1)",
+    "stable": "standard, but a post norm's scale is reached through the outer linear (MATH.md 4)",
+    "output": "no input move: the outer function absorbs the whole difference",
+    "lora": "linear weights only, as serving LoRA adapters hold them (exact without a post norm)",
+}
+RULES: tuple[str, ...] = tuple(RULE_MEANINGS)
+# The rules whose patch is exact wherever they apply (lora is not behind a post norm).
+EXACT_RULES: tuple[str, ...] = ("standard", "stable", "output")
+LORA_RULE = "lora"
+
+# How a patch's deltas are applied in memory (MATH.md 6).
+APPLY_MODES: dict[str, str] = {
+    "baked": "the patched weights in the model's dtype, as the torch backend writes them",
+    "lowrank": "each delta as a float32 action beside the unchanged weights (in memory only)",
+}
+
+DTYPES: dict[str, str] = {
+    "float32": "exact to rounding (the default)",
+    "bfloat16": "half the memory; rounding of about 1e-2",
+    "float16": "half the memory; a narrower range than bfloat16",
+}
+
+# GGUF matrix types of the patched weights (``--gguf-type``).
+GGUF_TYPES: dict[str, str] = {
+    "F32": "float32 matrices (exact)",
+    "F16": "float16 matrices",
+    "BF16": "bfloat16 matrices",
+}
+
+# The artefacts of ``--emit`` / ``--to``; how each is written: the registry in
+# ``backends/__init__.py`` (one entry per name, in this order).
+BACKEND_NAMES: dict[str, str] = {
+    "torch": "model/: a Transformers model folder",
+    "onnx": "model.onnx: an ONNX model checked in onnxruntime",
+    "ort-adapter": "context.onnx_adapter: an onnxruntime LoRA adapter (and patchable.onnx)",
+    "peft": "adapter/: a PEFT adapter",
+    "lora": "lora/: a serving LoRA adapter (vLLM, SGLang)",
+    "gguf": "model.gguf: a GGUF model for llama.cpp",
+    "gguf-lora": "lora.gguf: a llama.cpp LoRA GGUF",
+}
+
+# ``ctxc inspect --format``.
+FORMATS: dict[str, str] = {
+    "text": "a table per block",
+    "json": "the analysis as JSON",
+    "html": "a page with a diagram per block shape",
+}
+
+# How ``ctxc bake`` makes a thought patch (issue 13).
+BAKE_METHODS: dict[str, str] = {
+    "fit": "closed-form least squares over every fit position",
+    "distill": "a LoRA trained by context distillation (needs peft)",
+}
+
+
+def check_choice(param: str, value: object, choices: Iterable[str], what: str) -> str:
+    """``value`` when it is one of ``choices``; else an :class:`OptionError` naming ``param``.
+
+    Args:
+        param: the library parameter that took ``value`` (``update``).
+        value: the value given.
+        choices: the names allowed (a dict of this module: its keys).
+        what: what a value is, for the message (``update rule``).
+
+    Returns:
+        ``value``, checked.
+
+    Raises:
+        OptionError: ``update: unknown update rule 'x'; expected one of standard, ...``.
+    """
+    names = tuple(choices)
+    if value not in names:
+        raise OptionError(
+            "{" + param + "}: unknown {} {!r}; expected one of {}", what, value, ", ".join(names)
+        )
+    return str(value)
+
+
+def choices_help(choices: dict[str, str]) -> str:
+    """``name (meaning); ...`` for an option's help text."""
+    return "; ".join(f"{name}: {meaning}" for name, meaning in choices.items())
