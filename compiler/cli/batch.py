@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ctxc._version import __version__
-from ctxc.cli.compile import CompileJob, compile_into
+from ctxc.cli.job import CompileJob, compile_into
 from ctxc.cli.options import cli_message
 from ctxc.cli.output import MARKER
 from ctxc.cli.progress import progress
