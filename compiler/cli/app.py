@@ -28,7 +28,7 @@ from ctxc.cli.generate import generate_cmd
 from ctxc.cli.inspect import inspect_cmd
 from ctxc.cli.options import cli_message
 from ctxc.cli.progress import VERBOSE, command_trail, err, finish, quiet_defaults, say
-from ctxc.core.errors import CtxcError, missing_package_error
+from ctxc.core.errors import CtxcError, environment_error, missing_package_error
 from ctxc.core.interrupts import install_handlers, received
 
 __all__ = [
@@ -103,6 +103,9 @@ def _run(argv: list[str] | None) -> int:
         missing = missing_package_error(exc, "this run")  # torchvision, timm, Pillow
         if missing is not None:
             return _error(str(missing))
+        refused = environment_error(exc)  # disk full, read-only, permissions: not a bug
+        if refused is not None:
+            return _error(str(refused))
         if is_click(exc, "NoArgsIsHelpError"):  # `ctxc` alone: the help, like --help
             say(exc.format_message())
             return 0

@@ -19,7 +19,7 @@ from ctxc.cli.output import MARKER
 from ctxc.cli.progress import progress
 from ctxc.cli.support import err, out, written
 from ctxc.core.checks import ArtefactError
-from ctxc.core.errors import CtxcError
+from ctxc.core.errors import CtxcError, environment_error
 from ctxc.core.interrupts import pause_point
 from ctxc.core.textfile import read_text
 
@@ -185,6 +185,9 @@ def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
         return _line(cli_message(exc)), None
     except Exception as exc:  # a bug on one line: recorded, and the other lines still run
         folder.discard(staging)
+        refused = environment_error(exc)  # disk full, read-only, permissions: not a bug
+        if refused is not None:
+            return _line(str(refused)), None
         if os.environ.get("CTXC_DEBUG"):
             raise
         return f"internal error: {type(exc).__name__}: {_line(exc)}", None

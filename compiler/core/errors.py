@@ -6,6 +6,7 @@ and exits non-zero, without a traceback.
 
 from __future__ import annotations
 
+import errno
 import re
 import string
 from collections.abc import Callable
@@ -16,6 +17,7 @@ __all__ = [
     "SolveError",
     "UnpatchableError",
     "UntraceableError",
+    "environment_error",
     "missing_package",
     "missing_package_error",
 ]
@@ -139,3 +141,32 @@ def missing_package_error(exc: BaseException, what: str) -> CtxcError | None:
         return None
     package, asker = found
     return CtxcError(f"{what} needs {package} ({asker} imports it): pip install {package}")
+
+
+# What the machine refused, not a bug: the disk or its quota full, a read-only or forbidden path.
+_ENVIRONMENT = {
+    errno.ENOSPC: "no space left on the device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+def environment_error(exc: BaseException) -> CtxcError | None:
+    """A one-line :class:`CtxcError` when ``exc`` (or what caused it) is the machine refusing a
+    file operation (disk full, quota, read-only, permissions), else None.
+
+    Args:
+        exc: an exception; its ``__cause__`` and ``__context__`` chain is searched too.
+    """
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in _ENVIRONMENT:
+            where = link.filename2 or link.filename
+            at = f" writing {where}" if where else ""
+            return CtxcError(f"{_ENVIRONMENT[link.errno]}{at}; nothing of this run was kept")
+        link = link.__cause__ or link.__context__
+    return None

@@ -243,3 +243,45 @@ def test_staging_of_a_killed_run_is_removed(cwd, capsys):
     assert main(args) == 2
     assert without_trail(capsys.readouterr().err).startswith("ctxc: error: unknown model")
     assert not dead.exists() and live.exists()
+
+
+def test_a_full_disk_is_one_line_exit_2_and_nothing_kept(cwd, tiny_model_dir, capsys, monkeypatch):
+    """The machine refusing a write (disk full) is the user's to fix, not a bug: one line naming
+    the cause and the path, exit 2, no output folder, no staging folder, the user's files kept."""
+    import errno
+
+    from ctxc.patch import Patch
+
+    before = _snapshot(cwd)
+
+    def full(self, path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(Patch, "save", full)
+    rc = main([*_compile(tiny_model_dir), "--out", "out"])
+    lines = without_trail(capsys.readouterr().err).strip().splitlines()
+    assert rc == 2, lines
+    assert len(lines) == 1 and lines[0].startswith("ctxc: error: no space left on the device"), (
+        lines
+    )
+    assert "patch.safetensors" in lines[0], lines
+    assert not (cwd / "out").exists() and not _no_staging(cwd), sorted(os.listdir(cwd))
+    assert _snapshot(cwd) == before
+
+
+def test_environment_errors_are_found_through_the_cause_chain():
+    import errno
+
+    from ctxc.core.errors import environment_error
+
+    inner = OSError(errno.EROFS, "Read-only file system", "/ro/x")
+    try:
+        try:
+            raise inner
+        except OSError as exc:
+            raise RuntimeError("while writing") from exc
+    except RuntimeError as outer:
+        found = environment_error(outer)
+    assert found is not None and str(found).startswith("read-only file system writing /ro/x")
+    assert environment_error(OSError(errno.ENOENT, "No such file", "/x")) is None
+    assert environment_error(ValueError("no")) is None
