@@ -97,6 +97,23 @@ def test_compile_with_an_image_writes_the_whole_model(files, tmp_path) -> None:
             assert torch.equal(param, tower[name]), name
 
 
+@pytest.mark.parametrize("family", ["gemma3", "paligemma"])
+def test_a_failed_check_with_an_image_exits_2_and_writes_no_folder(family, tmp_path, monkeypatch):
+    """An image context's model/ failing its check is exit 2, one line, no out/; the patch is
+    kept in out.failed/ (the same gate as a text context, through the same emit loop)."""
+    folder = build_vlm(family, tmp_path / family)
+    image = make_image(tmp_path / "a.png", 1)
+    monkeypatch.setenv("CTXC_TEST_FAIL_CHECK", "torch")
+    args = ["compile", "--model", str(folder), "--image", str(image), "--query", QUERY]
+    run = run_cli(*args, "--out", "out", cwd=tmp_path)
+    assert run.returncode == 2, run.stderr
+    lines = [line for line in run.stderr.strip().splitlines() if line.startswith("ctxc: error")]
+    assert len(lines) == 1 and lines[0].startswith("ctxc: error: model/ check failed: "), lines
+    assert not (tmp_path / "out").exists()
+    kept = sorted(p.name for p in (tmp_path / "out.failed").iterdir())
+    assert kept == [".ctxc", "patch.safetensors", "report.json"], kept
+
+
 @pytest.mark.slow  # exports ONNX
 def test_compile_an_image_only_context_to_onnx(files, tmp_path) -> None:
     args = ["compile", "--model", str(files["gemma3"]), "--image", str(files["jpeg"])]
