@@ -16,9 +16,12 @@ from ctxc.cli.job import CompileJob, compile_into
 from ctxc.cli.options import (
     DEVICE,
     DEVICE_MAP,
+    DTYPE,
     FORCE,
+    IMAGES,
     MAX_MEMORY,
     MODEL,
+    UPDATE,
     DType,
     GgufType,
     Update,
@@ -42,8 +45,8 @@ def compile_cmd(
     model: str | None = MODEL,
     query: str = typer.Option(None, "--query", help="Query text (default: last context token)."),
     out_dir: Path = typer.Option(Path("ctxc-out"), "--out", help="Output folder."),
-    update: Update = typer.Option("stable", "--update", help="Update rule."),
-    dtype: DType = typer.Option("float32", "--dtype", help="Model dtype."),
+    update: Update = UPDATE,
+    dtype: DType = DTYPE,
     emit: str = typer.Option("torch", "--emit", help=emit_help("Comma list of artefacts")),
     gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
@@ -54,9 +57,7 @@ def compile_cmd(
     device_map: str = DEVICE_MAP,
     max_memory: str = MAX_MEMORY,
     force: bool = FORCE,
-    image: list[Path] = typer.Option(
-        None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
-    ),
+    image: list[Path] = IMAGES,
     resume: bool = typer.Option(
         False, "--resume", help="With --contexts: keep the lines an earlier run wrote in --out."
     ),

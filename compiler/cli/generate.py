@@ -13,9 +13,12 @@ from ctxc.cli.images import generate_inputs
 from ctxc.cli.options import (
     DEVICE,
     DEVICE_MAP,
+    DTYPE,
     FORCE,
+    IMAGES,
     MAX_MEMORY,
     MODEL,
+    UPDATE,
     DType,
     Update,
     placement_for,
@@ -32,16 +35,14 @@ def generate_cmd(
     context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
     model: str | None = MODEL,
     max_new_tokens: int = typer.Option(20, "--max-new-tokens", help="Steps to generate."),
-    update: Update = typer.Option("stable", "--update", help="Update rule."),
-    dtype: DType = typer.Option("float32", "--dtype", help="Model dtype."),
+    update: Update = UPDATE,
+    dtype: DType = DTYPE,
     out_dir: Path = typer.Option(Path("ctxc-generate"), "--out", help="Output folder."),
     device: str = DEVICE,
     device_map: str = DEVICE_MAP,
     max_memory: str = MAX_MEMORY,
     force: bool = FORCE,
-    image: list[Path] = typer.Option(
-        None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
-    ),
+    image: list[Path] = IMAGES,
     verbose: bool = VERBOSE,
 ) -> None:
     """The paper's protocol: recompile the patch at every token against greedy generation."""

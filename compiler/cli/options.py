@@ -21,10 +21,13 @@ from ctxc.models.devices import Placement
 __all__ = [
     "DEVICE",
     "DEVICE_MAP",
+    "DTYPE",
     "FLAGS",
     "FORCE",
+    "IMAGES",
     "MAX_MEMORY",
     "MODEL",
+    "UPDATE",
     "BakeMethod",
     "DType",
     "Format",
@@ -59,6 +62,12 @@ MODEL = typer.Option(
     "eval-bake, the model the patch was made on.",
 )
 FORCE = typer.Option(False, "--force", help="Replace an earlier ctxc output folder.")
+# What compile and generate both take: the rule, the dtype, the images of the context.
+UPDATE = typer.Option("stable", "--update", help="Update rule.")
+DTYPE = typer.Option("float32", "--dtype", help="Model dtype.")
+IMAGES = typer.Option(
+    None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
+)
 
 # --device, --device-map and --max-memory, which every model command takes: checked by
 # ctxc.models.devices.Placement.parse before an output folder or a model is touched.
