@@ -13,8 +13,9 @@ Not a vLLM run: the rules vLLM applies when it loads an adapter, read from its s
   tensor name parses as ``base_model.model.<module>.lora_A|lora_B.weight``
   (``vllm/lora/utils.py`` ``parse_fine_tuned_lora_name``) and the module's last name is one
   of the model's LoRA modules, its ``packed_modules_mapping`` unpacked (for Llama, Mistral,
-  Qwen 2/3 and Gemma 1-3: ``qkv_proj`` -> q/k/v_proj, ``gate_up_proj`` -> gate/up_proj, and
-  ``o_proj``, ``down_proj``; ``vllm/model_executor/models/llama.py``, ``gemma3.py``).
+  Qwen 2/3, Gemma 1-3 and OLMo 2: ``qkv_proj`` -> q/k/v_proj, ``gate_up_proj`` ->
+  gate/up_proj, and ``o_proj``, ``down_proj``; ``vllm/model_executor/models/llama.py``,
+  ``gemma3.py``, ``olmo2.py`` (``Olmo2ForCausalLM(nn.Module, SupportsPP, SupportsLoRA)``)).
 """
 
 from __future__ import annotations
@@ -34,7 +35,17 @@ MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py M
 _DENSE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 VLLM_MODULES = {
     t: _DENSE
-    for t in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text")
+    for t in (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "gemma",
+        "gemma2",
+        "gemma3",
+        "gemma3_text",
+        "olmo2",
+    )
 }
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
 

@@ -20,6 +20,8 @@ loads ``DIR/NAME/model`` and the original model with plain ``AutoModelForCausalL
 
     python -m benchmarks.fidelity.fresh [--model M] [--texts NAME ...] [--out DIR]
         [--results docs/results/fidelity-torch.md]
+    python -m benchmarks.fidelity.fresh --update lora --artefact lora \
+        --results docs/results/fidelity-lora.md   # lora/ reloaded with plain PEFT (issue 23)
     python -m benchmarks.fidelity.llama_gguf /tmp/llama.gguf
     python -m benchmarks.fidelity.fresh --model /tmp/llama.gguf
 """
@@ -47,12 +49,18 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-out, base = Path(sys.argv[1]), sys.argv[2]
+out, base, artefact = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
 rep = json.loads((out / "report.json").read_text())
 ctx, q = rep["context_ids"], rep["query_ids"]
 k = len(q)
 orig = AutoModelForCausalLM.from_pretrained(base).eval()
-patched = AutoModelForCausalLM.from_pretrained(str(out / "model")).eval()
+if artefact == "lora":  # plain PEFT on a second copy of the original, as a server loads it
+    from peft import PeftModel
+
+    second = AutoModelForCausalLM.from_pretrained(base).eval()
+    patched = PeftModel.from_pretrained(second, str(out / "lora")).eval()
+else:
+    patched = AutoModelForCausalLM.from_pretrained(str(out / "model")).eval()
 full_ids, q_ids = torch.tensor([ctx + q]), torch.tensor([q])
 
 
@@ -74,8 +82,8 @@ row = {
     "floor": fig(keep, full),
     "control": fig(ctl, full),
 }
-if len(sys.argv) > 3:
-    gguf = Path(sys.argv[3])
+if len(sys.argv) > 4:
+    gguf = Path(sys.argv[4])
     g = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name).eval()
     with torch.no_grad():
         row["gguf"] = fig(g(full_ids).logits[0, -k:], full)["max"]
@@ -83,8 +91,9 @@ print(json.dumps(row))
 """
 
 
-def measure(model: str, text: Path, out: Path, update: str) -> dict:
-    """Compile ``text`` with the CLI, then check ``out/model`` in a fresh process.
+def measure(model: str, text: Path, out: Path, update: str, artefact: str = "model") -> dict:
+    """Compile ``text`` with the CLI, then check ``out/model`` (or ``out/lora`` with plain
+    PEFT: ``artefact="lora"``) in a fresh process.
 
     Returns:
         the fresh process's figures, with ``report`` and ``solver`` from ``report.json``.
@@ -100,11 +109,13 @@ def measure(model: str, text: Path, out: Path, update: str) -> dict:
         str(text),
     ]
     cmd += ["--update", update, "--out", str(out), "--force"]
+    cmd += ["--emit", "lora"] if artefact == "lora" else []
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "?"}
     base, gguf = _original(model)
-    args = [sys.executable, "-c", _CHECK, str(out), str(base), *([str(gguf)] if gguf else [])]
+    args = [sys.executable, "-c", _CHECK, str(out), str(base), artefact]
+    args += [str(gguf)] if gguf else []
     checked = subprocess.run(args, capture_output=True, text=True)
     if checked.returncode != 0:
         return {"error": checked.stderr.strip().splitlines()[-1]}
@@ -113,6 +124,8 @@ def measure(model: str, text: Path, out: Path, update: str) -> dict:
     row["report"] = rep["emitted"]["max_abs_logit_diff"]
     row["solver"] = rep["solver"]["max_abs_logit_diff"]
     row["tokens"] = len(rep["context_ids"]) + len(rep["query_ids"])
+    gaps = [(b["path"], b["reach_gap"]) for b in rep["blocks"] if b.get("reach_gap")]
+    row["unreachable"] = ", ".join(f"{p.split('.')[-2]}: {g:.2g}" for p, g in gaps) or "none"
     return row
 
 
@@ -153,6 +166,7 @@ _HEADER = (
     "floor",
     "control, top-1",
     "solver",
+    "unreachable blocks (lora)",
 )
 
 
@@ -173,16 +187,19 @@ def _cells(name: str, r: dict) -> list[str]:
         f"{c['max']:.3g}, {'yes' if c['top1'] else 'no'}",
         f"{r['solver']:.2g}",
     ]
+    cells.append(r["unreachable"])
     return [*cells, f"{r['gguf']:.2g}"] if "gguf" in r else cells
 
 
 _NOTES = """\
 Each text compiled by `ctxc compile` (update rule `{update}`, float32), then a fresh process
-that never imports ctxc loads `model/` and the original ({model}) with plain
-`AutoModelForCausalLM.from_pretrained` and feeds `model/` the query alone. Max |logit diff| at the
-query against: the default forward on context + query (`fresh`; `report.json`'s figure beside
-it), the forward with `logits_to_keep=k` (`keep-k`); `floor`: those two forwards of the original
-against each other; `control`: the original fed the query alone; `solver`: ctxc's own pass.
+that never imports ctxc loads {artefact} and the original ({model}) with plain
+`AutoModelForCausalLM.from_pretrained` and feeds the patched model the query alone. Max
+|logit diff| at the query against: the default forward on context + query (`fresh`;
+`report.json`'s figure beside it), the forward with `logits_to_keep=k` (`keep-k`); `floor`:
+those two forwards of the original against each other; `control`: the original fed the query
+alone; `solver`: ctxc's own pass; `unreachable blocks`: the lora rule's blocks whose target
+was out of reach, with the distance left (MATH.md 10).
 """
 
 
@@ -192,6 +209,12 @@ def main() -> None:
     parser.add_argument("--texts", nargs="+", default=None, help="file stems (default: all 13)")
     parser.add_argument("--update", default="stable")
     parser.add_argument("--out", type=Path, default=None, help="keep the folders here")
+    parser.add_argument(
+        "--artefact",
+        choices=("model", "lora"),
+        default="model",
+        help="model/ (plain Transformers) or lora/ (--emit lora, plain PEFT)",
+    )
     parser.add_argument(
         "--results", type=Path, default=None, help="also write the table here (Markdown)"
     )
@@ -208,16 +231,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.out or Path(tmp)
         for text in texts:
-            row = measure(args.model, text, root / text.stem, args.update)
+            row = measure(args.model, text, root / text.stem, args.update, args.artefact)
             rows.append(_cells(text.stem, row))
             print(_line(text.stem, row))
             sys.stdout.flush()
     if args.results is not None:
         columns = [*_HEADER, *(["gguf"] if gguf else [])]
-        notes = _NOTES.format(update=args.update, model=args.model)
+        what = (
+            "`lora/` with plain `PeftModel.from_pretrained`"
+            if args.artefact == "lora"
+            else "`model/`"
+        )
+        notes = _NOTES.format(update=args.update, model=args.model, artefact=what)
         write_table(
             args.results,
-            f"Fidelity of `model/` in a fresh process: {args.model}",
+            f"Fidelity of `{args.artefact}/` in a fresh process: {args.model} ({args.update})",
             invocation("benchmarks.fidelity.fresh"),
             columns,
             [r + [""] * (len(columns) - len(r)) for r in rows],

@@ -41,6 +41,9 @@ class BlockStats:
             unavoidable). It also bounds how the block passes on a relative perturbation of its
             input: what predicts the patched model's fidelity in another arithmetic (a
             reload, onnxruntime). None for a bias move or an unpatched block.
+        reach_gap: the ``lora`` rule on a sandwich-norm block (MATH.md 10): 0.0 where the two
+            projections reach ``y_C - x`` at every query position, else how far the nearest
+            pair found stays from it (the largest over positions); None elsewhere.
     """
 
     path: str
@@ -61,3 +64,4 @@ class BlockStats:
     unreached_norm: float | None = None
     output_magnitude: float | None = None
     rounding_gain: float | None = None
+    reach_gap: float | None = None

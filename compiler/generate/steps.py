@@ -123,16 +123,26 @@ class _TargetHooks:
             y_path = view.module_path(view.by_name[b.residual_add])
             y_mod = model.get_submodule(y_path) if y_path else model
             self.handles.append(
-                z_mod.register_forward_pre_hook(self._pre(b.path), with_kwargs=True)
+                z_mod.register_forward_pre_hook(self._pre(b.path, "z"), with_kwargs=True)
             )
+            if b.attention is not None:  # v: what the pre-FFN norm reads (OLMo 2: z itself)
+                v_mod = model.get_submodule(b.pre_norm) if b.pre_norm else z_mod
+                self.handles.append(
+                    v_mod.register_forward_pre_hook(self._pre(b.path, "v"), with_kwargs=True)
+                )
             self.handles.append(y_mod.register_forward_hook(self._post(b.path)))
 
-    def _pre(self, path: str) -> Callable:
+    def _pre(self, path: str, what: str) -> Callable:
         def hook(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()))
-            self.values[(path, "z")] = x[0, -1:].detach().clone()  # [1, d_in]
+            self.values[(path, what)] = x[0, -1:].detach().clone()  # [1, d]
 
         return hook
+
+    def _block_targets(self, path: str) -> BlockTargets:
+        z, y, v = (self.values.get((path, w)) for w in ("z", "y", "v"))
+        assert z is not None and y is not None
+        return BlockTargets(z=z, y=y, v=v)
 
     def _post(self, path: str) -> Callable:
         def hook(module, args, output):
@@ -140,8 +150,7 @@ class _TargetHooks:
             self.values[(path, "y")] = y[0, -1:].detach().clone()  # [1, d]
             if self.live is not None:
                 with self.changed:
-                    z = self.values[(path, "z")]
-                    self.live[path] = BlockTargets(z=z, y=self.values[(path, "y")])
+                    self.live[path] = self._block_targets(path)
                     self.changed.notify_all()
 
         return hook
@@ -166,10 +175,7 @@ class _TargetHooks:
             self.changed.notify_all()
 
     def targets(self) -> dict[str, BlockTargets]:
-        return {
-            b.path: BlockTargets(z=self.values[(b.path, "z")], y=self.values[(b.path, "y")])
-            for b in self.blocks.blocks
-        }
+        return {b.path: self._block_targets(b.path) for b in self.blocks.blocks}
 
     def close(self) -> None:
         for h in self.handles:
@@ -182,9 +188,13 @@ def _hooks_agree(model, traced, blocks, hooks: _TargetHooks, probe: torch.Tensor
         model(input_ids=probe, use_cache=False)
     graph = record_targets(traced, blocks, probe, 1).targets
     seen = hooks.targets()
-    return all(
-        torch.equal(graph[p].z, seen[p].z) and torch.equal(graph[p].y, seen[p].y) for p in graph
-    )
+    return all(_same(graph[p], seen[p]) for p in graph)
+
+
+def _same(a: BlockTargets, b: BlockTargets) -> bool:
+    """The same targets, bit for bit (``v`` where the graph records it)."""
+    same_v = a.v is None or (b.v is not None and torch.equal(a.v, b.v))
+    return torch.equal(a.z, b.z) and torch.equal(a.y, b.y) and same_v
 
 
 def _prefill(model: torch.nn.Module, inputs: dict, cached: bool, text: bool):

@@ -134,15 +134,21 @@ _SOURCE: list[str] = []
 
 
 def _source_digest() -> str:
-    """SHA-256 of ctxc's ``.py`` files (driver and passes): a changed tracer or locator, even
-    at the same version number, makes new entries."""
+    """SHA-256 of ctxc's ``.py`` files (the store, the frontend and every pass, subfolders
+    included): a changed tracer or locator, even at the same version number, makes new
+    entries."""
     if not _SOURCE:
+        import ctxc.frontend
         import ctxc.passes
 
         digest = hashlib.sha256()
-        for folder in (Path(__file__).parent, Path(ctxc.passes.__file__).parent):
-            for path in sorted(folder.glob("*.py")):
-                digest.update(path.name.encode() + b"\0" + path.read_bytes())
+        for module in (ctxc.frontend, ctxc.passes):
+            folder = Path(module.__file__).parent
+            for path in sorted(folder.rglob("*.py")):
+                name = path.relative_to(folder).as_posix()
+                digest.update(name.encode() + b"\0" + path.read_bytes())
+        for path in sorted(Path(__file__).parent.glob("*.py")):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes())
         _SOURCE.append(digest.hexdigest())
     return _SOURCE[0]
 

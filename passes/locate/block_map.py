@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 __all__ = [
+    "AttentionSurface",
     "BlockMap",
     "ExpertOutput",
     "LinearSite",
@@ -91,7 +92,8 @@ class NormSite:
         centered: True for a LayerNorm (subtracts the mean), False for an RMS norm.
         fused: the op of a fused norm (``aten.layer_norm``), whose normalised value is not a
             node of the graph; None for a norm written out op by op.
-        eps: the fused norm's epsilon (None otherwise).
+        eps: the norm's epsilon: a fused norm's argument (1e-5 when absent), the constant a
+            written norm adds under its root; None where a written norm holds none or several.
         scale: its trainable scale, if any.
         bias: parameter name of the bias added after the scale, if any.
         bias_node: fx node of that addition (of the fused norm).
@@ -227,6 +229,33 @@ class ExpertOutput:
 
 
 @dataclass(frozen=True)
+class AttentionSurface:
+    """The attention output projection behind a scaled RMS post norm, feeding the block's
+    residual ``v`` (Gemma 2/3, OLMo 2): ``v = x + s_a * o / rms(o)``, ``o = W_o a``.
+
+    A second linear surface for the ``lora`` rule (MATH.md 10): a rank-k move of ``W_o`` sets
+    each query position's ``o``, so ``v`` reaches any point of ``x + s_a * sphere``.
+
+    Attributes:
+        site: the output projection (``o_proj``); ``site.input`` is the attention output ``a``.
+        norm: the post-attention norm, with its scale (RMS, no bias).
+        add: fx node of ``v``, the add that takes ``x`` back in.
+        residual: fx node ``x``, the residual stream entering the attention.
+    """
+
+    site: LinearSite
+    norm: NormSite
+    add: str
+    residual: str
+
+    @property
+    def scale(self) -> ScaleSite:
+        """The post-attention norm's trainable scale."""
+        assert self.norm.scale is not None
+        return self.norm.scale
+
+
+@dataclass(frozen=True)
 class MlpBlock:
     """A residual block ``y = v + g(f(z))``, ``z`` a function of ``v``, with an MLP branch.
 
@@ -263,6 +292,8 @@ class MlpBlock:
         labels: how reports name the block's own nodes, by fx node name (``residual_in``:
             the tensor it carries through casts and reshapes); see :meth:`label`.
         param_shapes: the shape of every parameter of the block's linears and post norm.
+        attention: the attention output projection behind a post norm that makes ``v``, when
+            the block is a dense sandwich-norm block (:class:`AttentionSurface`), else None.
     """
 
     path: str
@@ -289,6 +320,7 @@ class MlpBlock:
     gated_others: tuple[bool, ...] = ()
     labels: tuple[tuple[str, NodeLabel], ...] = ()
     param_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    attention: AttentionSurface | None = None
 
     @property
     def scale(self) -> ScaleSite | None:

@@ -26,8 +26,9 @@ class Role:
             ``activation``, ``inner_function_linear`` (a shared expert's output map: its input is
             matched by the inner moves), ``outer_linear``, ``expert_output_bank``, ``post_norm``,
             ``post_norm_scale``, ``post_norm_bias``, ``gain``, ``gate``, ``addend`` (another
-            term of the sum: a parallel attention output, a shared expert), ``experts_sum`` or
-            ``residual_add``.
+            term of the sum: a parallel attention output, a shared expert), ``experts_sum``,
+            ``attention_output`` (the attention projection behind a post norm that makes
+            ``residual_in``: the ``lora`` rule moves it, MATH.md 10) or ``residual_add``.
         control: ``input-controllable``, ``output-controllable`` or ``neither``.
         param: the parameter a patch can change at this node, if any.
         used: True when the solver patches ``param`` here with its default ``stable`` rule
@@ -94,4 +95,7 @@ def _block_roles(b: MlpBlock, roles: dict[str, Role]) -> None:
             roles.setdefault(step.side, Role(b.path, "gate", NEITHER))
         elif step.kind == "add" and step.side is not None and step.node != b.residual_add:
             roles.setdefault(step.side, Role(b.path, "addend", NEITHER))
+    if b.attention is not None:  # the lora rule's second surface (MATH.md 10)
+        att = b.attention.site
+        roles[att.node] = Role(b.path, "attention_output", OUTPUT_CONTROLLABLE, att.weight)
     roles[b.residual_add] = Role(b.path, "residual_add", NEITHER)

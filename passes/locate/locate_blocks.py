@@ -17,10 +17,19 @@ When no block is found at all, every decoder layer says where the search stopped
 
 from __future__ import annotations
 
+import dataclasses
+
 from torch import fx
 
 from ctxc.frontend.trace import TracedModel
-from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock, Rejection
+from ctxc.passes.locate.attention_surface import attention_surfaces, with_attention
+from ctxc.passes.locate.block_map import (
+    AttentionSurface,
+    BlockMap,
+    LinearSite,
+    MlpBlock,
+    Rejection,
+)
 from ctxc.passes.locate.branch_scope import not_a_branch, unmatched_weights
 from ctxc.passes.locate.choose_control import choose_control
 from ctxc.passes.locate.describe_block import (
@@ -69,10 +78,11 @@ def locate_blocks(traced: TracedModel, view: GraphView | None = None) -> BlockMa
         groups.setdefault(tail.y, []).append(tail)
     blocks: list[MlpBlock] = []
     rejections: list[Rejection] = []
+    surfaces = attention_surfaces(view, (sites[n] for n in misses))
     for y in sorted(groups, key=view.index.__getitem__):
         found_block = _assemble(view, groups[y], sites)
         if isinstance(found_block, MlpBlock):
-            blocks.append(found_block)
+            blocks.append(_with_surface(view, found_block, surfaces))
         else:
             rejections.append(found_block)
     # A core whose own tail fails but whose input feeds a located block is part of that block's
@@ -161,6 +171,17 @@ def _assemble(
         labels=tuple(zip(names, (node_label(view, n) for n in labelled), strict=True)),
         param_shapes=param_shapes(view, (*inner, *others, core.outer), main.norm),
     )
+
+
+def _with_surface(
+    view: GraphView, block: MlpBlock, surfaces: dict[fx.Node, AttentionSurface]
+) -> MlpBlock:
+    """``block`` with the attention surface that makes its residual, if it can use one."""
+    surface = with_attention(view, block, surfaces)
+    if surface is None:
+        return block
+    shapes = block.param_shapes + param_shapes(view, (surface.site,), None)
+    return dataclasses.replace(block, attention=surface, param_shapes=shapes)
 
 
 def _inner_sites(

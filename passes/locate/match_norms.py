@@ -84,8 +84,23 @@ def written_norm(view: GraphView, start: fx.Node) -> tuple[NormSite, fx.Node] | 
         if any(a not in view.input_dependent for a in view.value_args(m)):
             return None
     p = region[-1]
-    site = NormSite(module=view.module_path(p), input=start.name, centered=aten.sub.Tensor in ops)
+    centered = aten.sub.Tensor in ops
+    site = NormSite(
+        module=view.module_path(p), input=start.name, centered=centered, eps=_eps(region)
+    )
     return site, p
+
+
+def _eps(region: list[fx.Node]) -> float | None:
+    """The constant a written norm adds under its root (``mean(x^2) + eps``), when one is."""
+    found = {
+        float(a)
+        for m in region
+        if m.target == aten.add.Tensor
+        for a in m.args
+        if isinstance(a, int | float) and not isinstance(a, bool)
+    }
+    return found.pop() if len(found) == 1 else None
 
 
 def fused_norm(view: GraphView, node: fx.Node) -> NormSite:

@@ -44,7 +44,8 @@ class ParamMove:
         kind: ``matrix``, ``expert matrices`` (a stacked bank [E, ., .], one delta per routed
             expert) or ``vector`` (a dense change of a norm's scale or bias).
         part: ``inner_linear``, ``router``, ``expert_input_bank``, ``outer_linear``,
-            ``expert_output_bank``, ``post_norm_scale`` or ``post_norm_bias`` (as in
+            ``expert_output_bank``, ``post_norm_scale``, ``post_norm_bias`` or
+            ``attention_output`` (the projection behind the post-attention norm, ``lora``) (as in
             :class:`~ctxc.passes.locate.classify.Role`).
         rank: rank added per query token (a k-token query gives rank k; per routed expert for
             a bank: the tokens routed to it); 0 for a vector.
@@ -68,8 +69,9 @@ class BlockPlan:
         path: module path of the block.
         rule: the update rule.
         output_control: ``linear``, ``scale``, ``bias`` or ``experts`` (the block's).
-        moves: every parameter change: input moves (graph order of the inner linears), then
-            output moves (the outer linear before the scale it feeds).
+        moves: every parameter change, in graph order: the attention output projection
+            (``lora`` on a sandwich-norm block), input moves (the inner linears), then output
+            moves (the outer linear before the scale it feeds).
         stable: the outer linear moves the MLP output to the unit-RMS target before the scale
             takes the remainder (MATH.md 4); False when the scale alone moves.
     """
@@ -92,6 +94,11 @@ class BlockPlan:
     @property
     def output_moves(self) -> tuple[ParamMove, ...]:
         return tuple(m for m in self.moves if m.move == "output")
+
+    @property
+    def attention(self) -> bool:
+        """The attention output projection moves too (``lora`` on a sandwich-norm block)."""
+        return any(m.part == "attention_output" for m in self.moves)
 
     @property
     def moves_inputs(self) -> bool:
@@ -123,6 +130,8 @@ def plan(block: MlpBlock, rule: str, k: int = 1) -> BlockPlan:
     ctl = block.output_control
     outer_part = "expert_output_bank" if block.outer.experts else "outer_linear"
     if rule == LORA_RULE:  # no vector: the outer linear only, and only where it feeds y
+        if block.attention is not None:  # and the attention's, behind its own norm (MATH.md 10)
+            moves.insert(0, _matrix(block.attention.site, "output", "attention_output"))
         if ctl in ("linear", "experts") or (ctl == "scale" and block.stable_ok):
             moves.append(_matrix(block.outer, "output", outer_part))
         return BlockPlan(block.path, rule, ctl, tuple(moves))
@@ -197,7 +206,8 @@ def checked_plan(view: GraphView, block: MlpBlock, update: str, k: int) -> Block
         assert move.site is not None
         check_in_time(view, block, move.param, move.site.experts or block.mlp_in)
     for move in todo.output_moves:
-        check_in_time(view, block, move.param, block.mlp_in)
+        after = move.site.input if move.part == "attention_output" and move.site else block.mlp_in
+        check_in_time(view, block, move.param, after)
     return todo
 
 

@@ -34,10 +34,14 @@ class BlockTargets:
     Attributes:
         z: MLP input ``z_C`` [k, d_in], in the model's dtype.
         y: block output ``y_C`` [k, d_model], in the model's dtype.
+        v: the residual after a sandwich-norm block's attention ``v_C`` [k, d_model], where
+            the block has an attention surface (the ``lora`` rule starts from the full run's
+            split of ``y_C - x`` between the two branches, MATH.md 10); else None.
     """
 
     z: torch.Tensor
     y: torch.Tensor
+    v: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -163,12 +167,17 @@ def record_targets(
         the :class:`FullRun` (targets and logits at the last k positions).
     """
     keep = {b.mlp_in for b in blocks.blocks} | {b.residual_add for b in blocks.blocks}
+    keep |= {b.attention.add for b in blocks.blocks if b.attention is not None}
     placer = traced.placer(input_ids)
     rec = _Recorder(traced.graph_module, keep, blocks.head, k, placer, reference, ops)
     with torch.no_grad():
         (logits,) = _as_tuple(rec.run(*traced.placeholder_values(input_ids)))
     targets = {
-        b.path: BlockTargets(z=rec.kept[b.mlp_in], y=rec.kept[b.residual_add])
+        b.path: BlockTargets(
+            z=rec.kept[b.mlp_in],
+            y=rec.kept[b.residual_add],
+            v=rec.kept[b.attention.add] if b.attention is not None else None,
+        )
         for b in blocks.blocks
     }
     if rec.split:  # [1, 2k, vocab]: the query rows alone, then as the default forward

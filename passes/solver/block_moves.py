@@ -341,6 +341,11 @@ def output_reads(block: MlpBlock) -> set[str]:
         keep.add(block.norm.input)
         if block.scale is not None and block.scale.normalized:
             keep.add(block.scale.normalized)
+    if block.attention is not None:  # the lora rule's second surface (MATH.md 10)
+        att = block.attention
+        keep.update({att.residual, att.site.node, att.site.input, att.norm.input})
+        if att.scale.normalized:
+            keep.add(att.scale.normalized)
     if block.experts is not None:
         assert block.outer.experts is not None
         keep.update({block.experts.gate, block.experts.combine, block.outer.experts})

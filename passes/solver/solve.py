@@ -35,6 +35,7 @@ from ctxc.passes.runtime.run_graph import FullRun
 from ctxc.passes.solver import block_moves as moves
 from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
+from ctxc.passes.solver.reach_two_norms import two_norm_targets
 from ctxc.passes.solver.solver_values import SolverValues, rows
 from ctxc.passes.solver.update_rules import ConditionError, ScaleMove
 from ctxc.patch import Delta
@@ -115,6 +116,8 @@ class _Solver(SolverValues):
 
     def patch_block(self, block: MlpBlock, todo: BlockPlan) -> BlockStats:
         """Run through a block, putting its moves in place as its nodes are reached."""
+        if todo.attention:
+            return self._patch_two_norms(block, todo)
         z_node = self.advance_to(block.mlp_in)
         z = rows(self.run.env[z_node]).detach().clone()  # [k, d_in]
         z_target = self.full.targets[block.path].z  # [k, d_in]
@@ -146,6 +149,57 @@ class _Solver(SolverValues):
             unreached_norm=self._miss(block, y) if todo.rule == LORA_RULE else None,
             output_magnitude=out.magnitude,
             rounding_gain=out.rounding_gain,
+        )
+
+    def _patch_two_norms(self, block: MlpBlock, todo: BlockPlan) -> BlockStats:
+        """The ``lora`` rule on a sandwich-norm block (MATH.md 10): the attention and the down
+        projections set the two normalised outputs whose scaled sum is ``y_C - x``; gate and up
+        move ``z`` to ``z_C``. Runs the block once as reached to read each norm's ``rho``, then
+        again with each move in place."""
+        att, targets = block.attention, self.full.targets[block.path]
+        assert att is not None and targets.v is not None
+        z_node = self.advance_to(block.mlp_in)
+        ctl = self.advance_to(block.control)
+        x = rows(self.value(att.residual)).float()  # [k, d]
+        s_a, s_f = self.scale_of(att.scale), self.scale(block)  # [d], [d]
+        y_c, v_c = targets.y.float(), targets.v.float()  # [k, d]
+        split = (_over(v_c - x, s_a), _over(y_c - v_c, s_f))  # the full run's, from x
+        o_now = rows(self.value(att.site.node)).float()  # [k, d]
+        branches = (o_now, self.normalized_at(att.norm), self.branch_now(block))
+        assert block.norm is not None
+        try:
+            o_star, u_star, found = two_norm_targets(
+                (s_a, s_f),
+                y_c - x,
+                split,
+                (*branches, self.normalized(block)),
+                (att.norm.eps, block.norm.eps),
+            )
+        except ValueError as exc:
+            raise ConditionError(str(exc)) from exc
+        u, v = moves.outer_move(o_star - o_now, rows(self.value(att.site.input)))
+        self._put(
+            Delta(att.site.weight, block.path, u=u, v=v, layout=att.site.layout), ctl, att.site
+        )
+        z = rows(self.run.env[z_node]).detach().clone()  # [k, d_in], from the new v
+        found_in = moves.input_moves([self.weight(s) for s in block.inner], z, targets.z)
+        for site, (u, v) in zip(block.inner, found_in, strict=True):
+            self._put(Delta(site.weight, block.path, u=u, v=v, layout=site.layout), ctl, site)
+        y_node = self.view.by_name[block.residual_add]
+        self._put_branch(block, u_star - self.branch_now(block), y_node)
+        y = self.advance_to(block.residual_add)
+        gap = max((0.0 if r.exact else r.miss) for r in found)
+        return BlockStats(
+            block.path,
+            True,
+            todo.rule,
+            block.output_control,
+            input_norm=float(z.float().norm(dim=-1).min()),
+            input_change=float((targets.z.float() - z.float()).abs().max()),
+            residual_error=self._error(block, y),
+            delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
+            unreached_norm=self._miss(block, y),
+            reach_gap=gap,
         )
 
     def _move_banks(self, block: MlpBlock, z: torch.Tensor, z_target: torch.Tensor) -> None:
@@ -282,6 +336,11 @@ class _Solver(SolverValues):
             x_node = self.view.by_name[at.input]
             return at.node, linear_action(delta, self.run.env, x_node, ids_node)
         return vector_action(delta, at, self.normalized)
+
+
+def _over(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """``t / s`` [k, d] where ``s != 0``, 0 elsewhere."""
+    return torch.where(s != 0, t / torch.where(s != 0, s, torch.ones_like(s)), 0.0)
 
 
 def solve(

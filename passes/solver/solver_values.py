@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from ctxc.passes.locate.block_map import LinearSite, MlpBlock
+from ctxc.passes.locate.block_map import LinearSite, MlpBlock, NormSite, ScaleSite
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.runtime.reduced_run import ReducedRun
@@ -69,8 +69,11 @@ class SolverValues:
 
     def scale(self, block: MlpBlock) -> torch.Tensor:
         """The post norm's effective scale ``alpha * w + offset`` [d], float32."""
-        sc = block.scale
-        assert sc is not None
+        assert block.scale is not None
+        return self.scale_of(block.scale)
+
+    def scale_of(self, sc: ScaleSite) -> torch.Tensor:
+        """A norm's effective scale ``alpha * w + offset`` [d], float32."""
         w = self.run.param(self.param_node[sc.param]).float()  # [d]
         return sc.alpha * w + sc.offset
 
@@ -125,8 +128,13 @@ class SolverValues:
 
     def normalized(self, block: MlpBlock) -> torch.Tensor:
         """The normalised MLP output ``f`` [k, d] the scale multiplies, as now computed."""
-        norm, sc = block.norm, block.scale
-        assert norm is not None and sc is not None
+        assert block.norm is not None
+        return self.normalized_at(block.norm)
+
+    def normalized_at(self, norm: NormSite) -> torch.Tensor:
+        """A post norm's normalised value ``f`` [k, d] its scale multiplies, as now computed."""
+        sc = norm.scale
+        assert sc is not None
         if sc.normalized:
             return rows(self.value(sc.normalized))
         x = rows(self.value(norm.input)).float()  # [k, d]: a fused norm's input

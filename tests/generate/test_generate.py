@@ -10,7 +10,7 @@ import torch
 
 from ctxc.generate.steps import generate
 from tests.fixtures.helpers import CliRun, run_cli
-from tests.fixtures.tiny_models import VOCAB, build
+from tests.fixtures.tiny_models import VOCAB, build, build_any
 
 pytestmark = pytest.mark.tiny
 
@@ -34,6 +34,18 @@ def test_float32_protocol_matches_the_cached_baseline(family: str) -> None:
             token = int(model(input_ids=ids).logits[0, -1].argmax())
             assert token == s.baseline_token
             ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "olmo2"])
+def test_lora_rule_per_token_is_exact_behind_two_post_norms(family: str) -> None:
+    """The cached decode's hooks record the residual between the two branches too (the
+    pre-FFN norm's input; OLMo 2's MLP input), the ``lora`` rule's start (MATH.md 10)."""
+    model = build_any(family)
+    result = generate(model, CONTEXT, 4, update="lora")
+    diffs = [s.max_abs_logit_diff for s in result.steps]
+    assert result.targets_from.startswith("cached decode"), result.targets_from
+    assert max(diffs) <= 1e-5, f"max {max(diffs):.3g} mean {sum(diffs) / len(diffs):.3g}"
+    assert result.match_rate == 1.0
 
 
 def test_bfloat16_protocol_applies_low_rank_actions() -> None:

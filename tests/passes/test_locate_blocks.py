@@ -204,3 +204,29 @@ def test_no_block_names_where_the_search_stopped_in_every_layer() -> None:
     message = r"no residual MLP block found in this model: layer\.0\.out: .*; layer\.1\.qkv: "
     with pytest.raises(ctxc.UnpatchableError, match=message):
         ctxc.compile(model, context_ids=[1, 2, 3, 4], query_ids=[5])
+
+
+@pytest.mark.parametrize(
+    ("family", "sandwich"),
+    [("gemma2", True), ("gemma3", True), ("olmo2", True), ("llama", False), ("qwen3", False)],
+)
+def test_attention_projection_behind_a_post_norm_is_a_second_surface(family, sandwich) -> None:
+    """MATH.md 10: ``v = x + s_a * norm(o_proj(a))`` feeds the block's MLP (Gemma 2/3, OLMo 2)."""
+    model = build_any(family)
+    blocks = locate_blocks(trace(model))
+    roles = classify(blocks)
+    for b in blocks.blocks:
+        layer = b.path.rsplit(".", 1)[0]
+        if not sandwich:
+            assert b.attention is None, b.attention
+            continue
+        att = b.attention
+        assert att is not None, b.path
+        assert att.site.module == f"{layer}.self_attn.o_proj", att.site.module
+        assert att.norm.module == f"{layer}.post_attention_layernorm" and not att.norm.centered
+        eps = model.config.rms_norm_eps
+        assert att.norm.eps == pytest.approx(eps, rel=1e-6), (att.norm.eps, eps)
+        assert b.param_shape(att.site.weight) == (64, 64)
+        role = roles[att.site.node]
+        assert role.part == "attention_output" and role.control == OUTPUT_CONTROLLABLE
+        assert not role.used, "the stable rule does not move it"

@@ -136,6 +136,24 @@ def test_version_change_rebuilds(cache, exports, monkeypatch) -> None:
     _check_exact(model, again)
 
 
+def test_a_changed_locator_in_a_subfolder_changes_the_key(monkeypatch, tmp_path) -> None:
+    """The key covers every pass, ``passes/locate/`` and ``passes/solver/`` included (after
+    the move into subfolders a changed locator reused entries made by the old one)."""
+    import ctxc.passes.locate.locate_blocks as located
+
+    monkeypatch.setattr(export_cache, "_SOURCE", [])
+    before = export_cache._source_digest()
+    source = Path(located.__file__)
+    copy = tmp_path / "passes"
+    shutil.copytree(source.parents[1], copy)
+    (copy / "locate" / "locate_blocks.py").write_text(source.read_text() + "\n# changed\n")
+    import ctxc.passes
+
+    monkeypatch.setattr(ctxc.passes, "__file__", str(copy / "__init__.py"))
+    monkeypatch.setattr(export_cache, "_SOURCE", [])
+    assert export_cache._source_digest() != before
+
+
 def test_cache_off_and_not_enabled(cache, exports, monkeypatch) -> None:
     model = build("gpt2")  # not enabled: the Python API keeps the ExportedProgram
     ctxc.compile(model, context_ids=CONTEXT, query_ids=QUERY)
