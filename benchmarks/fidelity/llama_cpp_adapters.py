@@ -36,6 +36,7 @@ import ctxc
 from benchmarks.tables import invocation, table, write_table
 from ctxc.backends.gguf.llama_cpp.run import (
     LLAMA_CPP_FACTOR,
+    LLAMA_CPP_MIN_FLOOR,
     LlamaCppSwitching,
     llama_cpp_logits,
     llama_cpp_switching,
@@ -132,7 +133,8 @@ def _rows(
             for j, other in enumerate(refs["fulls"]):
                 if j != i:
                     nearest = min(nearest, float((got - other).abs().max()))
-        runtime_only = LLAMA_CPP_FACTOR * max(refs["floor"], refs["full_vs_t"][i])
+        scale = max(refs["floor"], refs["full_vs_t"][i], LLAMA_CPP_MIN_FLOOR)
+        runtime_only = LLAMA_CPP_FACTOR * scale
         bound = runtime_only + c["own_t"]
         rows.append(
             {
@@ -342,8 +344,9 @@ def _notes(meta: dict, costs: list[dict]) -> str:
         "worst of the requests with that context's adapter (one context switched per request, "
         "and a fresh context per request), against llama.cpp's own full-context run of that "
         "context on the same base; `nearest other`: the smallest distance of those requests "
-        "from another context's full-context run; `bound`: check 2's `2 x max(floor, full-vs-T) "
-        "+ own-T` (`2x floor`: its first term alone, the bound of a rule exact in Transformers; "
+        "from another context's full-context run; `bound`: check 2's `2 x max(floor, "
+        "full-vs-T, 1e-5) + own-T` (`2x floor`: its first term alone, the bound of a rule exact "
+        "in Transformers; "
         "`floor`: llama.cpp vs Transformers, unpatched, query alone; `full-vs-T`: the "
         "same on context + query; `own-T`: the torch patched model vs the full-context forward); "
         "bold: over it; on Q4_K_M in brackets, reported only. `control`: the base fed the query "
