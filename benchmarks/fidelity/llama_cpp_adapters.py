@@ -94,11 +94,12 @@ def _compile(model, tok, names: list[str], query: str, update: str, folder: Path
 
 
 def _requests(n: int, rounds: int) -> list[int | None]:
-    """The query without an adapter, then each adapter in turn (every request a switch), then
-    each adapter twice in a row (the second keeps it), ``rounds`` times round."""
+    """A warm-up request without an adapter (left out of the costs: the first decode builds
+    llama.cpp's graph), then ``rounds`` times: the query twice without an adapter, each adapter
+    in turn (every request a switch), each adapter twice in a row (the second keeps it)."""
     order: list[int | None] = [None]
     for _ in range(rounds):
-        order += list(range(n))
+        order += [None, None, *range(n)]
         order += [i for i in range(n) for _ in range(2)]
     return order
 
@@ -164,19 +165,21 @@ def _median_ms(values) -> float | None:
 
 
 def _costs(base_name: str, order: list, shared: LlamaCppSwitching, fresh: LlamaCppSwitching):
-    """The switch cost on one base, medians in ms."""
-    steps = list(zip(order, shared.switched, shared.set_s, shared.decode_s, strict=True))
+    """The switch cost on one base, medians in ms (the warm-up request left out)."""
+    steps = list(zip(order, shared.switched, shared.set_s, shared.decode_s, strict=True))[1:]
     return {
         "base": base_name,
         "switch_set_ms": _median_ms(s for a, w, s, _ in steps if w and a is not None),
         "switch_decode_ms": _median_ms(d for a, w, _, d in steps if w and a is not None),
         "switch_total_ms": _median_ms(s + d for a, w, s, d in steps if w and a is not None),
         "keep_decode_ms": _median_ms(d for a, w, _, d in steps if not w and a is not None),
-        "no_adapter_decode_ms": _median_ms(d for a, _, _, d in steps if a is None),
-        "clear_kv_ms": _median_ms(shared.context_s),
+        "no_adapter_decode_ms": _median_ms(d for a, w, _, d in steps if a is None and not w),
+        "clear_kv_ms": _median_ms(shared.context_s[1:]),
         "fresh_total_ms": _median_ms(
             c + s + d
-            for a, c, s, d in zip(order, fresh.context_s, fresh.set_s, fresh.decode_s, strict=True)
+            for a, c, s, d in list(
+                zip(order, fresh.context_s, fresh.set_s, fresh.decode_s, strict=True)
+            )[1:]
             if a is not None
         ),
         "adapter_load_ms": _median_ms(shared.load_s),
