@@ -17,7 +17,9 @@ on the query alone; llama.cpp departs from position 839 on, where Transformers' 
 float64 runs agree within 2e-3, whatever its batch, window-cache or KV type settings).
 
 The runs happen in a child process (:mod:`llama_cpp_worker`): llama.cpp aborts on a failed
-assertion and logs to stderr, and neither may reach ctxc's process.
+assertion and logs to stderr, and neither may reach ctxc's process. :func:`llama_cpp_switching`
+runs many adapters on one model the way a server does (issue 23, check 3: each loaded once,
+``llama_set_adapters_lora`` per request), with the time of each step.
 """
 
 from __future__ import annotations
@@ -45,8 +47,10 @@ __all__ = [
     "LLAMA_CPP_FACTOR",
     "LLAMA_CPP_MIN_FLOOR",
     "LlamaCppFigures",
+    "LlamaCppSwitching",
     "llama_cpp_check",
     "llama_cpp_logits",
+    "llama_cpp_switching",
     "llama_cpp_unavailable",
     "llama_cpp_version",
 ]
@@ -77,26 +81,19 @@ def llama_cpp_version() -> str:
     return f"llama.cpp {__llama_cpp_tag__}"
 
 
-def llama_cpp_logits(jobs: list[dict], what: str) -> list[torch.Tensor]:
-    """Run jobs in a llama.cpp child process (:mod:`llama_cpp_worker`); their logits.
-
-    Args:
-        jobs: each ``{"model": path, "lora": path or None, "ids": [...], "k": n}``.
-        what: the artefact, for the error message.
-
-    Returns:
-        float32 [k, vocab] per job, in order.
+def _run_worker(spec: list | dict, what: str, threads: int | None) -> dict[str, np.ndarray]:
+    """Run :mod:`llama_cpp_worker` on ``spec`` in a child process; the arrays it saved.
 
     Raises:
         CtxcError: the child fails (its last log line is in the message).
     """
     with tempfile.TemporaryDirectory(prefix="ctxc-llama-") as tmp:
-        spec, result = Path(tmp) / "jobs.json", Path(tmp) / "logits.npz"
-        spec.write_text(json.dumps([{**j, "model": str(j["model"])} for j in jobs]))
-        threads = str(max(1, torch.get_num_threads()))
+        path, result = Path(tmp) / "jobs.json", Path(tmp) / "logits.npz"
+        path.write_text(json.dumps(spec))
+        threads = max(1, torch.get_num_threads() if threads is None else threads)
         worker = [sys.executable, "-m", "ctxc.backends.gguf.llama_cpp.worker"]
         proc = subprocess.run(
-            [*worker, str(spec), str(result), threads],
+            [*worker, str(path), str(result), str(threads)],
             capture_output=True,
             text=True,
             env={**os.environ, "PYTHONWARNINGS": "ignore"},
@@ -107,7 +104,97 @@ def llama_cpp_logits(jobs: list[dict], what: str) -> list[torch.Tensor]:
             last = lines[-1] if lines else f"exit status {proc.returncode}"
             raise CtxcError(f"{what}: llama.cpp could not run it: {last}")
         with np.load(result) as saved:
-            return [torch.from_numpy(saved[f"job{i}"].copy()) for i in range(len(jobs))]
+            return {key: saved[key].copy() for key in saved.files}
+
+
+def llama_cpp_logits(
+    jobs: list[dict], what: str, *, threads: int | None = None
+) -> list[torch.Tensor]:
+    """Run jobs in a llama.cpp child process (:mod:`llama_cpp_worker`); their logits.
+
+    Args:
+        jobs: each ``{"model": path, "lora": path or None, "ids": [...], "k": n}``.
+        what: the artefact, for the error message.
+        threads: llama.cpp's threads (default: torch's).
+
+    Returns:
+        float32 [k, vocab] per job, in order.
+
+    Raises:
+        CtxcError: the child fails (its last log line is in the message).
+    """
+    saved = _run_worker([{**j, "model": str(j["model"])} for j in jobs], what, threads)
+    return [torch.from_numpy(saved[f"job{i}"]) for i in range(len(jobs))]
+
+
+@dataclass(frozen=True)
+class LlamaCppSwitching:
+    """One llama.cpp model serving requests that switch between LoRA adapters.
+
+    Attributes:
+        logits: per request, float32 [k, vocab].
+        load_s: seconds to load each adapter (``llama_adapter_lora_init``), once.
+        context_s: per request, seconds to create its context (fresh) or clear the KV cache.
+        set_s: per request, seconds of ``llama_set_adapters_lora`` (0 where not called).
+        decode_s: per request, seconds of the decode (and the logits' copy).
+        switched: per request, whether its adapter was set (it differed from the last one).
+        fresh: a new context per request (else one context for all).
+    """
+
+    logits: tuple[torch.Tensor, ...]
+    load_s: tuple[float, ...]
+    context_s: tuple[float, ...]
+    set_s: tuple[float, ...]
+    decode_s: tuple[float, ...]
+    switched: tuple[bool, ...]
+    fresh: bool
+
+
+def llama_cpp_switching(
+    model: Path,
+    adapters: list[Path],
+    requests: list[tuple[int | None, list[int], int]],
+    *,
+    what: str = "lora.gguf",
+    fresh: bool = False,
+    threads: int | None = None,
+) -> LlamaCppSwitching:
+    """Load ``model`` and every adapter once in a llama.cpp child; run the requests in turn.
+
+    Args:
+        model: the base GGUF.
+        adapters: LoRA GGUFs for ``model``.
+        requests: ``(adapter index or None, ids, k)``: the logits of the last ``k`` ids.
+        what: the artefacts, for the error message.
+        fresh: a new context per request, else one context whose adapter is switched.
+        threads: llama.cpp's threads (default: torch's).
+
+    Returns:
+        the :class:`LlamaCppSwitching`.
+
+    Raises:
+        CtxcError: the child fails (a file it cannot load, a bad index, a failed decode).
+    """
+    spec = {
+        "model": str(model),
+        "adapters": [str(a) for a in adapters],
+        "requests": [{"adapter": a, "ids": list(ids), "k": k} for a, ids, k in requests],
+        "fresh": fresh,
+    }
+    saved = _run_worker(spec, what, threads)
+
+    def floats(key: str) -> tuple[float, ...]:
+        return tuple(float(x) for x in saved[key])
+
+    return LlamaCppSwitching(
+        logits=tuple(torch.from_numpy(saved[f"job{i}"]) for i in range(len(requests))),
+        load_s=floats("load_s"),
+        context_s=floats("context_s"),
+        set_s=floats("set_s"),
+        decode_s=floats("decode_s"),
+        switched=tuple(bool(x) for x in saved["switched"]),
+        fresh=fresh,
+    )
 
 
 @dataclass(frozen=True)

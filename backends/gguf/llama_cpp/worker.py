@@ -4,6 +4,8 @@
 ``{"model": path, "lora": path or null, "ids": [...], "k": n}``, runs ``ids`` through llama.cpp
 (libllama of the PyPI wheel ``llama-cpp-py-sync``, through its cffi bindings) in one decode,
 and saves the logits of the last ``k`` positions of job ``i`` as ``job{i}`` [k, vocab] float32.
+A JSON object instead of a list is one model serving many adapters (:func:`run_switching`):
+the requests' logits and the time each step took.
 
 It runs in its own process on purpose: llama.cpp aborts the process on a failed assertion and
 logs to stderr; a child keeps ctxc alive and its log is kept for the error message. It imports
@@ -17,11 +19,12 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 
-__all__ = ["main", "run_jobs"]
+__all__ = ["main", "run_jobs", "run_switching"]
 
 _GGML_TYPE_F32 = 0
 _FLASH_ATTN_DISABLED = 0
@@ -78,6 +81,37 @@ def _decode(lib, ctx, ids: list[int], k: int, vocab: int) -> np.ndarray:
         lib.llama_batch_free(batch)
 
 
+def _load_model(lib, path: str):
+    """Load a GGUF model on the CPU (no layer offloaded)."""
+    params = lib.llama_model_default_params()
+    params.n_gpu_layers = 0
+    model = lib.llama_model_load_from_file(path.encode(), params)
+    if model == _ffi().NULL:
+        raise RuntimeError(f"llama.cpp cannot load {os.path.basename(path)}")
+    return model
+
+
+def _load_adapter(lib, model, path: str):
+    """Load a LoRA GGUF onto ``model``."""
+    adapter = lib.llama_adapter_lora_init(model, path.encode())
+    if adapter == _ffi().NULL:
+        raise RuntimeError(f"llama.cpp cannot load the adapter {os.path.basename(path)}")
+    return adapter
+
+
+def _set_adapter(lib, ctx, adapter) -> None:
+    """Make ``adapter`` (scale 1) the context's only LoRA, or none when it is None."""
+    ffi = _ffi()
+    if adapter is None:
+        if lib.llama_set_adapters_lora(ctx, ffi.NULL, 0, ffi.NULL) != 0:
+            raise RuntimeError("llama_set_adapters_lora (none) failed")
+        return
+    handles = ffi.new("struct llama_adapter_lora *[1]", [adapter])
+    scales = ffi.new("float[1]", [1.0])
+    if lib.llama_set_adapters_lora(ctx, handles, 1, scales) != 0:
+        raise RuntimeError("llama_set_adapters_lora failed")
+
+
 def run_jobs(jobs: list[dict], threads: int) -> dict[str, np.ndarray]:
     """Run every job; ``{"job<i>": logits [k, vocab]}``. Models and adapters load once each.
 
@@ -86,7 +120,7 @@ def run_jobs(jobs: list[dict], threads: int) -> dict[str, np.ndarray]:
     """
     from llama_cpp_py_sync._cffi_bindings import get_lib
 
-    lib, ffi = get_lib(), _ffi()
+    lib = get_lib()
     lib.llama_backend_init()
     models: dict[str, object] = {}
     adapters: dict[tuple[str, str], object] = {}
@@ -95,12 +129,7 @@ def run_jobs(jobs: list[dict], threads: int) -> dict[str, np.ndarray]:
         for i, job in enumerate(jobs):
             path = job["model"]
             if path not in models:
-                params = lib.llama_model_default_params()
-                params.n_gpu_layers = 0
-                model = lib.llama_model_load_from_file(path.encode(), params)
-                if model == ffi.NULL:
-                    raise RuntimeError(f"llama.cpp cannot load {os.path.basename(path)}")
-                models[path] = model
+                models[path] = _load_model(lib, path)
             model = models[path]
             vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
             ctx = _context(lib, model, len(job["ids"]), threads)
@@ -108,16 +137,8 @@ def run_jobs(jobs: list[dict], threads: int) -> dict[str, np.ndarray]:
                 if job.get("lora"):
                     key = (path, job["lora"])
                     if key not in adapters:
-                        adapter = lib.llama_adapter_lora_init(model, job["lora"].encode())
-                        if adapter == ffi.NULL:
-                            raise RuntimeError(
-                                f"llama.cpp cannot load the adapter {os.path.basename(key[1])}"
-                            )
-                        adapters[key] = adapter
-                    handles = ffi.new("struct llama_adapter_lora *[1]", [adapters[key]])
-                    scales = ffi.new("float[1]", [1.0])
-                    if lib.llama_set_adapters_lora(ctx, handles, 1, scales) != 0:
-                        raise RuntimeError("llama_set_adapters_lora failed")
+                        adapters[key] = _load_adapter(lib, model, job["lora"])
+                    _set_adapter(lib, ctx, adapters[key])
                 out[f"job{i}"] = _decode(lib, ctx, list(job["ids"]), int(job["k"]), vocab)
             finally:
                 lib.llama_free(ctx)
@@ -129,13 +150,97 @@ def run_jobs(jobs: list[dict], threads: int) -> dict[str, np.ndarray]:
     return out
 
 
+def _clear(lib, ctx) -> None:
+    """Forget the context's KV cache, so the next decode starts at position 0."""
+    lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+
+
+def _serve(lib, model, adapters: list, spec: dict, threads: int) -> dict[str, np.ndarray]:
+    """The requests of :func:`run_switching` on a loaded model and adapters; logits and timings."""
+    requests, fresh = spec["requests"], bool(spec.get("fresh"))
+    vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(model))
+    n = len(requests)
+    out: dict[str, np.ndarray] = {}
+    timing = {key: np.zeros(n) for key in ("context_s", "set_s", "decode_s", "switched")}
+    shared = None if fresh else _context(lib, model, max(len(r["ids"]) for r in requests), threads)
+    current = None  # the shared context's adapter index (a fresh context has none)
+    try:
+        for i, request in enumerate(requests):
+            clock = time.perf_counter()
+            ctx = _context(lib, model, len(request["ids"]), threads) if fresh else shared
+            if not fresh:
+                _clear(lib, ctx)
+            timing["context_s"][i] = time.perf_counter() - clock
+            try:
+                want = request.get("adapter")
+                if want != (None if fresh else current):
+                    clock = time.perf_counter()
+                    _set_adapter(lib, ctx, None if want is None else adapters[want])
+                    timing["set_s"][i] = time.perf_counter() - clock
+                    timing["switched"][i], current = 1.0, want
+                clock = time.perf_counter()
+                logits = _decode(lib, ctx, list(request["ids"]), int(request["k"]), vocab)
+                timing["decode_s"][i] = time.perf_counter() - clock
+                out[f"job{i}"] = logits
+            finally:
+                if fresh:
+                    lib.llama_free(ctx)
+    finally:
+        if shared is not None:
+            lib.llama_free(shared)
+    return {**out, **timing}
+
+
+def run_switching(spec: dict, threads: int) -> dict[str, np.ndarray]:
+    """One model, many adapters loaded once, requests that switch between them.
+
+    ``spec``: ``{"model": path, "adapters": [path, ...], "requests": [{"adapter": index or
+    None, "ids": [...], "k": n}, ...], "fresh": bool}``. With ``fresh`` false (a server's way)
+    every request runs on one context, its KV cache cleared, and ``llama_set_adapters_lora`` is
+    called when the request's adapter differs from the previous one's; with ``fresh`` true each
+    request gets a new context (adapter set on it unless None) and frees it after.
+
+    Returns:
+        ``job<i>``: request ``i``'s logits [k, vocab]; ``load_s`` [adapters]: seconds to load
+        each adapter; per request [requests]: ``context_s`` (creating, or clearing, its
+        context), ``set_s`` (``llama_set_adapters_lora``; 0 when not called), ``decode_s``
+        (the decode and the logits' copy), ``switched`` (1 where the adapter was set).
+
+    Raises:
+        RuntimeError: a file llama.cpp cannot load, a bad adapter index, or a failed decode.
+    """
+    from llama_cpp_py_sync._cffi_bindings import get_lib
+
+    lib = get_lib()
+    lib.llama_backend_init()
+    model = _load_model(lib, spec["model"])
+    adapters: list = []
+    load_s = []
+    try:
+        for path in spec["adapters"]:
+            clock = time.perf_counter()
+            adapters.append(_load_adapter(lib, model, path))
+            load_s.append(time.perf_counter() - clock)
+        for request in spec["requests"]:
+            a = request.get("adapter")
+            if a is not None and not 0 <= a < len(adapters):
+                raise RuntimeError(f"request names adapter {a}; {len(adapters)} are loaded")
+        return {**_serve(lib, model, adapters, spec, threads), "load_s": np.array(load_s)}
+    finally:
+        for adapter in adapters:
+            lib.llama_adapter_lora_free(adapter)
+        lib.llama_model_free(model)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``JOBS.json OUT.npz [THREADS]``: run the jobs, save the logits; 1 on a failure."""
+    """``JOBS.json OUT.npz [THREADS]``: run the jobs (a list, :func:`run_jobs`, or an object,
+    :func:`run_switching`), save the logits (and timings); 1 on a failure."""
     args = sys.argv[1:] if argv is None else argv
     jobs = json.loads(Path(args[0]).read_text())
     threads = int(args[2]) if len(args) > 2 else max(1, os.cpu_count() or 1)
     try:
-        logits = run_jobs(jobs, threads)
+        # A list: independent jobs; an object: one model's requests switching adapters.
+        logits = run_switching(jobs, threads) if isinstance(jobs, dict) else run_jobs(jobs, threads)
     except RuntimeError as exc:
         print(f"llama.cpp: {exc}", file=sys.stderr)
         return 1
