@@ -204,12 +204,22 @@ class ReducedRun(PlacingInterpreter):
         again after :meth:`release` drops it.
         """
         old = self.env.get(param)
-        if isinstance(old, LazyWeight) and rebake is not None:
+        if param in self.rebakes and rebake is not None:  # replaced again: the newest bake
+            self.rebakes[param] = (self.rebakes[param][0], rebake)
+        elif isinstance(old, LazyWeight) and rebake is not None:
             self.rebakes[param] = (old, rebake)
         elif not isinstance(old, LazyWeight):
             self._replaced.setdefault(param, old)
         self.env[param] = value
         self.recompute_from(param, upto)
+
+    def original_param(self, param: fx.Node) -> torch.Tensor:
+        """``param``'s value before any :meth:`replace_param` (read from its store when it is
+        offloaded): what a patch replaced again is baked from."""
+        if param in self.rebakes:
+            return self.rebakes[param][0].get()
+        first = self._replaced.get(param)
+        return first if first is not None else self.param(param)
 
     def release(self) -> None:
         """Drop the patched values of offloaded parameters (a block's worth of weights): a

@@ -93,6 +93,7 @@ def reach_two_norms(
     rho_a: float,
     rho_f: float,
     start: torch.Tensor,
+    like: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> TwoNormReach:
     """Normalised outputs ``w_a``, ``w_f`` on their spheres with ``s_a w_a + s_f w_f = t``.
 
@@ -106,6 +107,10 @@ def reach_two_norms(
         t: wanted sum of the two branches [d].
         rho_a, rho_f: each branch's mean square (``M / (M + eps)`` at the magnitude kept).
         start: the starting ``w_a`` [d] (the full run's split).
+        like: the normalised outputs reached ``(f_a, f_f)`` [d] each: a branch's slack
+            coordinates take the rest of its budget along these (an invisible coordinate of a
+            large output, Gemma 3 270M's layer 1, keeps its sign: no down-projection move
+            flips it); None: spread evenly.
 
     Returns:
         the :class:`TwoNormReach`.
@@ -125,8 +130,8 @@ def reach_two_norms(
         w_a, w_f = torch.zeros(d, dtype=torch.float64), torch.zeros(d, dtype=torch.float64)
         w_a[both], w_a[only_a] = w, fixed_a
         w_f[both], w_f[only_f] = (tb - sa * w) / sf, fixed_f
-        _fill_slack(w_a, only_f | blind, d * rho_a)
-        _fill_slack(w_f, only_a | blind, d * rho_f)
+        _fill_slack(w_a, only_f | blind, d * rho_a, None if like is None else like[0])
+        _fill_slack(w_f, only_a | blind, d * rho_f, None if like is None else like[1])
         miss = float((s_a * w_a + s_f * w_f - t).norm())
         return TwoNormReach(w_a, w_f, True, miss, 0)
     return _alternate(s_a, s_f, t, rho_a, rho_f, start.double())
@@ -219,12 +224,19 @@ def _circle_root(
     return None
 
 
-def _fill_slack(w: torch.Tensor, slack: torch.Tensor, budget: float) -> None:
-    """Put what ``w``'s visible coordinates leave of ``budget`` on its slack ones (mutates)."""
+def _fill_slack(
+    w: torch.Tensor, slack: torch.Tensor, budget: float, like: torch.Tensor | None
+) -> None:
+    """Put what ``w``'s visible coordinates leave of ``budget`` on its slack ones, along
+    ``like``'s slack coordinates where they are not all zero, else evenly (mutates ``w``)."""
     n = int(slack.sum())
     if n:
-        rest = budget - float(w[~slack].pow(2).sum())
-        w[slack] = math.sqrt(max(rest, 0.0) / n)
+        rest = max(budget - float(w[~slack].pow(2).sum()), 0.0)
+        along = like.double()[slack] if like is not None else None
+        if along is not None and float(along.norm()) > 0:
+            w[slack] = along * (math.sqrt(rest) / float(along.norm()))
+        else:
+            w[slack] = math.sqrt(rest / n)
 
 
 def _alternate(
@@ -262,6 +274,7 @@ def two_norm_targets(
     split: tuple[torch.Tensor, torch.Tensor],
     branches: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     eps: tuple[float | None, float | None],
+    lams: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[TwoNormReach]]:
     """Per query position, the attention projection's and the down projection's outputs.
 
@@ -280,6 +293,9 @@ def two_norm_targets(
         branches: ``(o, f_a, u, f_f)`` [k, d] each: the two projections' outputs and their
             normalised forms, as the reduced run reached them.
         eps: each norm's epsilon, or None where the graph does not say.
+        lams: each branch's factor on its reached magnitude [k] (:func:`~ctxc.passes.solver.
+            output_magnitude.choose_magnitude`: the least-rounding one; the new ``rho`` is
+            computed from eps, so a factor needs a known eps); None: the magnitudes reached.
 
     Returns:
         ``o*`` [k, d], ``u*`` [k, d] (float32) and each position's :class:`TwoNormReach`.
@@ -288,11 +304,13 @@ def two_norm_targets(
         ValueError: a branch output is zero at some position (its norm fixes nothing).
     """
     o, f_a, u, f_f = (b.double() for b in branches)
-    sphere_a = _sphere(o, f_a, split[0].double(), eps[0])
-    sphere_f = _sphere(u, f_f, split[1].double(), eps[1])
+    lam_a, lam_f = lams if lams is not None else (None, None)
+    sphere_a = _sphere(o, f_a, split[0].double(), eps[0], lam_a)
+    sphere_f = _sphere(u, f_f, split[1].double(), eps[1], lam_f)
+    rows = zip(t, split[0], sphere_a[0], sphere_f[0], f_a, f_f, strict=True)
     found = [
-        reach_two_norms(scales[0], scales[1], t_j, float(ra), float(rf), p_j)
-        for t_j, p_j, ra, rf in zip(t, split[0], sphere_a[0], sphere_f[0], strict=True)
+        reach_two_norms(scales[0], scales[1], t_j, float(ra), float(rf), p_j, (fa_j, ff_j))
+        for t_j, p_j, ra, rf, fa_j, ff_j in rows
     ]
     o_star = sphere_a[1][:, None] * torch.stack([r.w_a for r in found])  # [k, d]
     u_star = sphere_f[1][:, None] * torch.stack([r.w_f for r in found])  # [k, d]
@@ -300,7 +318,11 @@ def two_norm_targets(
 
 
 def _sphere(
-    out: torch.Tensor, normed: torch.Tensor, natural: torch.Tensor, eps: float | None
+    out: torch.Tensor,
+    normed: torch.Tensor,
+    natural: torch.Tensor,
+    eps: float | None,
+    lam: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each position's ``rho`` and the factor ``r`` with ``out* = r w`` (see above) [k] each."""
     m = out.pow(2).mean(dim=1)  # [k]: M reached
@@ -310,6 +332,11 @@ def _sphere(
     keep = (m / rho).sqrt()  # [k]
     if eps is None or eps <= 0:
         return rho, keep
+    if lam is not None:  # a larger magnitude, the norm's own rho for it (MATH.md 12)
+        grown = lam.double() > 1
+        big = lam.double().pow(2) * m  # [k]
+        rho = torch.where(grown, big / (big + eps), rho)
+        keep = torch.where(grown, (big + eps).sqrt(), keep)
     want = natural.pow(2).mean(dim=1)  # [k]: the full run's rho
     # eps is most of the root only for outputs of RMS below ~10 sqrt(eps) (tiny random models);
     # elsewhere the full run's rho, read through rounded y_C and v_C, is less precise than

@@ -15,6 +15,7 @@ dtype before the next block's input is computed: the pass computes what the emit
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -33,9 +34,9 @@ from ctxc.passes.runtime.delta_actions import linear_action, vector_action
 from ctxc.passes.runtime.reduced_run import Action, ReducedRun
 from ctxc.passes.runtime.run_graph import FullRun
 from ctxc.passes.solver import block_moves as moves
-from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain
+from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain, summed_terms
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
-from ctxc.passes.solver.reach_two_norms import two_norm_targets
+from ctxc.passes.solver.reach_two_norms import TwoNormReach, two_norm_targets
 from ctxc.passes.solver.solver_values import SolverValues, rows
 from ctxc.passes.solver.update_rules import ConditionError, ScaleMove
 from ctxc.patch import Delta
@@ -154,41 +155,28 @@ class _Solver(SolverValues):
     def _patch_two_norms(self, block: MlpBlock, todo: BlockPlan) -> BlockStats:
         """The ``lora`` rule on a sandwich-norm block (MATH.md 10): the attention and the down
         projections set the two normalised outputs whose scaled sum is ``y_C - x``; gate and up
-        move ``z`` to ``z_C``. Runs the block once as reached to read each norm's ``rho``, then
-        again with each move in place."""
+        move ``z`` to ``z_C``.
+
+        Solved twice: first with the MLP's ``rho`` as the reduced run reached it, which puts
+        ``v`` near ``v_C`` and so the MLP output near the full run's; then with that output's
+        own ``rho``, so the down projection keeps the full run's magnitude (a small move) and
+        ``o_proj`` takes the difference, its move put again from the original weight.
+        """
         att, targets = block.attention, self.full.targets[block.path]
-        assert att is not None and targets.v is not None
+        assert att is not None and targets.v is not None and block.norm is not None
         z_node = self.advance_to(block.mlp_in)
         ctl = self.advance_to(block.control)
         x = rows(self.value(att.residual)).float()  # [k, d]
-        s_a, s_f = self.scale_of(att.scale), self.scale(block)  # [d], [d]
-        y_c, v_c = targets.y.float(), targets.v.float()  # [k, d]
-        split = (_over(v_c - x, s_a), _over(y_c - v_c, s_f))  # the full run's, from x
-        o_now = rows(self.value(att.site.node)).float()  # [k, d]
-        branches = (o_now, self.normalized_at(att.norm), self.branch_now(block))
-        assert block.norm is not None
-        try:
-            o_star, u_star, found = two_norm_targets(
-                (s_a, s_f),
-                y_c - x,
-                split,
-                (*branches, self.normalized(block)),
-                (att.norm.eps, block.norm.eps),
-            )
-        except ValueError as exc:
-            raise ConditionError(str(exc)) from exc
-        u, v = moves.outer_move(o_star - o_now, rows(self.value(att.site.input)))
-        self._put(
-            Delta(att.site.weight, block.path, u=u, v=v, layout=att.site.layout), ctl, att.site
-        )
+        o_first = rows(self.value(att.site.node)).float()  # [k, d]: the original W_o a
+        found = self._split_two_norms(block, x, o_first, ctl)  # v -> about v_C
+        found = self._split_two_norms(block, x, o_first, ctl)  # at the MLP's own magnitude
         z = rows(self.run.env[z_node]).detach().clone()  # [k, d_in], from the new v
-        found_in = moves.input_moves([self.weight(s) for s in block.inner], z, targets.z)
-        for site, (u, v) in zip(block.inner, found_in, strict=True):
+        moved = moves.input_moves([self.weight(s) for s in block.inner], z, targets.z)
+        for site, (u, v) in zip(block.inner, moved, strict=True):
             self._put(Delta(site.weight, block.path, u=u, v=v, layout=site.layout), ctl, site)
         y_node = self.view.by_name[block.residual_add]
-        self._put_branch(block, u_star - self.branch_now(block), y_node)
+        self._put_branch(block, found.u_star - self.branch_now(block), y_node)
         y = self.advance_to(block.residual_add)
-        gap = max((0.0 if r.exact else r.miss) for r in found)
         return BlockStats(
             block.path,
             True,
@@ -199,8 +187,60 @@ class _Solver(SolverValues):
             residual_error=self._error(block, y),
             delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
             unreached_norm=self._miss(block, y),
-            reach_gap=gap,
+            reach_gap=max((0.0 if r.exact else r.miss) for r in found.reached),
         )
+
+    def _split_two_norms(
+        self, block: MlpBlock, x: torch.Tensor, o_first: torch.Tensor, ctl: fx.Node
+    ) -> _TwoNorms:
+        """Solve the two branches' outputs from the state now reached and put ``o_proj``'s
+        move (from its original output ``o_first`` [k, d]) in place, recomputing up to
+        ``ctl``; the down projection's target."""
+        att, targets = block.attention, self.full.targets[block.path]
+        assert att is not None and targets.v is not None and block.norm is not None
+        s_a, s_f = self.scale_of(att.scale), self.scale(block)  # [d], [d]
+        y_c, v_c = targets.y.float(), targets.v.float()  # [k, d]
+        split = (_over(v_c - x, s_a), _over(y_c - v_c, s_f))  # the full run's, from x
+        o_now, u_now = rows(self.value(att.site.node)).float(), self.branch_now(block)  # [k, d]
+        f_a, f_f = self.normalized_at(att.norm), self.normalized(block)  # [k, d]
+        a = rows(self.value(att.site.input))  # [k, d_attn]
+        w_o, dtype = self.run.original_param(self.param_node[att.site.weight]), targets.y.dtype
+        lams = (
+            self._least_rounding(s_a, f_a, o_now, summed_terms(w_o, a, o_now), dtype),
+            self._least_rounding(s_f, f_f, u_now, self.summed(block, u_now), dtype),
+        )
+        try:
+            o_star, u_star, found = two_norm_targets(
+                (s_a, s_f),
+                y_c - x,
+                split,
+                (o_now, f_a, u_now, f_f),
+                (att.norm.eps, block.norm.eps),
+                lams,
+            )
+        except ValueError as exc:
+            raise ConditionError(str(exc)) from exc
+        u, v = moves.outer_move(o_star - o_first, a)
+        self._put(
+            Delta(att.site.weight, block.path, u=u, v=v, layout=att.site.layout), ctl, att.site
+        )
+        return _TwoNorms(u_star, tuple(found))
+
+    def _least_rounding(
+        self,
+        s: torch.Tensor,
+        f: torch.Tensor,
+        out: torch.Tensor,
+        summed: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        """The factor on a projection's reached magnitude at which its own rounding, through
+        its post norm, is no larger than the branch output's (MATH.md 12) [k]."""
+        r = out.double().pow(2).mean(dim=1, keepdim=True) / f.double().pow(2).mean(1, True)
+        gain = s.double().abs()[None] / r.sqrt()  # [k, d]: |dy/du| at the reached magnitude
+        t = s.double()[None] * f.double()  # [k, d]: the branch output's own size
+        peak = out.abs().amax(dim=1)
+        return choose_magnitude(gain, summed, t, peak, dtype)
 
     def _move_banks(self, block: MlpBlock, z: torch.Tensor, z_target: torch.Tensor) -> None:
         """Input move of the expert banks, each once the router has chosen its experts."""
@@ -321,11 +361,14 @@ class _Solver(SolverValues):
             )
         self.deltas[delta.param] = delta
         if self.apply == "lowrank":
-            target, act = self._action(delta, at)
+            # A delta put again replaces the first: its action adds what the first did not.
+            more = delta if held is None else _beyond(delta, held)
+            target, act = self._action(more, at)
             self.run.add_action(self.view.by_name[target], act, upto)
             return
         node = self.param_node[delta.param]
-        base = self.run.param(node)
+        # Put again, a delta is baked from the original weight, as the artefact holds it.
+        base = self.run.param(node) if held is None else self.run.original_param(node)
         bake = lambda b: at_alignment_of(delta.materialize(b), b)  # noqa: E731
         self.run.replace_param(node, bake(base), upto, rebake=bake)
 
@@ -336,6 +379,22 @@ class _Solver(SolverValues):
             x_node = self.view.by_name[at.input]
             return at.node, linear_action(delta, self.run.env, x_node, ids_node)
         return vector_action(delta, at, self.normalized)
+
+
+@dataclass(frozen=True)
+class _TwoNorms:
+    """The down projection's target ``u*`` [k, d] and each position's :class:`TwoNormReach`."""
+
+    u_star: torch.Tensor
+    reached: tuple[TwoNormReach, ...]
+
+
+def _beyond(delta: Delta, held: Delta) -> Delta:
+    """What ``delta`` adds beyond ``held``, a delta of the same linear with the same right
+    factor (both from the linear's input, which the moves do not change)."""
+    assert delta.u is not None and held.u is not None and delta.v is not None
+    assert held.v is not None and torch.equal(delta.v, held.v), "another right factor"
+    return dataclasses.replace(delta, u=delta.u - held.u)
 
 
 def _over(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
