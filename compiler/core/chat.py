@@ -140,7 +140,7 @@ def chat_messages(
     if messages is not None and (system is not None or document is not None):
         raise CtxcError("give messages, or a system prompt and/or a document, not both")
     if messages is not None:
-        turns = check_messages(list(messages))
+        turns = check_messages(list(messages) if isinstance(messages, tuple) else messages)
     else:
         turns = []
         for role, text, name in (
@@ -156,7 +156,7 @@ def chat_messages(
             raise CtxcError("a chat context needs a system prompt, a document or messages")
     if query is None:
         if messages is None:
-            raise CtxcError("a chat compile needs a query (the next user message)")
+            raise CtxcError().naming("a chat context needs a {query} (the next user message)")
         last = turns[-1]
         if last["role"] != "user":
             raise CtxcError(
