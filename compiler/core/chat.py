@@ -60,6 +60,7 @@ class ChatSplit:
             "query_text_tokenizes_to_query_ids": self.query_text_alone,
             "context_turns": len(self.messages) - 1,
             "roles": [m["role"] for m in self.messages],
+            "messages": [dict(m) for m in self.messages],
             "split": self.split,
             "split_why": self.why or None,
             "document_and_query_in_one_turn": self.merged,
