@@ -57,9 +57,9 @@ def generate_cmd(
     """The paper's protocol: recompile the patch at every token against greedy generation."""
     if chat and (context is not None or image):
         raise CtxcError("--chat takes --system, --document or --messages, not --context or --image")
+    conversation = chat_input(chat, system, document, messages, query)  # read now, checked
     if query is not None and not chat:
         raise CtxcError("--query applies with --chat (else the context's text goes on)")
-    conversation = chat_input(chat, system, document, messages, query)  # read now, checked
     if context is None and not image and conversation is None:
         raise CtxcError("missing option '--context'")
     text = read_context(context) if context is not None else ""
