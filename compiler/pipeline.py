@@ -171,19 +171,9 @@ def compile(
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     if device is not None:
         check_on_device(model, device)
-    image, chat = None, None
-    if messages is not None:
-        chat = _chat_split(tokenizer, messages, query, (context, context_ids, query_ids, images))
-        ctx_ids, q_ids = chat.context_ids, chat.query_ids
-    elif images is not None:
-        from ctxc.models.images import encode_image_context
-        from ctxc.models.vlm import load_processor
-
-        processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
-        image = encode_image_context(model, processor, context, images, query)
-        ctx_ids, q_ids = image.context_ids, image.query_ids
-    else:
-        ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
+    ctx_ids, q_ids, image, chat = _inputs(
+        model, tokenizer, (context, query, context_ids, query_ids), images, messages
+    )
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
     try:
         run = _Run(options, verify, on_stage, on_block, image, chat)
@@ -216,6 +206,23 @@ class _Run:
     on_block: Callable[[int, int, str], None] | None
     image: ImageContext | None = None
     chat: ChatSplit | None = None
+
+
+def _inputs(model, tokenizer, given: tuple, images, messages) -> tuple:
+    """(context ids, query ids, the image context or None, the chat split or None) of
+    :func:`compile`'s inputs; ``given``: (context, query, context_ids, query_ids)."""
+    context, query, context_ids, query_ids = given
+    if messages is not None:
+        chat = _chat_split(tokenizer, messages, query, (context, context_ids, query_ids, images))
+        return chat.context_ids, chat.query_ids, None, chat
+    if images is not None:
+        from ctxc.models.images import encode_image_context
+        from ctxc.models.vlm import load_processor
+
+        processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
+        image = encode_image_context(model, processor, context, images, query)
+        return image.context_ids, image.query_ids, image, None
+    return (*_ids(tokenizer, context, query, context_ids, query_ids), None, None)
 
 
 def _chat_split(tokenizer, messages, query: str | None, others: tuple) -> ChatSplit:

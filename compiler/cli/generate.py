@@ -77,16 +77,7 @@ def generate_cmd(
         from ctxc.models.load import check_length
 
         net, tokenizer = load(model, dtype, where)
-        split = None
-        if conversation is not None:
-            from ctxc.core.chat import split_chat
-
-            split = split_chat(tokenizer, *conversation)
-            ids, prefill = split.context_ids + split.query_ids, None
-        elif image:
-            ids, prefill = generate_inputs(net, model, text, image)
-        else:
-            ids, prefill = list(tokenizer(text).input_ids), None
+        ids, prefill, split = _inputs(net, tokenizer, model, text, image, conversation)
         check_length(net, len(ids) + max_new_tokens, f"context + {max_new_tokens} new tokens")
         with progress() as bar:
             task = bar.add_task("generating", total=max_new_tokens, unit="tokens")
@@ -120,3 +111,16 @@ def generate_cmd(
             soft_wrap=True,
         )
     say(f"wrote {out_dir}/ (generate.json{', generate.png' if plotted else ''})")
+
+
+def _inputs(net, tokenizer, model: str | None, text: str, image, conversation) -> tuple:
+    """(the ids generation starts from, the baseline's prefill inputs or None, the chat split
+    or None): a chat conversation rendered by its template, an image context, or the text."""
+    if conversation is not None:
+        from ctxc.core.chat import split_chat
+
+        split = split_chat(tokenizer, *conversation)
+        return split.context_ids + split.query_ids, None, split
+    if image:
+        return (*generate_inputs(net, model, text, image), None)
+    return list(tokenizer(text).input_ids), None, None
