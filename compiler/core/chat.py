@@ -198,8 +198,8 @@ def split_chat(tokenizer, context: Sequence[dict], query: str) -> ChatSplit:
     """
     if getattr(tokenizer, "chat_template", None) in (None, ""):
         raise CtxcError(
-            "the model's tokenizer has no chat template (tokenizer.chat_template): chat input "
-            "needs one; give --context and --query text instead"
+            "the model's tokenizer has no chat template (tokenizer.chat_template): a chat "
+            "context needs one; give the context and the query as plain text instead"
         )
     context = list(context)
     merged = False
