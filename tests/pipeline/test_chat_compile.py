@@ -117,3 +117,14 @@ def test_generate_follows_the_full_conversation_greedy(name: str) -> None:
     assert [s.patched_token for s in result.steps] == greedy
     worst = max(s.max_abs_logit_diff for s in result.steps)
     assert worst <= BOUND, f"per-token protocol: max {worst:.3g}"
+
+
+def test_messages_with_another_input_or_no_tokenizer_is_refused() -> None:
+    model, tok = _model("llama3")
+    turn = [{"role": "system", "content": SYSTEMS[0]}]
+    with pytest.raises(ctxc.CtxcError, match="give messages or a context"):
+        ctxc.compile(model, tok, context="x", messages=turn, query="q")
+    with pytest.raises(ctxc.CtxcError, match="give messages or a context"):
+        ctxc.compile(model, tok, context_ids=[1, 2], messages=turn, query="q")
+    with pytest.raises(ctxc.CtxcError, match="a tokenizer .* is needed"):
+        ctxc.compile(model, None, messages=turn, query="q")
