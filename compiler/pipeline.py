@@ -138,7 +138,8 @@ def compile(
             processor's layout of the images and ``context`` (``compiler/models/images.py``); then
             ``tokenizer`` may be the model's processor (else it is loaded from the model's
             folder). The patch changes the language model's blocks only.
-        messages: a chat conversation instead of ``context`` (``[{"role", "content"}, ...]``):
+        messages: a chat conversation instead of ``context`` (``[{"role", "content"}, ...]``;
+            with ``images``, a content may list ``{"type": "image"}`` parts, in their order):
             the context is every turn before the query, the query ``query`` as the next user
             message (else the last message, a user turn), both rendered by the tokenizer's chat
             template with its generation prompt and split where the template puts a boundary
@@ -212,30 +213,37 @@ def _inputs(model, tokenizer, given: tuple, images, messages) -> tuple:
     """(context ids, query ids, the image context or None, the chat split or None) of
     :func:`compile`'s inputs; ``given``: (context, query, context_ids, query_ids)."""
     context, query, context_ids, query_ids = given
-    if messages is not None:
-        chat = _chat_split(tokenizer, messages, query, (context, context_ids, query_ids, images))
+    if messages is not None and images is None:
+        chat = _chat_split(tokenizer, messages, query, (context, context_ids, query_ids), None)
         return chat.context_ids, chat.query_ids, None, chat
     if images is not None:
-        from ctxc.models.images import encode_image_context
+        from ctxc.models.images import chat_image_context, encode_image_context, read_images
         from ctxc.models.vlm import load_processor
 
         processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
+        if messages is not None:  # the images of the messages' image parts, in order
+            given_images = read_images(images)
+            others = (context, context_ids, query_ids)
+            chat = _chat_split(processor, messages, query, others, given_images)
+            image = chat_image_context(model, processor, chat, images)
+            return chat.context_ids, chat.query_ids, image, chat
         image = encode_image_context(model, processor, context, images, query)
         return image.context_ids, image.query_ids, image, None
     return (*_ids(tokenizer, context, query, context_ids, query_ids), None, None)
 
 
-def _chat_split(tokenizer, messages, query: str | None, others: tuple) -> ChatSplit:
-    """The chat template's split of ``messages`` (+ ``query``); ``others``: the other inputs
-    (context, context_ids, query_ids, images), which must be None."""
+def _chat_split(tokenizer, messages, query: str | None, others: tuple, images) -> ChatSplit:
+    """The chat template's split of ``messages`` (+ ``query``), with ``images`` (PIL, for the
+    messages' image parts) or None; ``others``: the other inputs (context, context_ids,
+    query_ids), which must be None."""
     from ctxc.core.chat import chat_messages, split_chat
 
     if any(x is not None for x in others):
-        raise CtxcError("give messages or a context (text, ids or images), not both")
+        raise CtxcError("give messages or a context (text or ids), not both")
     if tokenizer is None:
         raise CtxcError("a tokenizer (with a chat template) is needed for messages")
     turns, text = chat_messages(messages=messages, query=query)
-    return split_chat(tokenizer, turns, text)
+    return split_chat(tokenizer, turns, text, images)
 
 
 def _compile_ids(

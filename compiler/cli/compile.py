@@ -80,12 +80,9 @@ def compile_cmd(
 
     if image and contexts is not None:
         raise CtxcError("--image applies to --context (or to no context: the images alone)")
-    if chat and (context is not None or contexts is not None or image):
-        raise CtxcError(
-            "--chat takes --system, --document or --messages, not --context, --contexts or "
-            "--image (in --contexts, a line with messages, system or document is a chat line)"
-        )
-    conversation = chat_input(chat, system, document, messages, query)  # read now, checked
+    conversation = _conversation(
+        chat, (context, contexts, image), system, document, messages, query
+    )
     if context is None and contexts is None and not image and conversation is None:
         raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
     if context is not None and contexts is not None:
@@ -102,6 +99,8 @@ def compile_cmd(
     if resume:
         raise CtxcError("--resume applies to --contexts")
     if conversation is not None:
+        if image:
+            opts = image_options(opts, image)  # every image read now, before the model loads
         return _compile_chat(model, dtype, where, out_dir, force, opts, conversation)
     text = read_context(context) if context is not None else ""  # the query: the library's
     if image:
@@ -120,6 +119,23 @@ def compile_cmd(
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
 
 
+def _conversation(chat: bool, others: tuple, system, document, messages, query):
+    """``--chat``'s conversation, read and checked (``chat_input``), or None without it.
+
+    Args:
+        others: ``(--context, --contexts, --image)`` as given.
+    """
+    context, contexts, image = others
+    if chat and (context is not None or contexts is not None):
+        raise CtxcError(
+            "--chat takes --system, --document or --messages, not --context or --contexts (in "
+            "--contexts, a line with messages, system or document is a chat line)"
+        )
+    if chat and image and messages is None:
+        raise CtxcError('with --chat, --image takes --messages: its {"type": "image"} parts')
+    return chat_input(chat, system, document, messages, query)
+
+
 def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, conversation) -> None:
     """``ctxc compile --chat``: the conversation's context turns compiled for its query turn.
 
@@ -133,6 +149,8 @@ def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, convers
     turns, query = conversation
     with output_folder(out_dir, force, "compile") as tmp:
         net, tokenizer = load(model, dtype, where)
+        if opts.images:  # the processor renders and tokenises an image conversation
+            tokenizer = processor_of(net, model)
         with stage_progress("compiling", "solving") as (on_stage, on_block):
             report, figures = compile_into(
                 net,
@@ -145,7 +163,7 @@ def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, convers
                 on_stage=on_stage,
                 on_block=on_block,
             )
-    say(report.summary(tokenizer.decode))
+    say(report.summary(getattr(tokenizer, "decode", None)))
     for f in figures.values():
         say(f.summary())
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")

@@ -17,7 +17,14 @@ from pathlib import Path
 
 from ctxc.core.errors import CtxcError
 
-__all__ = ["ChatSplit", "chat_messages", "check_messages", "read_messages", "split_chat"]
+__all__ = [
+    "ChatSplit",
+    "chat_messages",
+    "check_messages",
+    "images_in",
+    "read_messages",
+    "split_chat",
+]
 
 _ROLES = ("system", "user", "assistant")
 
@@ -69,7 +76,9 @@ class ChatSplit:
 
 def check_messages(messages: object, where: str = "messages") -> list[dict]:
     """``messages`` checked: a non-empty list of ``{"role", "content"}`` objects, each role
-    ``system``, ``user`` or ``assistant`` and each content a non-empty string.
+    ``system``, ``user`` or ``assistant``, each content a non-empty string or a non-empty list
+    of parts ``{"type": "text", "text": str}`` and ``{"type": "image"}`` (an image context:
+    the images themselves are given apart, in order).
 
     Args:
         where: what to call the list in an error (a file's name).
@@ -92,14 +101,46 @@ def check_messages(messages: object, where: str = "messages") -> list[dict]:
         role, content = m.get("role"), m.get("content")
         if role not in _ROLES:
             raise CtxcError(f"{where}[{i}]: role must be one of {', '.join(_ROLES)} (got {role!r})")
-        if not isinstance(content, str):
+        if isinstance(content, list):
+            content = [_part(p, f"{where}[{i}]") for p in content]
+        elif not isinstance(content, str):
             raise CtxcError(
-                f"{where}[{i}]: content must be a string (got {type(content).__name__})"
+                f"{where}[{i}]: content must be a string or a list of parts "
+                f"(got {type(content).__name__})"
             )
-        if not content.strip():
+        if not content or (isinstance(content, str) and not content.strip()):
             raise CtxcError(f"{where}[{i}]: the {role} message is empty")
         out.append({"role": role, "content": content})
     return out
+
+
+def _part(part: object, where: str) -> dict:
+    """One part of a list content, checked: ``{"type": "text", "text"}`` or ``{"type":
+    "image"}``."""
+    if isinstance(part, dict) and part.get("type") == "image" and set(part) == {"type"}:
+        return {"type": "image"}
+    if (
+        isinstance(part, dict)
+        and part.get("type") == "text"
+        and set(part) == {"type", "text"}
+        and isinstance(part["text"], str)
+    ):
+        return {"type": "text", "text": part["text"]}
+    raise CtxcError(
+        f'{where}: a part must be {{"type": "text", "text": ...}} or '
+        f'{{"type": "image"}} (the images given apart, in order); got {part!r:.60}'
+    )
+
+
+def images_in(messages: Sequence[dict]) -> int:
+    """How many ``{"type": "image"}`` parts ``messages`` hold."""
+    return sum(
+        1
+        for m in messages
+        if isinstance(m["content"], list)
+        for p in m["content"]
+        if p["type"] == "image"
+    )
 
 
 def read_messages(path: Path) -> list[dict]:
@@ -172,7 +213,9 @@ def chat_messages(
     return turns, query
 
 
-def split_chat(tokenizer, context: Sequence[dict], query: str) -> ChatSplit:
+def split_chat(
+    tokenizer, context: Sequence[dict], query: str, images: Sequence | None = None
+) -> ChatSplit:
     """Split the conversation ``context + [user: query]`` by ``tokenizer``'s chat template.
 
     The split is the query's turn when the context rendered alone is a prefix of the whole
@@ -188,6 +231,8 @@ def split_chat(tokenizer, context: Sequence[dict], query: str) -> ChatSplit:
         tokenizer: a Transformers tokenizer with a ``chat_template``.
         context: the context turns (:func:`chat_messages`).
         query: the next user message.
+        images: the images of the context's ``{"type": "image"}`` parts, in order (PIL
+            images); then ``tokenizer`` is the model's processor, whose ids expand each image.
 
     Returns:
         the :class:`ChatSplit`.
@@ -202,6 +247,12 @@ def split_chat(tokenizer, context: Sequence[dict], query: str) -> ChatSplit:
             "context needs one; give the context and the query as plain text instead"
         )
     context = list(context)
+    if len(images or ()) != images_in(context):
+        raise CtxcError(
+            f"{len(images or ())} image(s) for {images_in(context)} image part(s) in the "
+            "context's messages"
+        )
+    images = images or None
     merged = False
     try:
         whole_text = _render(tokenizer, _with_query(context, query, False), True)
@@ -224,9 +275,34 @@ def split_chat(tokenizer, context: Sequence[dict], query: str) -> ChatSplit:
                 f"{missing} message is not in the part of the conversation that comes before "
                 "every query"
             )
-    context_ids = _ids(tokenizer, context_text)
-    whole_ids = _ids(tokenizer, whole_text)
-    if whole_ids != _template_ids(tokenizer, whole):  # the template's own tokenisation
+    context_ids, query_ids = _token_split(tokenizer, (context_text, whole_text), whole, images)
+    query_text = whole_text[len(context_text) :]
+    return ChatSplit(
+        context_ids=context_ids,
+        query_ids=query_ids,
+        context_text=context_text,
+        query_text=query_text,
+        query_text_alone=_ids(getattr(tokenizer, "tokenizer", tokenizer), query_text) == query_ids,
+        messages=tuple(whole),
+        split=split,
+        why=why,
+        merged=merged,
+    )
+
+
+def _token_split(tokenizer, texts: tuple[str, str], whole: list[dict], images) -> tuple:
+    """(context ids, query ids): the whole conversation's ids cut where the context's end,
+    which must be a prefix of them (no token merges across the boundary).
+
+    Args:
+        texts: the context's text and the whole conversation's.
+        whole: the whole conversation (its template ids are checked against the text's).
+        images: the context's images, or None.
+    """
+    context_text, whole_text = texts
+    context_ids = _ids(tokenizer, context_text, images)
+    whole_ids = _ids(tokenizer, whole_text, images)
+    if images is None and whole_ids != _template_ids(tokenizer, whole):  # the template's own
         raise CtxcError("the chat template's ids differ from its rendered text's tokens")
     k = len(context_ids)
     if whole_ids[:k] != context_ids:
@@ -237,18 +313,7 @@ def split_chat(tokenizer, context: Sequence[dict], query: str) -> ChatSplit:
         )
     if k == len(whole_ids):
         raise CtxcError("the chat template renders the query to no tokens")
-    query_text, query_ids = whole_text[len(context_text) :], whole_ids[k:]
-    return ChatSplit(
-        context_ids=context_ids,
-        query_ids=query_ids,
-        context_text=context_text,
-        query_text=query_text,
-        query_text_alone=_ids(tokenizer, query_text) == query_ids,
-        messages=tuple(whole),
-        split=split,
-        why=why,
-        merged=merged,
-    )
+    return context_ids, whole_ids[k:]
 
 
 def _with_query(context: list[dict], query: str, merged: bool) -> list[dict]:
@@ -256,8 +321,12 @@ def _with_query(context: list[dict], query: str, merged: bool) -> list[dict]:
     context's last user turn after a blank line."""
     if not merged:
         return [*context, {"role": "user", "content": query}]
-    last = context[-1]
-    return [*context[:-1], {"role": "user", "content": f"{last['content']}\n\n{query}"}]
+    last = context[-1]["content"]
+    if isinstance(last, list):  # parts: the query's text after them
+        merged: str | list = [*last, {"type": "text", "text": f"\n\n{query}"}]
+    else:
+        merged = f"{last}\n\n{query}"
+    return [*context[:-1], {"role": "user", "content": merged}]
 
 
 def _query_independent(tokenizer, context: list[dict], query: str, merged: bool, whole: str) -> int:
@@ -291,9 +360,12 @@ def _turn_prefix(tokenizer, context: list[dict], whole: str, fixed: int) -> tupl
 
 
 def _missing(context: list[dict], text: str) -> str | None:
-    """The role of the first context message whose content is not in ``text`` (None: all are)."""
+    """The role of the first context message whose content (each text part) is not in ``text``
+    (None: all are)."""
     for m in context:
-        if m["content"].strip() not in text:
+        content = m["content"]
+        parts = [content] if isinstance(content, str) else [p.get("text", "") for p in content]
+        if any(p.strip() not in text for p in parts):
             return m["role"]
     return None
 
@@ -321,10 +393,19 @@ def _render(tokenizer, messages: list[dict], generation: bool) -> str:
     return text
 
 
-def _ids(tokenizer, text: str) -> list[int]:
+def _ids(tokenizer, text: str, images: Sequence | None = None) -> list[int]:
     """``text``'s ids as ``apply_chat_template`` tokenizes a rendering: no special tokens added
-    (the template writes its own BOS)."""
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    (the template writes its own BOS); with ``images``, the processor's, each image's
+    placeholder expanded into its image tokens."""
+    if images is None:
+        return list(tokenizer(text, add_special_tokens=False).input_ids)
+    try:
+        ids = tokenizer(text=text, images=list(images), add_special_tokens=False)["input_ids"]
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise CtxcError(f"the processor rejected the chat's images: {first}") from None
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids
+    return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
 
 
 def _template_ids(tokenizer, messages: list[dict]) -> list[int]:

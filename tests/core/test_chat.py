@@ -128,7 +128,10 @@ def test_a_template_error_is_one_line() -> None:
         (["hello"], r"\[0\] must be an object with 'role' and 'content'"),
         ([{"role": "user", "content": "x", "name": "a"}], r"\[0\] must be an object"),
         ([{"role": "robot", "content": "x"}], r"\[0\]: role must be one of"),
-        ([{"role": "user", "content": ["x"]}], r"\[0\]: content must be a string"),
+        ([{"role": "user", "content": 3}], r"\[0\]: content must be a string or a list"),
+        ([{"role": "user", "content": ["x"]}], r"\[0\]: a part must be"),
+        ([{"role": "user", "content": [{"type": "image", "url": "a"}]}], r"a part must be"),
+        ([{"role": "user", "content": []}], r"\[0\]: the user message is empty"),
         ([{"role": "user", "content": " "}], r"\[0\]: the user message is empty"),
     ],
 )
