@@ -126,5 +126,5 @@ def test_messages_with_another_input_or_no_tokenizer_is_refused() -> None:
         ctxc.compile(model, tok, context="x", messages=turn, query="q")
     with pytest.raises(ctxc.CtxcError, match="give messages or a context"):
         ctxc.compile(model, tok, context_ids=[1, 2], messages=turn, query="q")
-    with pytest.raises(ctxc.CtxcError, match="a tokenizer .* is needed"):
+    with pytest.raises(ctxc.CtxcError, match=r"a tokenizer .* is needed"):
         ctxc.compile(model, None, messages=turn, query="q")
