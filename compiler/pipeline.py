@@ -10,6 +10,7 @@ from dataclasses import astuple, dataclass
 import torch
 
 from ctxc._version import __version__
+from ctxc.core.chat import ChatSplit
 from ctxc.core.errors import (
     CtxcError,
     OptionError,
@@ -114,6 +115,7 @@ def compile(
     context_ids: list[int] | None = None,
     query_ids: list[int] | None = None,
     images: list | None = None,
+    messages: list[dict] | None = None,
     update: str = "stable",
     start_layer: int = 0,
     skip_unpatchable: bool = False,
@@ -136,6 +138,12 @@ def compile(
             processor's layout of the images and ``context`` (``compiler/models/images.py``); then
             ``tokenizer`` may be the model's processor (else it is loaded from the model's
             folder). The patch changes the language model's blocks only.
+        messages: a chat conversation instead of ``context`` (``[{"role", "content"}, ...]``;
+            with ``images``, a content may list ``{"type": "image"}`` parts, in their order):
+            the context is every turn before the query, the query ``query`` as the next user
+            message (else the last message, a user turn), both rendered by the tokenizer's chat
+            template with its generation prompt and split where the template puts a boundary
+            (``compiler/core/chat.py``, docs/chat.md); ``report.chat`` holds the rendered query.
         update: ``stable`` (default), ``standard``, ``output``, ``lora`` (core/vocabulary.py).
         start_layer: blocks with index below it stay unpatched.
         skip_unpatchable: patch the patchable blocks when others are rejected (else an error).
@@ -164,19 +172,12 @@ def compile(
         raise CtxcError("a patch is applied to this model: remove it before compiling")
     if device is not None:
         check_on_device(model, device)
-    image = None
-    if images is not None:
-        from ctxc.models.images import encode_image_context
-        from ctxc.models.vlm import load_processor
-
-        processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
-        image = encode_image_context(model, processor, context, images, query)
-        ctx_ids, q_ids = image.context_ids, image.query_ids
-    else:
-        ctx_ids, q_ids = _ids(tokenizer, context, query, context_ids, query_ids)
+    ctx_ids, q_ids, image, chat = _inputs(
+        model, tokenizer, (context, query, context_ids, query_ids), images, messages
+    )
     check_length(model, len(ctx_ids) + len(q_ids))  # before the trace: no model run is wasted
     try:
-        run = _Run(options, verify, on_stage, on_block, image)
+        run = _Run(options, verify, on_stage, on_block, image, chat)
         return _compile_ids(model, ctx_ids, q_ids, run)
     except RuntimeError as exc:  # a runtime assertion of a specialised export (frontend.py)
         if "Runtime assertion failed" not in str(exc):
@@ -205,6 +206,44 @@ class _Run:
     on_stage: Callable[[str], None] | None
     on_block: Callable[[int, int, str], None] | None
     image: ImageContext | None = None
+    chat: ChatSplit | None = None
+
+
+def _inputs(model, tokenizer, given: tuple, images, messages) -> tuple:
+    """(context ids, query ids, the image context or None, the chat split or None) of
+    :func:`compile`'s inputs; ``given``: (context, query, context_ids, query_ids)."""
+    context, query, context_ids, query_ids = given
+    if messages is not None and images is None:
+        chat = _chat_split(tokenizer, messages, query, (context, context_ids, query_ids), None)
+        return chat.context_ids, chat.query_ids, None, chat
+    if images is not None:
+        from ctxc.models.images import chat_image_context, encode_image_context, read_images
+        from ctxc.models.vlm import load_processor
+
+        processor = tokenizer if hasattr(tokenizer, "image_processor") else load_processor(model)
+        if messages is not None:  # the images of the messages' image parts, in order
+            given_images = read_images(images)
+            others = (context, context_ids, query_ids)
+            chat = _chat_split(processor, messages, query, others, given_images)
+            image = chat_image_context(model, processor, chat, images)
+            return chat.context_ids, chat.query_ids, image, chat
+        image = encode_image_context(model, processor, context, images, query)
+        return image.context_ids, image.query_ids, image, None
+    return (*_ids(tokenizer, context, query, context_ids, query_ids), None, None)
+
+
+def _chat_split(tokenizer, messages, query: str | None, others: tuple, images) -> ChatSplit:
+    """The chat template's split of ``messages`` (+ ``query``), with ``images`` (PIL, for the
+    messages' image parts) or None; ``others``: the other inputs (context, context_ids,
+    query_ids), which must be None."""
+    from ctxc.core.chat import chat_messages, split_chat
+
+    if any(x is not None for x in others):
+        raise CtxcError("give messages or a context (text or ids), not both")
+    if tokenizer is None:
+        raise CtxcError("a tokenizer (with a chat template) is needed for messages")
+    turns, text = chat_messages(messages=messages, query=query)
+    return split_chat(tokenizer, turns, text, images)
 
 
 def _compile_ids(
@@ -281,6 +320,7 @@ def _compile_ids(
         placement=describe(model)[1],
         floor=fidelity(full.logits, reference),
         reference=reference_name(model, o.image is not None),
+        chat=None if o.chat is None else o.chat.to_dict(),
     )
     return CompileResult(patch, report, full_logits=reference, patched_logits=eager)
 

@@ -1,8 +1,10 @@
 """``ctxc compile --contexts FILE.jsonl``: many contexts, one model load and trace (issue 11).
 
-Each line is a JSON object: ``context`` (required), ``query`` and ``name`` (optional). Every
-good line gets DIR/<name>/, exactly what a single ``ctxc compile`` writes; DIR/index.json
-lists every line with its status and headline figures. No torch import at module level.
+Each line is a JSON object: ``context`` (required), ``query`` and ``name`` (optional); a
+chat line gives ``messages`` or ``system`` and/or ``document`` instead of ``context``
+(docs/chat.md). Every good line gets DIR/<name>/, exactly what a single ``ctxc compile``
+writes; DIR/index.json lists every line with its status and headline figures. No torch
+import at module level.
 """
 
 from __future__ import annotations
@@ -58,7 +60,12 @@ def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
         return None, "not a JSON object"
     context, query = obj.get("context"), obj.get("query")
     name = obj.get("name", f"{n:0{width}d}")
-    if not isinstance(context, str) or not context.strip():
+    turns = None
+    if any(k in obj for k in _CHAT_KEYS):
+        turns, query, problem = _chat_line(obj)
+        if problem is not None:
+            return None, problem
+    elif not isinstance(context, str) or not context.strip():
         return None, "missing or empty 'context' (a non-empty string)"
     if query is not None and (not isinstance(query, str) or query == ""):
         return None, "'query' must be a non-empty string"  # " " is a query: real tokens
@@ -66,7 +73,30 @@ def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
         return None, f"bad name {name!r} (letters, digits, '.', '_', '-')"
     if name in ("index.json", MARKER) or name.startswith(".") or name.endswith(".failed"):
         return None, f"bad name {name!r} (reserved: index.json, a leading '.', '.failed')"
-    return {"context": context, "query": query, "name": name}, None
+    return {"context": context, "query": query, "name": name, "messages": turns}, None
+
+
+_CHAT_KEYS = ("messages", "system", "document")
+
+
+def _chat_line(obj: dict) -> tuple[list | None, str | None, str | None]:
+    """(context turns, query, None) of a chat line, or (None, None, what is wrong)."""
+    from ctxc.core.chat import chat_messages
+
+    if "context" in obj:
+        return None, None, "'context' and a chat line's messages/system/document: give one"
+    parts = {k: obj.get(k) for k in _CHAT_KEYS}
+    for key in ("system", "document"):
+        if parts[key] is not None and not isinstance(parts[key], str):
+            return None, None, f"'{key}' must be a string"
+    query = obj.get("query")
+    if query is not None and not isinstance(query, str):
+        return None, None, "'query' must be a non-empty string"
+    try:
+        turns, query = chat_messages(**parts, query=query)
+    except CtxcError as exc:
+        return None, None, exc.render(lambda p: f"'{p}'")
+    return turns, query, None
 
 
 def compile_batch(
@@ -174,7 +204,14 @@ def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
     staging = folder.staging(entry["name"])
     try:
         compile_into(
-            net, tokenizer, staging, entry["context"], entry["query"], opts, on_stage=pause_point
+            net,
+            tokenizer,
+            staging,
+            entry["context"],
+            entry["query"],
+            opts,
+            messages=entry["messages"],
+            on_stage=pause_point,
         )
         folder.commit(staging, entry["name"], digest)
     except ArtefactError as exc:

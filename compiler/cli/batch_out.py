@@ -49,8 +49,12 @@ INDEX = "index.json"
 
 
 def input_digest(entry: dict) -> str:
-    """SHA-256 of a line's context and query: what its folder was compiled from."""
-    return hashlib.sha256(json.dumps([entry["context"], entry["query"]]).encode()).hexdigest()
+    """SHA-256 of a line's context and query (and a chat line's turns): what its folder was
+    compiled from."""
+    parts = [entry["context"], entry["query"]]
+    if entry.get("messages") is not None:  # a plain line's digest stays what it was
+        parts.append(entry["messages"])
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
 
 
 class BatchFolder:

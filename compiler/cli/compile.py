@@ -14,13 +14,17 @@ import typer
 from ctxc.cli.images import image_options, processor_of
 from ctxc.cli.job import CompileJob, compile_into
 from ctxc.cli.options import (
+    CHAT,
     DEVICE,
     DEVICE_MAP,
+    DOCUMENT,
     DTYPE,
     FORCE,
     IMAGES,
     MAX_MEMORY,
+    MESSAGES,
     MODEL,
+    SYSTEM,
     UPDATE,
     DType,
     GgufType,
@@ -30,7 +34,7 @@ from ctxc.cli.options import (
 )
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage_progress
-from ctxc.cli.support import load, parse_emit, read_context, written
+from ctxc.cli.support import chat_input, load, parse_emit, read_context, written
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import CompileOptions
 
@@ -43,7 +47,15 @@ def compile_cmd(
         None, "--contexts", help="JSON Lines: one {context, query?, name?} per line."
     ),
     model: str | None = MODEL,
-    query: str = typer.Option(None, "--query", help="Query text (default: last context token)."),
+    query: str = typer.Option(
+        None,
+        "--query",
+        help="Query text (default: last context token; with --chat: the next user message).",
+    ),
+    chat: bool = CHAT,
+    system: Path = SYSTEM,
+    document: Path = DOCUMENT,
+    messages: Path = MESSAGES,
     out_dir: Path = typer.Option(Path("ctxc-out"), "--out", help="Output folder."),
     update: Update = UPDATE,
     dtype: DType = DTYPE,
@@ -68,7 +80,10 @@ def compile_cmd(
 
     if image and contexts is not None:
         raise CtxcError("--image applies to --context (or to no context: the images alone)")
-    if context is None and contexts is None and not image:
+    conversation = _conversation(
+        chat, (context, contexts, image), system, document, messages, query
+    )
+    if context is None and contexts is None and not image and conversation is None:
         raise CtxcError("missing option '--context' (or '--contexts' for a JSON Lines file)")
     if context is not None and contexts is not None:
         raise CtxcError("--context and --contexts are mutually exclusive: give one")
@@ -83,6 +98,10 @@ def compile_cmd(
         raise typer.Exit(rc)
     if resume:
         raise CtxcError("--resume applies to --contexts")
+    if conversation is not None:
+        if image:
+            opts = image_options(opts, image)  # every image read now, before the model loads
+        return _compile_chat(model, dtype, where, out_dir, force, opts, conversation)
     text = read_context(context) if context is not None else ""  # the query: the library's
     if image:
         opts = image_options(opts, image)  # every image read now, before the model loads
@@ -95,6 +114,56 @@ def compile_cmd(
                 net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
             )
     say(report.summary(tokenizer.decode if hasattr(tokenizer, "decode") else None))
+    for f in figures.values():
+        say(f.summary())
+    say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
+
+
+def _conversation(chat: bool, others: tuple, system, document, messages, query):
+    """``--chat``'s conversation, read and checked (``chat_input``), or None without it.
+
+    Args:
+        others: ``(--context, --contexts, --image)`` as given.
+    """
+    context, contexts, image = others
+    if chat and (context is not None or contexts is not None):
+        raise CtxcError(
+            "--chat takes --system, --document or --messages, not --context or --contexts (in "
+            "--contexts, a line with messages, system or document is a chat line)"
+        )
+    if chat and image and messages is None:
+        raise CtxcError('with --chat, --image takes --messages: its {"type": "image"} parts')
+    return chat_input(chat, system, document, messages, query)
+
+
+def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, conversation) -> None:
+    """``ctxc compile --chat``: the conversation's context turns compiled for its query turn.
+
+    Args:
+        conversation: ``(context turns, query)``, read and checked (``chat_input``).
+
+    Side effects:
+        writes ``out_dir`` (nothing when the template cannot be split: the error is raised
+        inside the staging folder, which is removed).
+    """
+    turns, query = conversation
+    with output_folder(out_dir, force, "compile") as tmp:
+        net, tokenizer = load(model, dtype, where)
+        if opts.images:  # the processor renders and tokenises an image conversation
+            tokenizer = processor_of(net, model)
+        with stage_progress("compiling", "solving") as (on_stage, on_block):
+            report, figures = compile_into(
+                net,
+                tokenizer,
+                tmp,
+                None,
+                query,
+                opts,
+                messages=turns,
+                on_stage=on_stage,
+                on_block=on_block,
+            )
+    say(report.summary(getattr(tokenizer, "decode", None)))
     for f in figures.values():
         say(f.summary())
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")

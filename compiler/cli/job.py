@@ -37,7 +37,9 @@ class CompileJob:
     placement: Placement | None = None
 
 
-def compile_into(net, tokenizer, tmp: Path, text: str, query, job: CompileJob, **hooks):
+def compile_into(
+    net, tokenizer, tmp: Path, text: str | None, query, job: CompileJob, messages=None, **hooks
+):
     """Compile one context and write patch.safetensors, report.json and artefacts into ``tmp``.
 
     Args:
@@ -45,6 +47,8 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, job: CompileJob, *
         tmp: the staging folder to write into.
         text: the context; ``query``: the query text, or None (the context's last token).
         job: the run's options and artefacts.
+        messages: a chat context's turns instead of ``text`` (``ctxc.compile(messages=...)``):
+            ``query`` is then the next user message.
         hooks: ``on_stage``/``on_block`` for :func:`ctxc.compile`.
 
     Returns:
@@ -65,6 +69,7 @@ def compile_into(net, tokenizer, tmp: Path, text: str, query, job: CompileJob, *
         context=text,
         query=query,
         images=list(job.images) or None,
+        messages=messages,
         # With model/ written, its reload measures the same weights at the same alignment
         # (compiler/runs/patched_forward.py): the in-memory run would be a second forward pass
         # and a second materialisation of every patched weight for the same figure.

@@ -19,14 +19,18 @@ from ctxc.core.vocabulary import BACKEND_NAMES, BAKE_METHODS, DTYPES, FORMATS, G
 from ctxc.models.devices import Placement
 
 __all__ = [
+    "CHAT",
     "DEVICE",
     "DEVICE_MAP",
+    "DOCUMENT",
     "DTYPE",
     "FLAGS",
     "FORCE",
     "IMAGES",
     "MAX_MEMORY",
+    "MESSAGES",
     "MODEL",
+    "SYSTEM",
     "UPDATE",
     "BakeMethod",
     "DType",
@@ -67,6 +71,22 @@ UPDATE = typer.Option("stable", "--update", help="Update rule.")
 DTYPE = typer.Option("float32", "--dtype", help="Model dtype.")
 IMAGES = typer.Option(
     None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."
+)
+
+# A chat context (docs/chat.md), which compile and generate both take: rendered by the model's
+# chat template, the query its next user turn.
+CHAT = typer.Option(
+    False, "--chat", help="Render context and query with the model's chat template."
+)
+SYSTEM = typer.Option(None, "--system", help="With --chat: UTF-8 file with the system prompt.")
+DOCUMENT = typer.Option(
+    None, "--document", help="With --chat: UTF-8 file with a document, as a first user turn."
+)
+MESSAGES = typer.Option(
+    None,
+    "--messages",
+    help="With --chat: JSON file, a list of {role, content} (the last one the query when "
+    "--query is not given).",
 )
 
 # --device, --device-map and --max-memory, which every model command takes: checked by

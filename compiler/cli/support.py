@@ -12,6 +12,7 @@ from ctxc.core.interrupts import pause_point
 from ctxc.core.textfile import read_text
 
 __all__ = [
+    "chat_input",
     "err",
     "load",
     "out",
@@ -25,6 +26,43 @@ def read_context(path: Path) -> str:
     """The UTF-8 text of ``path`` (``ctxc.core.textfile.read_text``: one line naming the file
     for a missing, unreadable, empty or binary one)."""
     return read_text(path, "context file")
+
+
+def chat_input(
+    chat: bool, system: Path | None, document: Path | None, messages: Path | None, query
+) -> tuple[list[dict], str] | None:
+    """The chat context of ``--chat`` (its files read and checked now, before a model loads):
+    ``(context turns, query)``, or None without ``--chat``.
+
+    Raises:
+        CtxcError: ``--system``/``--document``/``--messages`` without ``--chat``, ``--chat``
+            without any of them, a bad file, an empty part, or no query.
+    """
+    from ctxc.core.chat import chat_messages, read_messages
+    from ctxc.core.errors import CtxcError
+
+    given = [f for f, v in (("--system", system), ("--document", document)) if v is not None]
+    if messages is not None:
+        given.append("--messages")
+    if not chat:
+        if given:
+            raise CtxcError(f"{given[0]} applies with --chat")
+        return None
+    if not given:
+        raise CtxcError("--chat needs --system, --document or --messages (the context)")
+    if messages is not None and len(given) > 1:
+        raise CtxcError(
+            "--messages holds the whole conversation: give it without --system "
+            "and --document (a system turn goes in the list)"
+        )
+    if messages is not None:
+        return chat_messages(messages=read_messages(messages), query=query)
+    # A file's final line ending is the editor's, not the message's (a chat API's string).
+    return chat_messages(
+        system=None if system is None else read_text(system, "system prompt file").rstrip("\r\n"),
+        document=None if document is None else read_text(document, "document file").rstrip("\r\n"),
+        query=query,
+    )
 
 
 def parse_emit(emit: str, flag: str = "--emit") -> list[str]:

@@ -76,6 +76,9 @@ class CompileReport:
             runtime differs from itself by, the floor of any model fed the query alone.
         reference: what ``emitted``, ``control`` and ``floor`` are measured against
             (:func:`reference_name`).
+        chat: for a chat context, how the chat template split the conversation
+            (``ctxc.core.chat.ChatSplit.to_dict``: the rendered query text the patched model
+            must be fed, as ``query_ids``); else None.
     """
 
     model: str
@@ -98,6 +101,7 @@ class CompileReport:
     placement: dict[str, int] = field(default_factory=dict)
     floor: Fidelity | None = None
     reference: str = ""
+    chat: dict | None = None
 
     @property
     def rounding_gain(self) -> float | None:
@@ -148,6 +152,8 @@ class CompileReport:
             }
         if self.images is not None:
             out["images"] = self.images
+        if self.chat is not None:
+            out["chat"] = self.chat
         return out
 
     def to_json(self) -> str:
@@ -181,6 +187,8 @@ class CompileReport:
                 "reference: the model's own Transformers forward on context + query (its floor "
                 f"{floor:.3g}; solver {solver:.3g})"
             )
+        if self.chat is not None:
+            lines.append(f"chat: feed the patched model the query turn {self.chat['query_text']!r}")
         if self.rejections:
             lines.append(
                 f"{len(self.rejections)} block(s) left unpatched: " + "; ".join(self.rejections)

@@ -9,16 +9,46 @@ from rich.table import Table
 
 from ctxc.generate.steps import GenerateResult
 
-__all__ = ["plot_steps", "steps_table", "write_json"]
+__all__ = ["chat_answers", "plot_steps", "steps_table", "write_json"]
 
 
-def write_json(result: GenerateResult, path: Path, tokens: list[str] | None = None) -> Path:
-    """``generate.json``: a list ``steps`` of per-step records, a summary and the settings."""
+def write_json(
+    result: GenerateResult, path: Path, tokens: list[str] | None = None, chat: dict | None = None
+) -> Path:
+    """``generate.json``: a list ``steps`` of per-step records, a summary and the settings.
+
+    Args:
+        tokens: the baseline's tokens as text (``baseline_text``).
+        chat: a chat context's split and answers (:func:`chat_answers`), under ``chat``.
+    """
     data = result.to_dict()
     if tokens is not None:
         data["baseline_text"] = tokens
+    if chat is not None:
+        data["chat"] = chat
     path.write_text(json.dumps(data, indent=2) + "\n")
     return path
+
+
+def chat_answers(split, result: GenerateResult, decode) -> dict:
+    """A chat generation's answers: the full conversation's greedy tokens and the patched
+    model's top-1 at each step (the protocol follows the full answer), as ids and text.
+
+    Args:
+        split: the :class:`~ctxc.core.chat.ChatSplit` the ids came from.
+        decode: the tokenizer's ``decode``.
+    """
+    full = [s.baseline_token for s in result.steps]
+    patched = [s.patched_token for s in result.steps]
+    return {
+        **split.to_dict(),
+        "query_ids": split.query_ids,
+        "full_answer_ids": full,
+        "patched_answer_ids": patched,
+        "full_answer": decode(full),
+        "patched_answer": decode(patched),
+        "answers_match": full == patched,
+    }
 
 
 def steps_table(result: GenerateResult, decode=None) -> Table:

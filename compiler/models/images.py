@@ -19,7 +19,13 @@ import torch
 
 from ctxc.core.errors import CtxcError, missing_package_error
 
-__all__ = ["ImageContext", "encode_image_context", "prefill_inputs", "read_images"]
+__all__ = [
+    "ImageContext",
+    "chat_image_context",
+    "encode_image_context",
+    "prefill_inputs",
+    "read_images",
+]
 
 
 @dataclass(frozen=True)
@@ -156,14 +162,57 @@ def encode_image_context(
         if not q_ids:
             raise CtxcError("the query tokenizes to no tokens")
         extended = _extend(dict(enc), q_ids)
+    inputs = _on_model(model, extended)
+    return ImageContext(ctx_ids, q_ids, inputs, _names(sources, images), int(is_image.sum()))
+
+
+def _on_model(model: torch.nn.Module, enc: dict) -> dict[str, torch.Tensor]:
+    """The processor's tensors on the model's device, floating ones in its dtype."""
     device = next(model.parameters()).device
     dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
-    inputs = {
+    return {
         k: v.to(device, dtype if v.is_floating_point() else None)
-        for k, v in extended.items()
+        for k, v in enc.items()
         if isinstance(v, torch.Tensor)
     }
-    return ImageContext(ctx_ids, q_ids, inputs, _names(sources, images), int(is_image.sum()))
+
+
+def chat_image_context(model: torch.nn.Module, processor, split, sources) -> ImageContext:
+    """An image chat context: the processor's inputs over a conversation that
+    :func:`ctxc.core.chat.split_chat` split, its images in the context's turns.
+
+    Args:
+        model: the vision-language model.
+        processor: its processor (the one the split was rendered and tokenised with).
+        split: the :class:`~ctxc.core.chat.ChatSplit`.
+        sources: the images, in the order of the messages' image parts.
+
+    Raises:
+        CtxcError: the processor's ids differ from the split's, or an image token falls in the
+            query turn.
+    """
+    images = read_images(sources)
+    try:
+        enc = processor(
+            text=split.context_text + split.query_text,
+            images=images,
+            add_special_tokens=False,  # the template wrote its own BOS
+            return_tensors="pt",
+        )
+    except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CtxcError(f"the processor rejected the chat's images: {first}") from None
+    ids = [int(i) for i in enc["input_ids"][0]]
+    if ids != split.context_ids + split.query_ids:
+        raise CtxcError("the processor's ids for the conversation differ from its chat split")
+    image_id = getattr(model.config, "image_token_id", None)
+    is_image = torch.tensor([i == image_id for i in ids], dtype=torch.bool)
+    if bool(is_image[len(split.context_ids) :].any()):
+        raise CtxcError("the query turn holds image tokens: images go in the context's turns")
+    inputs = _on_model(model, dict(enc))
+    return ImageContext(
+        split.context_ids, split.query_ids, inputs, _names(sources, images), int(is_image.sum())
+    )
 
 
 def _extend(enc: dict, q_ids: list[int]) -> dict:

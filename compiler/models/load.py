@@ -30,6 +30,7 @@ __all__ = [
     "cache_dir",
     "check_length",
     "converted_dir",
+    "gguf_chat_template",
     "load_model",
     "max_positions",
     "resolve_dtype",
@@ -201,6 +202,26 @@ def load_model(
     return model, tokenizer
 
 
+def gguf_chat_template(path: Path) -> str | None:
+    """The chat template a GGUF file carries (metadata ``tokenizer.chat_template``), which
+    Transformers' GGUF loader leaves out of the tokenizer (5.x); None when the file has none
+    (the bundled Gemma 3 270M, a pretrained model, has none). Read once, at the conversion:
+    gguf-py's reader takes ~30 s on that file (it parses every tensor and token).
+
+    Raises:
+        CtxcError: the file cannot be read as GGUF.
+    """
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(str(path)).fields.get("tokenizer.chat_template")
+    except (OSError, ValueError) as exc:
+        raise CtxcError(f"cannot read GGUF file {path}: {str(exc).splitlines()[0]}") from exc
+    if field is None or not field.data:
+        return None
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
 def _load_directory(
     directory: Path, dtype: torch.dtype, spec: str, placement: Placement
 ) -> tuple[PreTrainedModel, Any]:
@@ -343,5 +364,7 @@ def _convert_gguf(gguf: Path, out: Path, stage: Callable[[str], None]) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict())
     stage("conversion 3/3: saving it to the cache")
+    if not tokenizer.chat_template:  # what --chat renders with (docs/chat.md)
+        tokenizer.chat_template = gguf_chat_template(gguf)
     model.save_pretrained(str(out))
     tokenizer.save_pretrained(str(out))

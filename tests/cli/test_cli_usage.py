@@ -46,8 +46,8 @@ CASES = {
         "ctxc: error: unexpected argument 'yes' (flags such as --force take no value)",
     ),
     "unknown option": (
-        ["compile", "--context", "c.txt", "--fast"],
-        "ctxc: error: no such option: --fast",
+        ["compile", "--context", "c.txt", "--zzz"],
+        "ctxc: error: no such option: --zzz",
     ),
     "unknown emitter": (
         ["compile", "--context", "c.txt", "--emit", "torch,tflite"],
