@@ -45,7 +45,7 @@ class GgufArch:
 
 
 # The architectures whose round trip through Transformers' GGUF loader ctxc checks
-# (tests/backends/test_backend_gguf.py: Llama tiny, Gemma 3 270M bundled).
+# (tests/backends/test_backend_gguf.py: Llama and Gemma 2 tiny, Gemma 3 270M bundled).
 _ARCHS = {
     a.model_type: a
     for a in (
@@ -53,6 +53,7 @@ _ARCHS = {
         GgufArch("mistral", "llama", permute_qk=True),
         GgufArch("qwen2", "qwen2"),
         GgufArch("qwen3", "qwen3"),
+        GgufArch("gemma2", "gemma2", norm_plus_one=True),
         GgufArch("gemma3_text", "gemma3", norm_plus_one=True),
     )
 }

@@ -189,11 +189,41 @@ class CompileReport:
             )
         if self.chat is not None:
             lines.append(f"chat: feed the patched model the query turn {self.chat['query_text']!r}")
+        if self.update == "lora" and (missed := self._lora_misses()):
+            lines.append(missed)
         if self.rejections:
             lines.append(
                 f"{len(self.rejections)} block(s) left unpatched: " + "; ".join(self.rejections)
             )
         return "\n".join(lines)
+
+    def _lora_misses(self) -> str:
+        """One line on the ``lora`` rule's blocks left off their target, or ``""``."""
+        far = [b for b in self.blocks if (b.reach_gap or 0.0) > 0.0]
+        one = [
+            b
+            for b in self.blocks
+            if b.patched and b.reach_gap is None and b.output_control in ("scale", "bias")
+        ]
+        return _lora_line(far, one) if far or one else ""
+
+
+def _lora_line(far: list, one: list) -> str:
+    """The ``lora`` rule's blocks that linear weights could not bring to their target."""
+    parts = []
+    if far:
+        worst = max(far, key=lambda b: b.reach_gap)
+        parts.append(
+            f"{len(far)} block(s) out of reach of o_proj and down_proj (largest gap "
+            f"{worst.reach_gap:.3g} at {worst.path})"
+        )
+    if one:
+        worst = max(one, key=lambda b: b.unreached_norm or 0.0)
+        parts.append(
+            f"{len(one)} block(s) behind a post norm with no second linear surface (largest "
+            f"miss {worst.unreached_norm or 0.0:.3g} at {worst.path})"
+        )
+    return "lora: " + "; ".join(parts) + ": the blocks above absorbed what they could (MATH.md 10)"
 
 
 def _clean(d: dict) -> dict:

@@ -119,6 +119,27 @@ def test_gguf_model_reloads_in_transformers(tmp_path, gguf_type: str) -> None:
     assert not changed, f"emit_gguf left the model modified: {changed[:3]}"
 
 
+def test_gemma2_lora_rule_writes_and_reloads_as_gguf(tmp_path) -> None:
+    """Gemma 2 (sandwich norms, GGUF arch ``gemma2``): the lora rule's pairs, ``attn_output``
+    among them, as ``lora.gguf``, and the patched model as ``model.gguf`` reloaded by
+    Transformers' own GGUF loader."""
+    import gguf
+
+    model = shared("gemma2")
+    patch = ctxc.compile(model, context_ids=random_ids(7, 22), update="lora").patch
+    path, lora = emit_gguf_lora(model, patch, tmp_path / "l", tokenizer=bpe_tokenizer())
+    names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+    assert "blk.1.attn_output.weight.lora_a" in names and len(names) == 2 * len(patch.deltas)
+    assert lora.applied_vs_patched <= 1e-5 and lora.applied.max_abs_logit_diff <= 1e-6, lora
+    model_path, figures = emit_gguf(model, patch, tmp_path / "m", tokenizer=bpe_tokenizer())
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), gguf_file=model_path.name)
+    with torch.no_grad(), patch.applied(model):
+        want = model(torch.tensor([patch.meta.query_ids])).logits[0]
+    got = loaded(torch.tensor([patch.meta.query_ids])).logits[0].detach()
+    assert max_diff(got, want) <= 1e-5, diff_msg("gemma2 GGUF reloaded vs patched", got, want)
+    assert figures.reloaded.top1_match, figures
+
+
 def _model_dir(tmp_path, family: str):
     folder = tmp_path / family
     shared(family).save_pretrained(str(folder))

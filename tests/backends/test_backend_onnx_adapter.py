@@ -146,3 +146,17 @@ def test_cli_export_to_ort_adapter(tiny_model_dir, tmp_path) -> None:
     report = json.loads((out / "report.json").read_text())
     fid = report["ort-adapter"]["fidelity"]
     assert fid["max_abs_logit_diff"] <= FULL_CONTEXT_ATOL and fid["top1_match"], fid
+
+
+@pytest.mark.slow
+def test_a_lora_rule_adapter_touches_linear_weights_only(tmp_path) -> None:
+    """The ``lora`` rule on Gemma 3's sandwich norms (MATH.md 10): o_proj, gate, up and down
+    factors, no norm vector; onnxruntime with the adapter matches the full context."""
+    model = build("gemma3")
+    patch = ctxc.compile(model, context_ids=random_ids(4, 18), update="lora").patch
+    assert all(d.vector is None for d in patch.deltas.values())
+    assert sum(p.endswith("o_proj.weight") for p in patch.deltas) == model.config.num_hidden_layers
+    _, figures = emit_ort_adapter(model, patch, tmp_path)
+    assert figures.parameters == 2 * len(patch.deltas), figures.parameters  # u and v each
+    assert all(c.max_abs_diff <= 1e-5 and c.top1_match for c in figures.checks), figures.checks
+    assert figures.fidelity.max_abs_logit_diff <= FULL_CONTEXT_ATOL, figures.fidelity

@@ -8,6 +8,8 @@ the down projection's output move alone is exact, and ``o_proj`` is left as it i
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -65,3 +67,17 @@ def test_sandwich_adapters_follow_vllm_rules_and_hold_the_patch(family: str, tmp
     assert figures.vllm.r == 1 and figures.peft.modules_to_save == ()
     lora = figures.peft.lora
     assert lora.max_abs_logit_diff <= 1e-6 and lora.top1_match, lora
+
+
+def test_the_summary_names_blocks_left_off_their_target() -> None:
+    model = shared("gemma3")
+    rep = ctxc.compile(model, context_ids=random_ids(15, 20), update="lora").report
+    assert "lora:" not in rep.summary(), rep.summary()  # every block reached: nothing to say
+    blocks = list(rep.blocks)
+    blocks[1] = dataclasses.replace(blocks[1], reach_gap=0.5)
+    blocks[2] = dataclasses.replace(blocks[2], reach_gap=None, unreached_norm=0.25)
+    line = dataclasses.replace(rep, blocks=tuple(blocks)).summary().splitlines()[-1]
+    assert line.startswith("lora: 1 block(s) out of reach of o_proj and down_proj"), line
+    assert "largest gap 0.5 at model.layers.1.mlp" in line, line
+    assert "1 block(s) behind a post norm with no second linear surface" in line, line
+    assert "largest miss 0.25 at model.layers.2.mlp" in line, line
