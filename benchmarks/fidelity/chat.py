@@ -66,10 +66,12 @@ def _whole_ids(tok, messages: list[dict]) -> list[int]:
     return list(out["input_ids"] if not isinstance(out, list) else out)
 
 
-def measure(model, tok, messages: list[dict], query: str | None, out: Path) -> dict:
+def measure(
+    model, tok, messages: list[dict], query: str | None, out: Path, update: str = "stable"
+) -> dict:
     """One chat compile; model/ reloaded on the query turn against the whole conversation."""
     start = time.perf_counter()
-    result = ctxc.compile(model, tok, messages=messages, query=query)
+    result = ctxc.compile(model, tok, messages=messages, query=query, update=update)
     seconds = time.perf_counter() - start
     report = result.report
     whole = _whole_ids(tok, report.chat["messages"])
@@ -125,12 +127,16 @@ def main() -> None:
         for name in TEMPLATES:
             model, tok = chat_model(name), chat_tokenizer(name)
             for i, (label, messages, query) in enumerate(_cases()):
+                folder = Path(tmp) / f"{name}{i}"
                 try:
-                    m = measure(model, tok, messages, query, Path(tmp) / f"{name}{i}")
-                except ctxc.CtxcError as exc:  # refused: the reason is the row
+                    m = measure(model, tok, messages, query, folder)
+                except ctxc.CtxcError as exc:  # refused: the reason, then the lora rule's row
                     rows.append((name, label, "refused", "", str(exc)[:160], "", "", ""))
                     print(" | ".join(rows[-1]), flush=True)
-                    continue
+                    if "--update lora" not in str(exc):
+                        continue
+                    m = measure(model, tok, messages, query, folder, update="lora")
+                    label = f"{label}, `--update lora`"
                 e, c = m["emitted"], m["control"]
                 row = (
                     name, label, m["split"], m["tokens"], f"{e.max_abs_logit_diff:.2e}",

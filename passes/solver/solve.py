@@ -397,6 +397,14 @@ def _beyond(delta: Delta, held: Delta) -> Delta:
     return dataclasses.replace(delta, u=delta.u - held.u)
 
 
+def _lora_hint(block: MlpBlock, todo: BlockPlan) -> str:
+    """Where the ``lora`` rule serves a block another rule cannot (a post-norm scale shared by
+    k positions): o_proj and down_proj set each position (MATH.md 10)."""
+    if block.attention is None or todo.rule == LORA_RULE or not todo.post_norm_scale:
+        return ""
+    return "; --update lora moves o_proj and down_proj per position instead (MATH.md 10)"
+
+
 def _over(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """``t / s`` [k, d] where ``s != 0``, 0 elsewhere."""
     return torch.where(s != 0, t / torch.where(s != 0, s, torch.ones_like(s)), 0.0)
@@ -467,7 +475,7 @@ def solve(
                 try:
                     stats.append(solver.patch_block(block, todo))
                 except ConditionError as exc:
-                    raise SolveError(block.path, str(exc)) from exc
+                    raise SolveError(block.path, str(exc) + _lora_hint(block, todo)) from exc
             solver.run.release()  # an offloaded block's patched weights: back to its store
             if on_block is not None:
                 on_block(i + 1, len(blocks.blocks), block.path)

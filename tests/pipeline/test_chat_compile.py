@@ -34,10 +34,10 @@ def _whole_ids(tok, messages: list[dict]) -> list[int]:
     return list(out["input_ids"] if not isinstance(out, list) else out)
 
 
-def _check(name: str, messages: list[dict], query: str | None) -> dict:
+def _check(name: str, messages: list[dict], query: str | None, update: str = "stable") -> dict:
     """Compile; the patched model on the query ids against the full conversation's forward."""
     model, tok = _model(name)
-    result = ctxc.compile(model, tok, messages=messages, query=query)
+    result = ctxc.compile(model, tok, messages=messages, query=query, update=update)
     report = result.report
     given = [*messages, {"role": "user", "content": query}] if query is not None else messages
     rendered = report.chat["messages"]  # the conversation the template rendered
@@ -87,6 +87,16 @@ def test_system_prompt_or_document_compiles_exactly(name: str, kind: str, i: int
     if kind == "document":
         turn = {"role": "user", "content": DOCUMENTS[i]}
     _check(name, [turn], QUERIES[i])
+
+
+def test_a_query_turn_one_shared_scale_cannot_serve_is_exact_under_lora() -> None:
+    """The refused case above: the stable rule names the lora rule, which moves o_proj and
+    down_proj per query position instead of one post-norm scale (MATH.md 10)."""
+    messages = [{"role": "user", "content": DOCUMENTS[1]}]
+    with pytest.raises(SolveError, match="--update lora moves o_proj and down_proj"):
+        _check("gemma3", messages, QUERIES[1])
+    data = _check("gemma3", messages, QUERIES[1], update="lora")
+    assert len(data["query_ids"]) == 14 and data["update"] == "lora"
 
 
 @pytest.mark.parametrize("name", TEMPLATES)
