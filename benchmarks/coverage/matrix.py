@@ -173,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
     parser.add_argument("--strict", action="store_true", help="exit 1 unless all run are exact")
     parser.add_argument(
+        "--update", default="stable", help="the update rule compiled with (lora: MATH.md 10)"
+    )
+    parser.add_argument(
         "--merge",
         action="store_true",
         help="replace only these entries in an existing coverage.json (a rerun after a fix)",
@@ -185,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         rendered = ["--json", str(Path(args.out) / "coverage.json")]
         return render_main(rendered + (["--results", args.results] if args.results else []))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ["CTXC_COVERAGE_UPDATE"] = args.update  # read by run_entry in each child
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - start,
         "timeout": args.timeout,
         "tolerance": TOL,
+        "update": args.update,
         "shape": "2 layers, hidden 64, 4 heads (2 KV heads where grouped), head dim 16, "
         "intermediate 128, <= 4 experts with top-2, vocabulary 128, window 8",
     }

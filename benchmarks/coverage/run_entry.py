@@ -7,6 +7,7 @@ scope. ``benchmarks/coverage/matrix.py`` runs each entry in a process of its own
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import traceback
@@ -45,6 +46,10 @@ def run_entry(entry: Entry, seed: int = SEED) -> dict:
     rec: dict = {"family": entry.family, "cls": entry.cls, "kind": entry.kind}
     if entry.scope:
         return {**rec, "status": "out of scope", "reason": entry.scope}
+    # The update rule: ``stable`` unless ``matrix.py --update`` set it for the forked children.
+    update = os.environ.get("CTXC_COVERAGE_UPDATE", "stable")
+    if update != "stable":
+        rec["update"] = update
     start = time.perf_counter()
     stage = "config"
     try:
@@ -63,7 +68,9 @@ def run_entry(entry: Entry, seed: int = SEED) -> dict:
             model(input_ids=torch.tensor([ids]))
         stage = "compile"
         try:
-            rep = ctxc.compile(model, None, context_ids=ids[:-1], query_ids=ids[-1:]).report
+            rep = ctxc.compile(
+                model, None, context_ids=ids[:-1], query_ids=ids[-1:], update=update
+            ).report
         except UntraceableError as exc:  # the frontend's refusal: its first reason leads
             rec.update(status="refused", error=type(exc).__name__, **_untraceable(exc))
         except (UnpatchableError, SolveError) as exc:
@@ -71,7 +78,12 @@ def run_entry(entry: Entry, seed: int = SEED) -> dict:
             stage = "compile --skip-unpatchable"
             try:  # what patching the rest reaches, for the record
                 rep = ctxc.compile(
-                    model, None, context_ids=ids[:-1], query_ids=ids[-1:], skip_unpatchable=True
+                    model,
+                    None,
+                    context_ids=ids[:-1],
+                    query_ids=ids[-1:],
+                    skip_unpatchable=True,
+                    update=update,
                 ).report
                 rec["skip_unpatchable"] = _figures(rep)
             except Exception as exc2:

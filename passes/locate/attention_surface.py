@@ -62,15 +62,18 @@ def _surface(tail: Tail) -> AttentionSurface | None:
         return None
     if control.kind != "scale" or not control.stable_ok or norm.bias:
         return None
-    if not _only_views_then_residual(control.tail):
-        return None
-    return AttentionSurface(tail.core.outer, norm, tail.y.name, tail.v.name)
+    if not _only_views_then_residual(control.tail) or control.tail[-1].side != tail.v.name:
+        return None  # the residual taken back scaled (Beam): v is not x + the branch
+    return AttentionSurface(tail.core.outer, norm, tail.y.name, tail.v.name, control.gain)
 
 
 def _only_views_then_residual(steps: tuple[TailStep, ...]) -> bool:
-    """The steps are casts and copies, then the one add of the residual."""
+    """The steps are casts, copies and constant gains, then the one add of the residual."""
     *views, last = steps or (TailStep(StepKind.VIEW, ""),)
-    return last.kind == StepKind.ADD and all(s.kind == StepKind.VIEW for s in views)
+    return last.kind == StepKind.ADD and all(s.kind in _PLAIN for s in views)
+
+
+_PLAIN = (StepKind.VIEW, StepKind.GAIN)
 
 
 def with_attention(
@@ -86,7 +89,7 @@ def with_attention(
         return None
     if block.output_control != "scale" or not block.stable_ok or block.parallel:
         return None
-    if not _only_views_then_residual(block.tail):
-        return None
+    if not _only_views_then_residual(block.tail) or block.tail[-1].side != block.residual_in:
+        return None  # y is not v + the branch (a scaled residual)
     v = view.by_name[block.residual_in]
     return surfaces.get(v) or surfaces.get(view.see_through(v))

@@ -241,12 +241,15 @@ class AttentionSurface:
         norm: the post-attention norm, with its scale (RMS, no bias).
         add: fx node of ``v``, the add that takes ``x`` back in.
         residual: fx node ``x``, the residual stream entering the attention.
+        gain: product of the constant factors between the scale and the add (Beam's depth
+            scaling, HyperCLOVA X's multipliers): the branch adds ``gain * s_a * o / r(o)``.
     """
 
     site: LinearSite
     norm: NormSite
     add: str
     residual: str
+    gain: float = 1.0
 
     @property
     def scale(self) -> ScaleSite:

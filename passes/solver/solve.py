@@ -198,7 +198,8 @@ class _Solver(SolverValues):
         ``ctl``; the down projection's target."""
         att, targets = block.attention, self.full.targets[block.path]
         assert att is not None and targets.v is not None and block.norm is not None
-        s_a, s_f = self.scale_of(att.scale), self.scale(block)  # [d], [d]
+        # Constant gains after a scale multiply it (Beam, HyperCLOVA X): y = v + g s f.
+        s_a, s_f = att.gain * self.scale_of(att.scale), block.gain * self.scale(block)  # [d]
         y_c, v_c = targets.y.float(), targets.v.float()  # [k, d]
         split = (_over(v_c - x, s_a), _over(y_c - v_c, s_f))  # the full run's, from x
         o_now, u_now = rows(self.value(att.site.node)).float(), self.branch_now(block)  # [k, d]
