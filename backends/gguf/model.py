@@ -27,6 +27,7 @@ from ctxc.backends.gguf.names import gguf_arch
 from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
+from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity
 from ctxc.core.thresholds import GGUF_ATOL
 from ctxc.core.vocabulary import GGUF_TYPES, check_choice
@@ -116,10 +117,19 @@ def _reloaded(
 
     # Transformers' GGUF loader draws a tqdm bar on stderr whatever the progress-bar setting:
     # a failed check must stay one line there.
-    with contextlib.redirect_stderr(io.StringIO()):
-        loaded = AutoModelForCausalLM.from_pretrained(
-            str(out), gguf_file=GGUF_FILE, dtype=torch.float32
-        ).eval()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            loaded = AutoModelForCausalLM.from_pretrained(
+                str(out), gguf_file=GGUF_FILE, dtype=torch.float32
+            ).eval()
+    except RuntimeError as exc:  # "ignore_mismatched_sizes": shapes the GGUF config cannot say
+        if "mismatched" not in str(exc):
+            raise
+        raise CtxcError(
+            "Transformers' GGUF loader rebuilds this model with other parameter shapes (its "
+            "GGUF config mapping does not carry every setting of this config, e.g. a head_dim "
+            "other than the architecture's default); use --emit torch, onnx or peft"
+        ) from None
     got = loaded.state_dict()
     tensor_diff = max(float((got[k].float() - v).abs().max()) for k, v in want.items())
     (reloaded,) = torch_logits(loaded, query)

@@ -140,6 +140,15 @@ def test_gemma2_lora_rule_writes_and_reloads_as_gguf(tmp_path) -> None:
     assert figures.reloaded.top1_match, figures
 
 
+def test_a_config_the_gguf_loader_cannot_rebuild_is_one_line(tmp_path) -> None:
+    """Tiny Qwen 3 has head_dim 16; Transformers' GGUF loader reads no head_dim for qwen3 and
+    rebuilds 128: a one-line refusal, not an internal error."""
+    model = shared("qwen3")
+    patch = ctxc.compile(model, context_ids=random_ids(8, 16)).patch
+    with pytest.raises(CtxcError, match="rebuilds this model with other parameter shapes"):
+        emit_gguf(model, patch, tmp_path, tokenizer=bpe_tokenizer())
+
+
 def _model_dir(tmp_path, family: str):
     folder = tmp_path / family
     shared(family).save_pretrained(str(folder))
