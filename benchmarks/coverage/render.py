@@ -151,8 +151,10 @@ def markdown(results: list[dict], meta: dict, stamped: str = "") -> str:
     summary = summarise(results)
     v = meta["versions"]
     c = summary["counts"]
+    rule = meta.get("update", "stable")
+    title = "every `*ForCausalLM` class in Transformers" if rule == "stable" else "selected classes"
     lines = [
-        "# Coverage matrix: every `*ForCausalLM` class in Transformers",
+        f"# Coverage matrix ({rule} rule): {title}",
         "",
         *([stamped.rstrip("\n"), ""] if stamped else []),
         f"Measured by `python -m benchmarks.coverage.matrix {meta['args']}`"
@@ -167,7 +169,7 @@ def markdown(results: list[dict], meta: dict, stamped: str = "") -> str:
         ),
         f"Tiny random float32 models (the class's default config shrunk: {meta['shape']}; "
         "random norm weights and biases; seed 0), one random context of 23 ids and a one-token "
-        "query through `ctxc.compile` (stable rule). **exact**: the emitted model fed the query "
+        f"query through `ctxc.compile` ({rule} rule). **exact**: the emitted model fed the query "
         f"alone is within {TOL:g} (max |logit diff|) of the model fed context + query; the "
         "unpatched control's figure is in brackets. Each class runs in its own process with a "
         f"{meta['timeout']:g} s timeout.",
