@@ -322,11 +322,12 @@ def _with_query(context: list[dict], query: str, merged: bool) -> list[dict]:
     if not merged:
         return [*context, {"role": "user", "content": query}]
     last = context[-1]["content"]
+    content: str | list
     if isinstance(last, list):  # parts: the query's text after them
-        merged: str | list = [*last, {"type": "text", "text": f"\n\n{query}"}]
+        content = [*last, {"type": "text", "text": f"\n\n{query}"}]
     else:
-        merged = f"{last}\n\n{query}"
-    return [*context[:-1], {"role": "user", "content": merged}]
+        content = f"{last}\n\n{query}"
+    return [*context[:-1], {"role": "user", "content": content}]
 
 
 def _query_independent(tokenizer, context: list[dict], query: str, merged: bool, whole: str) -> int:

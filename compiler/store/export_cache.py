@@ -143,7 +143,7 @@ def _source_digest() -> str:
 
         digest = hashlib.sha256()
         for module in (ctxc.frontend, ctxc.passes):
-            folder = Path(module.__file__).parent
+            folder = Path(str(module.__file__)).parent
             for path in sorted(folder.rglob("*.py")):
                 name = path.relative_to(folder).as_posix()
                 digest.update(name.encode() + b"\0" + path.read_bytes())
