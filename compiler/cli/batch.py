@@ -9,10 +9,11 @@ import at module level.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ctxc._version import __version__
 from ctxc.cli.job import CompileJob, compile_into
@@ -25,16 +26,35 @@ from ctxc.core.errors import CtxcError, environment_error
 from ctxc.core.interrupts import pause_point
 from ctxc.core.textfile import read_text
 
-__all__ = ["compile_batch", "read_lines"]
+if TYPE_CHECKING:
+    from ctxc.cli.ray_engine import RayEngine
+
+__all__ = [
+    "LineOutcome",
+    "batch_progress",
+    "compile_batch",
+    "compile_line",
+    "compile_many",
+    "read_lines",
+    "record",
+    "run_batch",
+    "settle",
+]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
-    """(line number, parsed entry or None, error or None) for every non-blank line of ``path``."""
-    if path.is_dir():  # the reader would say "is not a file": say what --contexts takes
+def read_lines(path: Path | list[str]) -> list[tuple[int, dict | None, str | None]]:
+    """(line number, parsed entry or None, error or None) for every non-blank line of ``path``
+    (a JSON Lines file, or its lines)."""
+    if isinstance(path, list):
+        raw = path
+        if not any(line.strip() for line in raw):
+            raise CtxcError("no contexts given (an empty list)")
+    elif path.is_dir():  # the reader would say "is not a file": say what --contexts takes
         raise CtxcError(f"--contexts takes a JSON Lines file; {path} is a folder")
-    raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
+    else:
+        raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
     numbered = [(n, line) for n, line in enumerate(raw, 1) if line.strip()]
     width = max(4, len(str(numbered[-1][0])))
     seen: set[str] = set()
@@ -100,35 +120,23 @@ def _chat_line(obj: dict) -> tuple[list | None, str | None, str | None]:
 
 
 def compile_batch(
-    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: CompileJob, resume=False
+    contexts: Path,
+    out_dir: Path,
+    model,
+    dtype: str,
+    force: bool,
+    opts: CompileJob,
+    resume=False,
+    engine: RayEngine | None = None,
 ):
-    """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
+    """Compile every line of ``contexts`` into ``out_dir``/<name>/ and say how it went.
 
-    ``index.json`` is rewritten after every line (the lines not reached: ``"not run"``); an
-    interrupt keeps the finished lines. ``resume``: keep the lines an earlier run wrote
-    (``compiler/cli/batch_out.py``).
+    See :func:`run_batch`; ``engine``: a Ray cluster's workers (``--engine ray``), or None.
 
     Returns:
         the exit status: 0 when every line succeeded, 1 when some failed.
     """
-    from ctxc.cli.batch_out import batch_folder
-
-    lines = read_lines(contexts)
-    rows = [
-        {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
-        for n, entry, _ in lines
-    ]
-    with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
-        from ctxc.cli.support import load
-        from ctxc.models.fingerprint import fingerprint
-
-        net, tokenizer = load(model, dtype, opts.placement)
-        folder.check_model(fingerprint(net))
-        folder.write_index(rows)
-        try:
-            _run_lines(net, tokenizer, folder, lines, rows, opts)
-        finally:  # an interrupt too: the finished lines are listed, the rest "not run"
-            folder.write_index(rows)
+    rows = run_batch(contexts, out_dir, model, dtype, force, opts, resume, engine)
     failed = sum(row["status"] == "error" for row in rows)
     done = len(rows) - failed
     if failed:
@@ -143,23 +151,89 @@ def compile_batch(
     return 0
 
 
+def run_batch(
+    contexts: Path | list[str],
+    out_dir: Path,
+    model,
+    dtype: str,
+    force: bool,
+    opts: CompileJob,
+    resume=False,
+    engine: RayEngine | None = None,
+) -> list[dict]:
+    """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
+
+    ``index.json`` is rewritten after every line (the lines not reached: ``"not run"``); an
+    interrupt keeps the finished lines. ``resume``: keep the lines an earlier run wrote
+    (``compiler/cli/batch_out.py``).
+
+    Args:
+        contexts: the JSON Lines file, or its lines.
+        engine: compile on a Ray cluster's workers (``compiler/cli/ray_engine.py``); None:
+            here, one model load.
+
+    Returns:
+        the rows of index.json, one per line.
+    """
+    from ctxc.cli.batch_out import batch_folder
+
+    lines = read_lines(contexts)
+    rows = [
+        {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
+        for n, entry, _ in lines
+    ]
+    with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
+        try:
+            if engine is not None:
+                from ctxc.cli.ray_engine import run_on_ray
+
+                run_on_ray(engine, (model, dtype), folder, lines, rows, opts)
+            else:
+                _run_here(model, dtype, folder, lines, rows, opts)
+        finally:  # an interrupt too: the finished lines are listed, the rest "not run"
+            folder.write_index(rows)
+    return rows
+
+
+def _run_here(model, dtype: str, folder, lines, rows: list[dict], opts: CompileJob) -> None:
+    """Load the model here and compile each line in turn (:func:`_run_lines`)."""
+    from ctxc.cli.support import load
+    from ctxc.models.fingerprint import fingerprint
+
+    net, tokenizer = load(model, dtype, opts.placement)
+    folder.check_model(fingerprint(net))
+    folder.write_index(rows)
+    _run_lines(net, tokenizer, folder, lines, rows, opts)
+
+
 def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: CompileJob) -> None:
     """Compile each line (or keep it, resuming), updating ``rows`` and index.json after each."""
-    with _progress() as bar:
+    with batch_progress() as bar:
         task = bar.add_task("contexts", total=len(lines))
         for i, (n, entry, problem) in enumerate(lines):
+            figures = None
             if entry is not None:
                 problem, figures = _one(net, tokenizer, folder, entry, opts)
-            row = {"line": n, "name": entry["name"] if entry else None}
-            if problem is None:
-                row.update(status="ok", **figures, folder=entry["name"])
-            else:
-                row.update(status="error", error=problem)
-                err.print(f"ctxc: error: line {n}: {problem}", **_PLAIN)
-            rows[i] = row
+            record(rows, i, (n, entry), problem, figures)
             folder.write_index(rows)
             bar.update(task, advance=1)
             pause_point(f"line {n} done")
+
+
+def record(rows: list[dict], i: int, line: tuple, problem: str | None, figures, **extra) -> None:
+    """Set ``rows[i]`` to line ``(n, entry)``'s outcome; an error is said on stderr.
+
+    Args:
+        extra: more fields of the row (a Ray run's ``attempts``).
+    """
+    n, entry = line
+    row = {"line": n, "name": entry["name"] if entry else None}
+    if problem is None:
+        row.update(status="ok", **figures, folder=entry["name"])
+    else:
+        row.update(status="error", error=problem)
+        err.print(f"ctxc: error: line {n}: {problem}", **_PLAIN)
+    rows[i] = {**row, **extra}
 
 
 def _options(opts: CompileJob, dtype: str) -> dict:
@@ -182,7 +256,7 @@ def _options(opts: CompileJob, dtype: str) -> dict:
 _PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
 
 
-def _progress():
+def batch_progress():
     """Contexts done of all and the rate, on the command's progress trail (cli_progress.py)."""
     return progress(rate="contexts/s")
 
@@ -190,18 +264,48 @@ def _progress():
 def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
     """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
 
-    A line already written by an earlier run (``--resume``) is kept; an artefact that fails
-    keeps the rest in DIR/<name>.failed/; an unexpected error is recorded for this line only.
+    A line already written by an earlier run (``--resume``) is kept (:meth:`finished`).
     """
-    import os
-
-    from ctxc.cli.batch_out import headline, input_digest
+    from ctxc.cli.batch_out import input_digest
 
     digest = input_digest(entry)
     kept = folder.finished(entry["name"], digest)
     if kept is not None:
         return None, kept
     staging = folder.staging(entry["name"])
+    try:
+        outcome = compile_line(net, tokenizer, staging, entry, opts)
+    except BaseException:
+        folder.discard(staging)
+        raise
+    return settle(folder, staging, entry, digest, outcome)
+
+
+@dataclasses.dataclass(frozen=True)
+class LineOutcome:
+    """How one line's compile into its staging folder ended (sent back by a Ray worker).
+
+    Attributes:
+        kind: ``"ok"``; ``"failed"``: an artefact failed its check, the rest is in the
+            staging folder; ``"error"``: nothing worth keeping.
+        message: what went wrong, on one line (None when ok).
+        artefact: the artefact that failed (``"failed"``).
+    """
+
+    kind: str
+    message: str | None = None
+    artefact: str | None = None
+
+
+def compile_line(net, tokenizer, staging: Path, entry: dict, opts: CompileJob) -> LineOutcome:
+    """Compile line ``entry`` into ``staging``: the per-line step of every engine.
+
+    An unexpected error is this line's alone (re-raised with ``CTXC_DEBUG``); an interrupt
+    propagates. Nothing here touches DIR but ``staging``.
+
+    Returns:
+        the :class:`LineOutcome`.
+    """
     try:
         compile_into(
             net,
@@ -213,21 +317,46 @@ def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
             messages=entry["messages"],
             on_stage=pause_point,
         )
-        folder.commit(staging, entry["name"], digest)
     except ArtefactError as exc:
-        where = folder.keep_failed(staging, entry["name"], exc.artefact)
-        return f"{_line(exc)}; the patch and what passed are kept in {where}/", None
-    except CtxcError as exc:
+        return LineOutcome("failed", _line(exc), exc.artefact)
+    except Exception as exc:  # an error on one line: recorded, and the other lines still run
+        return LineOutcome("error", _problem(exc))
+    return LineOutcome("ok")
+
+
+def _problem(exc: Exception) -> str:
+    """A line's error on one line; an unexpected one is re-raised with ``CTXC_DEBUG``."""
+    import os
+
+    if isinstance(exc, CtxcError):
+        return _line(cli_message(exc))
+    refused = environment_error(exc)  # disk full, read-only, permissions: not a bug
+    if refused is not None:
+        return _line(str(refused))
+    if os.environ.get("CTXC_DEBUG"):
+        raise exc
+    return f"internal error: {type(exc).__name__}: {_line(exc)}"
+
+
+def settle(folder, staging: Path, entry: dict, digest: str, outcome: LineOutcome):
+    """Move a compiled line into DIR (or DIR/<name>.failed/, or discard it) by its outcome.
+
+    Returns:
+        (error or None, headline figures or None).
+    """
+    from ctxc.cli.batch_out import headline
+
+    try:
+        if outcome.kind == "failed":
+            where = folder.keep_failed(staging, entry["name"], outcome.artefact)
+            return f"{outcome.message}; the patch and what passed are kept in {where}/", None
+        if outcome.kind != "ok":
+            folder.discard(staging)
+            return outcome.message, None
+        folder.commit(staging, entry["name"], digest)
+    except Exception as exc:  # DIR/<name> appeared meanwhile, the disk is full...
         folder.discard(staging)
-        return _line(cli_message(exc)), None
-    except Exception as exc:  # a bug on one line: recorded, and the other lines still run
-        folder.discard(staging)
-        refused = environment_error(exc)  # disk full, read-only, permissions: not a bug
-        if refused is not None:
-            return _line(str(refused)), None
-        if os.environ.get("CTXC_DEBUG"):
-            raise
-        return f"internal error: {type(exc).__name__}: {_line(exc)}", None
+        return _problem(exc), None
     except BaseException:
         folder.discard(staging)
         raise
@@ -236,3 +365,69 @@ def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
 
 def _line(exc: BaseException | str) -> str:
     return " ".join(str(exc).split())
+
+
+def compile_many(
+    contexts: str | Path | list[dict],
+    out: str | Path,
+    *,
+    model: str | None = None,
+    dtype: str = "float32",
+    emit: tuple[str, ...] | list[str] = ("torch",),
+    update: str = "stable",
+    start_layer: int = 0,
+    skip_unpatchable: bool = False,
+    gguf_type: str = "F32",
+    device: str | None = None,
+    engine: str = "local",
+    address: str | None = None,
+    workers: int | None = None,
+    gpus_per_worker: float = 0.0,
+    resume: bool = False,
+    force: bool = False,
+) -> list[dict]:
+    """``ctxc compile --contexts`` from Python: every context into ``out``/<name>/.
+
+    The same run as the command (docs/cluster.md): the same folders, index.json and
+    ``resume``; ``engine="ray"`` hands the lines to a Ray cluster's workers (``ctxc[ray]``;
+    a Ray already initialised in this process is used as it is).
+
+    Args:
+        contexts: a JSON Lines file, or its lines as dicts (``context``, ``query``, ``name``,
+            or a chat line's ``messages``/``system``/``document``).
+        out: the output folder.
+        model, dtype, emit, update, start_layer, skip_unpatchable, gguf_type, device: as the
+            command's options.
+        engine: ``"local"`` (this process, one model load) or ``"ray"``.
+        address, workers, gpus_per_worker: the Ray cluster and pool
+            (:class:`~ctxc.cli.ray_engine.RayEngine`).
+        resume, force: keep an earlier run's lines in ``out``; replace an earlier output.
+
+    Returns:
+        index.json's rows, one per line (``status`` ``"ok"`` or ``"error"``).
+
+    Raises:
+        CtxcError: bad options, ``out`` refused, the model does not load, or ray is missing.
+    """
+    from ctxc.cli.options import placement_for
+    from ctxc.cli.support import parse_emit
+    from ctxc.core.options import CompileOptions
+
+    if engine not in ("local", "ray"):
+        raise CtxcError(f"engine must be 'local' or 'ray', not {engine!r}")
+    on = None
+    if engine == "ray":
+        from ctxc.cli.ray_engine import RayEngine, require_ray
+
+        require_ray()
+        on = RayEngine(address=address, workers=workers, gpus_per_worker=gpus_per_worker)
+    kinds = parse_emit(",".join(emit))
+    compiling = CompileOptions(update, start_layer, skip_unpatchable)
+    job = CompileJob(compiling, kinds, gguf_type, placement=placement_for(device, None, None))
+    source = Path(contexts) if isinstance(contexts, (str, Path)) else _as_lines(contexts)
+    return run_batch(source, Path(out), model, dtype, force, job, resume, on)
+
+
+def _as_lines(entries) -> list[str]:
+    """Python dicts as the JSON lines a file would hold (one parser for both)."""
+    return [json.dumps(e) if isinstance(e, dict) else "[not a dict]" for e in entries]
