@@ -258,3 +258,27 @@ def test_interrupted_ray_run_resumes(cluster, local, tiny_model_dir, tmp_path, m
     assert {n: (out / n / "patch.safetensors").stat().st_mtime_ns for n in done} == stamps
     _same_folders(out, local, NAMES)
     assert (out / "index.json").read_bytes() == (local / "index.json").read_bytes()
+
+
+@pytest.mark.tiny
+def test_compile_many_here(local, tiny_model_dir, tmp_path):
+    """``ctxc.compile_many`` without Ray: the command's run, its rows returned."""
+    import ctxc
+
+    rows = ctxc.compile_many(ROWS[:2], tmp_path / "out", model=str(tiny_model_dir))
+    assert [(r["name"], r["status"]) for r in rows] == [("first", "ok"), ("0002", "ok")]
+    assert json.loads((tmp_path / "out" / "index.json").read_text()) == rows
+    _same_folders(tmp_path / "out", local, ["first", "0002"])
+
+
+@pytest.mark.slow
+@pytest.mark.tiny
+def test_compile_many_on_ray(cluster, local, tiny_model_dir, tmp_path):
+    import ctxc
+
+    out = tmp_path / "out"
+    rows = ctxc.compile_many(ROWS[:2], out, model=str(tiny_model_dir), engine="ray", workers=1)
+    assert [(r["name"], r["status"]) for r in rows] == [("first", "ok"), ("0002", "ok")]
+    _same_folders(out, local, ["first", "0002"])
+    with pytest.raises(ctxc.CtxcError, match="engine must be 'local' or 'ray'"):
+        ctxc.compile_many(ROWS[:2], out, engine="spark")
