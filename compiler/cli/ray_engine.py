@@ -100,8 +100,8 @@ class LineWorker:
 
     def ready(self) -> tuple[dict | None, str | None, int]:
         """(the model's fingerprint, or None and why it did not load; this process's pid)."""
-        if self.problem is not None:
-            return None, self.problem, os.getpid()
+        if self.problem is not None or self.net is None:
+            return None, self.problem or "the model did not load", os.getpid()
         from ctxc.models.fingerprint import fingerprint
 
         return fingerprint(self.net), None, os.getpid()
@@ -153,13 +153,15 @@ def run_on_ray(engine: RayEngine, model: tuple, folder, lines, rows: list[dict],
             folder.write_index(rows)
             return
         started = _connect(ray, engine)
-        pool = _Pool(ray, engine, model, opts, min(len(queue), _width(ray, engine)))
+        pool = None
         try:
+            pool = _Pool(ray, engine, model, opts, min(len(queue), _width(ray, engine)))
             folder.check_model(pool.start())
             folder.write_index(rows)
             pool.drain(queue, folder, lines, rows, lambda: bar.update(task, advance=1))
         finally:
-            pool.close(folder)
+            if pool is not None:
+                pool.close(folder)
             if started:
                 ray.shutdown()
 
@@ -256,7 +258,7 @@ class _Pool:
             try:
                 outcome = self.ray.get(done)
                 idle.append(worker)
-            except self.ray.exceptions.RayActorError as exc:
+            except self.ray.exceptions.RayActorError as exc:  # the worker's process is gone
                 folder.discard(staging)  # the dead worker's half-written line
                 attempts[i].append(f"worker pid {self.pids.get(worker)} lost: {_cause(exc)}")
                 idle.append(self._replace(worker))
@@ -264,6 +266,9 @@ class _Pool:
                     queue.appendleft(i)  # first in line again: another worker takes it
                     continue
                 outcome = LineOutcome("error", f"its worker died {MAX_ATTEMPTS} times")
+            except BaseException:  # an interrupt, or an error that escaped the line's step
+                folder.discard(staging)
+                raise
             problem, figures = settle(folder, staging, entry, input_digest(entry), outcome)
             lost = attempts[i]
             extra = {"attempts": len(lost) + 1, "workers_lost": lost} if lost else {}
