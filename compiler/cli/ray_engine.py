@@ -185,19 +185,27 @@ def _connect(ray, engine: RayEngine) -> bool:
 
 
 def _width(ray, engine: RayEngine) -> int:
-    """The pool's size: ``--workers``, else what the cluster's CPUs (or GPUs) hold."""
-    if engine.workers is not None:
-        return engine.workers
+    """The pool's size: ``--workers``, else what the cluster's CPUs (or GPUs) hold, at most
+    what it holds now (a worker that never gets its CPU or GPU would hold its line forever).
+
+    Raises:
+        CtxcError: the cluster has fewer GPUs than one worker asks for.
+    """
     have = ray.cluster_resources()
-    fit = int(have.get("CPU", 1) // engine.cpus_per_worker)
+    fit = int(have.get("CPU", 0) // engine.cpus_per_worker)
     if engine.gpus_per_worker > 0:
         fit = min(fit, int(have.get("GPU", 0) // engine.gpus_per_worker))
         if fit < 1:
             raise CtxcError(
-                f"--gpus-per-worker {engine.gpus_per_worker}: the Ray cluster has "
+                f"--gpus-per-worker {engine.gpus_per_worker:g}: the Ray cluster has "
                 f"{have.get('GPU', 0):g} GPUs"
             )
-    return max(1, fit)
+    fit = max(1, fit)
+    if engine.workers is not None and engine.workers > fit:
+        from ctxc.cli.progress import stage
+
+        stage(f"--workers {engine.workers}: the Ray cluster holds {fit}; using {fit}", keep=True)
+    return fit if engine.workers is None else min(engine.workers, fit)
 
 
 class _Pool:
