@@ -3,7 +3,7 @@
 Each worker is a Ray actor that loads and traces the model once (through the export cache,
 ``compiler/store/export_cache.py``: with ``CTXC_CACHE`` on a shared path, one trace serves every
 worker) and compiles one line at a time with the local run's own per-line step
-(:func:`ctxc.cli.batch.compile_line`). The driver (this process) keeps everything else of the
+(:func:`ctxc.cli.batch_line.compile_line`). The driver (this process) keeps everything else of the
 local run (``compiler/cli/batch_out.py``): it holds DIR, creates each line's staging folder,
 hands lines to whichever worker is free (in any order), and moves a finished line into place, so
 every line's folder is what the local run writes and only the driver ever renames into DIR.
@@ -107,10 +107,10 @@ class LineWorker:
         return fingerprint(self.net), None, os.getpid()
 
     def compile(self, staging: str, entry: dict, opts):
-        """Compile ``entry`` into ``staging`` (:func:`ctxc.cli.batch.compile_line`)."""
+        """Compile ``entry`` into ``staging`` (:func:`ctxc.cli.batch_line.compile_line`)."""
         import socket
 
-        from ctxc.cli.batch import LineOutcome, compile_line
+        from ctxc.cli.batch_line import LineOutcome, compile_line
 
         if not Path(staging).is_dir():  # the driver made it: DIR is not shared with this node
             return LineOutcome(
@@ -135,7 +135,7 @@ def run_on_ray(engine: RayEngine, model: tuple, folder, lines, rows: list[dict],
         starts a local Ray (shut down at the end) unless one is initialised or ``address``
         is given; starts and ends the workers; writes DIR as the local run does.
     """
-    from ctxc.cli.batch import batch_progress, record
+    from ctxc.cli.batch_line import batch_progress, record
     from ctxc.cli.batch_out import input_digest
 
     ray = require_ray()
@@ -244,7 +244,7 @@ class _Pool:
 
     def drain(self, queue: deque, folder, lines, rows: list[dict], advance) -> None:
         """Hand out the queued lines until every one is settled (see the module docstring)."""
-        from ctxc.cli.batch import LineOutcome, record, settle
+        from ctxc.cli.batch_line import LineOutcome, record, settle
         from ctxc.cli.batch_out import input_digest
 
         idle = list(self.workers)
