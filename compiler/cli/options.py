@@ -34,6 +34,7 @@ __all__ = [
     "UPDATE",
     "BakeMethod",
     "DType",
+    "Engine",
     "Format",
     "GgufType",
     "Update",
@@ -51,12 +52,14 @@ if TYPE_CHECKING:
     GgufType: TypeAlias = str
     Format: TypeAlias = str
     BakeMethod: TypeAlias = str
+    Engine: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
     GgufType = Literal[tuple(GGUF_TYPES)]
     Format = Literal[tuple(FORMATS)]
     BakeMethod = Literal[tuple(BAKE_METHODS)]
+    Engine = Literal["local", "ray"]  # where the lines of --contexts compile
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
