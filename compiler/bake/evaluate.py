@@ -114,15 +114,21 @@ def greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
 
 def _continue(model: torch.nn.Module, out, steps: int) -> list[int]:
     """Greedy tokens from a forward's output (its last logits and its cache)."""
+    return _continue_batch(model, out, steps)[0]
+
+
+def _continue_batch(model: torch.nn.Module, out, steps: int) -> list[list[int]]:
+    """Greedy tokens of every row of a batched forward's output (its last logits, its cache)."""
     device = next(model.parameters()).device
-    got: list[int] = []
+    got: list[torch.Tensor] = []
     for i in range(steps):
-        tok = int(out.logits[0, -1].argmax())
-        got.append(tok)
+        tok = out.logits[:, -1].argmax(-1)  # [b]
+        got.append(tok.cpu())
         if i + 1 < steps:
-            nxt = torch.tensor([[tok]], device=device)
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-    return got
+            out = model(input_ids=tok[:, None].to(device), past_key_values=out.past_key_values,
+                        use_cache=True, logits_to_keep=1)  # fmt: skip
+    rows = out.logits.shape[0]
+    return torch.stack(got, 1).tolist() if got else [[] for _ in range(rows)]
 
 
 def reference(
@@ -130,8 +136,8 @@ def reference(
 ) -> Reference:
     """The original model fed ``context + q`` for each query: logits and greedy tokens.
 
-    The context runs once; each query continues a copy of its KV cache (the same computation
-    as the full input, up to rounding).
+    The context runs once; queries of equal length continue a copy of its KV cache together,
+    batched (the same computation as the full input, up to rounding), greedy generation too.
 
     Args:
         model: the unpatched model.
@@ -140,22 +146,31 @@ def reference(
         on_query: progress callback ``(done, total)``.
     """
     device = next(model.parameters()).device
-    p = len(data.prefix)
-    logits, tokens = [], []
+    p, n = len(data.prefix), len(data.queries)
+    logits: list = [None] * n
+    tokens: list = [None] * n
+    groups: dict[int, list[int]] = {}
+    for i, q in enumerate(data.queries):
+        groups.setdefault(len(q), []).append(i)
+    done = 0
     with torch.no_grad():
         ctx = torch.tensor([data.context_ids], device=device)
         first = model(input_ids=ctx, use_cache=True, logits_to_keep=max(p, 1))
         head = first.logits[0, first.logits.shape[1] - p :].float().cpu()  # [p, vocab]
-        for i, q in enumerate(data.queries):
+        for idx in groups.values():
             cache = copy.deepcopy(first.past_key_values)
-            x = torch.tensor([q], device=device)
+            cache.batch_repeat_interleave(len(idx))
+            x = torch.tensor([data.queries[i] for i in idx], device=device)
             out = model(input_ids=x, past_key_values=cache, use_cache=True)
             # The patched input's positions: the context's last p (matched to the prefix), then
             # every query position.
-            logits.append(torch.cat([head, out.logits[0].float().cpu()]))
-            tokens.append(tuple(_continue(model, out, gen_tokens)))
+            for j, i in enumerate(idx):
+                logits[i] = torch.cat([head, out.logits[j].float().cpu()])
+            for j, toks in enumerate(_continue_batch(model, out, gen_tokens)):
+                tokens[idx[j]] = tuple(toks)
+            done += len(idx)
             if on_query is not None:
-                on_query(i + 1, len(data.queries))
+                on_query(done, n)
     return Reference(data, gen_tokens, tuple(logits), tuple(tokens))
 
 

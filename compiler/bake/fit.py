@@ -21,11 +21,11 @@ import torch
 from ctxc._version import __version__
 from ctxc.bake.data import (
     FitData,
-    record_fit_targets,
     sample_continuations,
     special_prefix,
     text_queries,
 )
+from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
 from ctxc.models.fingerprint import fingerprint
@@ -163,7 +163,7 @@ def bake(
         if targets is None:
             clock = time.perf_counter()
             stage("full runs")
-            targets = record_fit_targets(traced, blocks, data)
+            targets = cached_fit_targets(model, traced, blocks, data)
             timings["targets"] = round(time.perf_counter() - clock, 3)
         stage("fitting")
         clock = time.perf_counter()
