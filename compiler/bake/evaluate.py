@@ -31,6 +31,7 @@ from ctxc.patch import Patch
 __all__ = [
     "BakeEval",
     "Reference",
+    "answer_lengths",
     "evaluate",
     "evaluate_against",
     "evaluate_many",
@@ -55,6 +56,8 @@ class BakeEval:
         matched: mean greedy tokens generated before the first difference (of ``gen_tokens``).
         gen_tokens: tokens generated per query (0: no generation).
         matched_all: each query's matched tokens.
+        answers: the share of queries whose greedy answer equals the full-context model's
+            through its first sentence (:func:`answer_lengths`); None without a tokenizer.
     """
 
     queries: int
@@ -64,6 +67,7 @@ class BakeEval:
     matched: float
     gen_tokens: int
     matched_all: list[int]
+    answers: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,12 +83,34 @@ class Reference:
         logits: per query, the full-context logits at the patched input's positions
             [len(prefix + q), vocab], float32.
         tokens: per query, its greedy continuation (``gen_tokens`` ids).
+        answer_len: per query, the tokens of its first sentence (:func:`answer_lengths`), or
+            None without a tokenizer.
     """
 
     data: FitData
     gen_tokens: int
     logits: tuple[torch.Tensor, ...]
     tokens: tuple[tuple[int, ...], ...]
+    answer_len: tuple[int, ...] | None = None
+
+
+_SENTENCE_ENDS = (".", "?", "!", "\n")
+
+
+def answer_lengths(tokenizer, tokens: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Per greedy continuation, how many tokens its first sentence takes: up to the first
+    token after which the text (leading white space dropped) holds ``.``, ``?``, ``!`` or a
+    newline; all of them when none does (then the answer is its first ``gen_tokens``)."""
+    out = []
+    for toks in tokens:
+        n = len(toks)
+        for j in range(len(toks)):
+            text = tokenizer.decode(list(toks[: j + 1]), skip_special_tokens=True).lstrip()
+            if any(e in text for e in _SENTENCE_ENDS):
+                n = j + 1
+                break
+        out.append(n)
+    return tuple(out)
 
 
 def position_figures(
@@ -132,7 +158,7 @@ def _continue_batch(model: torch.nn.Module, out, steps: int) -> list[list[int]]:
 
 
 def reference(
-    model: torch.nn.Module, data: FitData, gen_tokens: int = 32, on_query=None
+    model: torch.nn.Module, data: FitData, gen_tokens: int = 32, on_query=None, tokenizer=None
 ) -> Reference:
     """The original model fed ``context + q`` for each query: logits and greedy tokens.
 
@@ -144,6 +170,7 @@ def reference(
         data: the context and the queries.
         gen_tokens: greedy tokens per query (0: none).
         on_query: progress callback ``(done, total)``.
+        tokenizer: gives the answers' first sentences (:attr:`Reference.answer_len`).
     """
     device = next(model.parameters()).device
     p, n = len(data.prefix), len(data.queries)
@@ -171,7 +198,8 @@ def reference(
             done += len(idx)
             if on_query is not None:
                 on_query(done, n)
-    return Reference(data, gen_tokens, tuple(logits), tuple(tokens))
+    lengths = answer_lengths(tokenizer, tuple(tokens)) if tokenizer and gen_tokens else None
+    return Reference(data, gen_tokens, tuple(logits), tuple(tokens), lengths)
 
 
 def _matched(picks: list[int], want: tuple[int, ...]) -> int:
@@ -183,8 +211,8 @@ def _matched(picks: list[int], want: tuple[int, ...]) -> int:
     return n
 
 
-# Per query: (kl [k], agree [k], generated tokens matched).
-_Figures = tuple[torch.Tensor, torch.Tensor, int]
+# Per query: (kl [k], agree [k], generated tokens matched, first sentence matched or None).
+_Figures = tuple[torch.Tensor, torch.Tensor, int, bool | None]
 
 
 def _query_figures(
@@ -209,7 +237,9 @@ def _query_figures(
                 i, k = start + j, len(data.reduced(start + j))
                 kl, agree = position_figures(out[j, :k], ref.logits[i])
                 picks = out[j, k - 1 : k - 1 + gen].argmax(-1).tolist() if gen else []
-                found.append((kl, agree, _matched(picks, ref.tokens[i])))
+                m = _matched(picks, ref.tokens[i])
+                answer = None if ref.answer_len is None else m >= ref.answer_len[i]
+                found.append((kl, agree, m, answer))
             del out
     return found
 
@@ -258,6 +288,7 @@ def evaluate_many(
     data: FitData,
     gen_tokens: int = 32,
     on_query=None,
+    tokenizer=None,
 ) -> list[BakeEval]:
     """:func:`evaluate` for several patches (None: the control), sharing the reference runs;
     ``_CHUNK`` queries' reference in memory at a time.
@@ -274,7 +305,7 @@ def evaluate_many(
             data.queries[start : start + _CHUNK],
             data.kinds[start : start + _CHUNK],
         )
-        ref = reference(model, sub, gen_tokens)
+        ref = reference(model, sub, gen_tokens, tokenizer=tokenizer)
         for patch, acc in zip(patches, figs, strict=True):
             acc.extend(_query_figures(model, patch, ref, _BATCH))
         if on_query is not None:
@@ -283,9 +314,10 @@ def evaluate_many(
 
 
 def _summarise(found: list[_Figures], gen_tokens: int) -> BakeEval:
-    kl_all = torch.cat([kl for kl, _, _ in found])
-    agree_all = torch.cat([agree for _, agree, _ in found])
-    matched = [m for _, _, m in found]
+    kl_all = torch.cat([f[0] for f in found])
+    agree_all = torch.cat([f[1] for f in found])
+    matched = [f[2] for f in found]
+    answers = [f[3] for f in found if f[3] is not None]
     return BakeEval(
         queries=len(matched),
         positions=int(kl_all.numel()),
@@ -294,4 +326,5 @@ def _summarise(found: list[_Figures], gen_tokens: int) -> BakeEval:
         matched=float(sum(matched) / max(len(matched), 1)),
         gen_tokens=gen_tokens,
         matched_all=matched,
+        answers=sum(answers) / len(answers) if answers else None,
     )

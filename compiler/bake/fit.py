@@ -25,6 +25,7 @@ from ctxc.bake.data import (
     special_prefix,
     text_queries,
 )
+from ctxc.bake.selfstudy import self_study
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
@@ -65,11 +66,17 @@ def bake_data(
     sample_tokens: int,
     seed: int,
     prefix: list[int] | None = None,
+    questions: int = 0,
+    answer_tokens: int = 16,
 ) -> FitData:
-    """The fit data: the query texts' ids, then ``samples`` sampled continuations.
+    """The fit data: the query texts' ids, then ``questions`` self-study queries
+    (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
+    continuations.
 
     Args:
         samples: K, at least 0 (``BakeOptions`` validated it; an evaluation's count, its caller).
+        questions: self-study questions, at least 0.
+        answer_tokens: greedy answer tokens per self-study question.
 
     Raises:
         CtxcError: an input past the model's positions.
@@ -77,16 +84,25 @@ def bake_data(
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
-    longest = max([len(q) for q in given] + [sample_tokens if samples else 0])
+    # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
+    asked_bound = 48 + answer_tokens if questions else 0
+    longest = max([len(q) for q in given] + [sample_tokens if samples else 0, asked_bound])
     check_length(model, len(context_ids) + longest, "context + longest query")
+    asked = (
+        self_study(
+            model, tokenizer, context_ids, questions, answer_tokens=answer_tokens, seed=seed
+        )[0]
+        if questions
+        else []
+    )
     sampled = (
         sample_continuations(model, context_ids, samples, sample_tokens, seed) if samples else []
     )
     return FitData(
         list(context_ids),
         list(prefix),
-        given + sampled,
-        ["file"] * len(given) + ["sample"] * samples,
+        given + asked + sampled,
+        ["file"] * len(given) + ["self-study"] * len(asked) + ["sample"] * samples,
     )
 
 
@@ -155,7 +171,15 @@ def bake(
         o.check_fit(queries)
         ids = _context_ids(tokenizer, context, context_ids)
         stage("sampling")
-        data = bake_data(model, tokenizer, ids, queries, o.samples, o.sample_tokens, o.seed)
+        data = bake_data(
+            model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
+            questions=o.asked, answer_tokens=o.answer_tokens,
+        )  # fmt: skip
+    if not data.queries:
+        raise OptionError(
+            "the model wrote no self-study question about this context (none ended in '?'): "
+            "fit with {data} both or continuations, or give {queries}"
+        )
     timings["data"] = round(time.perf_counter() - clock, 3)
     traced, blocks = _fit_blocks(model, o)
     fit, extra = None, {}

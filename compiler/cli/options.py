@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 import typer
 
 from ctxc.core.errors import CtxcError
-from ctxc.core.vocabulary import BACKEND_NAMES, BAKE_METHODS, DTYPES, FORMATS, GGUF_TYPES, RULES
+from ctxc.core.vocabulary import (
+    BACKEND_NAMES,
+    BAKE_DATA,
+    BAKE_METHODS,
+    DTYPES,
+    FORMATS,
+    GGUF_TYPES,
+    RULES,
+)
 from ctxc.models.devices import Placement
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "MODEL",
     "SYSTEM",
     "UPDATE",
+    "BakeData",
     "BakeMethod",
     "DType",
     "Format",
@@ -51,12 +60,14 @@ if TYPE_CHECKING:
     GgufType: TypeAlias = str
     Format: TypeAlias = str
     BakeMethod: TypeAlias = str
+    BakeData: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
     GgufType = Literal[tuple(GGUF_TYPES)]
     Format = Literal[tuple(FORMATS)]
     BakeMethod = Literal[tuple(BAKE_METHODS)]
+    BakeData = Literal[tuple(BAKE_DATA)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
@@ -146,6 +157,9 @@ FLAGS: dict[str, str] = {
     "method": "--method",
     "distill_steps": "--steps",
     "distill_seconds": "--seconds",
+    "data": "--data",
+    "questions": "--questions",
+    "answer_tokens": "--answer-tokens",
 }
 
 
