@@ -53,7 +53,8 @@ def continue_rows(
 
     The context runs once; its cache is repeated per row. Rows are left-padded: the padding is
     masked out and each row's position ids continue the context as if it were alone, so every
-    row computes what it would alone, up to rounding.
+    row computes what it would alone, up to rounding. A sliding window counts cache slots,
+    padding included: past the window, rows of each length are batched apart, unpadded.
 
     Args:
         model: a causal LM.
@@ -67,6 +68,31 @@ def continue_rows(
     Returns:
         the generated ids, [len(rows)][steps].
     """
+    c, width = len(context_ids), max(len(r) for r in rows)
+    window = _sliding_window(model)
+    if window is not None and c + width + steps > window and len({len(r) for r in rows}) > 1:
+        # A sliding window counts cache slots, padding included: pad only within the window;
+        # past it, each length is its own (unpadded) batch.
+        start = start if start is not None else context_run(model, context_ids)
+        out: list = [None] * len(rows)
+        for n in sorted({len(r) for r in rows}):
+            idx = [i for i, r in enumerate(rows) if len(r) == n]
+            got = continue_rows(model, context_ids, [rows[i] for i in idx], steps, generator, start)
+            for i, g in zip(idx, got, strict=True):
+                out[i] = g
+        return out
+    return _padded(model, context_ids, rows, steps, generator, start)
+
+
+def _sliding_window(model: torch.nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", None) or config
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
+def _padded(model, context_ids, rows, steps, generator, start) -> list[list[int]]:
+    """:func:`continue_rows` in one left-padded batch."""
     device = next(model.parameters()).device
     c, b = len(context_ids), len(rows)
     width = max(len(r) for r in rows)
