@@ -77,7 +77,13 @@ def judge(model, patch, refs) -> dict:
     out = {}
     for kind, ref in refs.items():
         e = evaluate_against(model, patch, ref)
-        out[kind] = {"kl": e.kl, "top1": e.top1, "matched": e.matched, "answers": e.answers}
+        out[kind] = {
+            "kl": e.kl, "top1": e.top1, "matched": e.matched, "answers": e.answers,
+            "matched_all": e.matched_all, "answer_len": list(ref.answer_len or []),
+        }  # fmt: skip
+        if ref.answer_len:  # the first N = 4 tokens of the answer (or its first sentence)
+            first = [m >= min(4, n) for m, n in zip(e.matched_all, ref.answer_len, strict=True)]
+            out[kind]["answers_4"] = sum(first) / len(first)
     return out
 
 
@@ -90,6 +96,7 @@ def row_line(row: dict) -> str:
         f"{p['samples']['top1']:.0%} | {p['questions']['kl']:.3f} "
         f"({p['questions']['kl'] / c['questions']['kl']:.2f}x) | {p['questions']['top1']:.0%} | "
         f"{ans:.0%} (unp. {c['questions']['answers']:.0%}) | "
+        f"{p['questions']['answers_4']:.0%} (unp. {c['questions']['answers_4']:.0%}) | "
         f"{p['unrelated']['kl'] / c['unrelated']['kl']:.2f}x |"
     )
 
@@ -108,8 +115,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     model, tok = ctxc.load_model("gemma-3-270m", "float32")
     out: dict = {"args": vars(args), "threads": torch.get_num_threads(), "rows": []}
-    print("| context | setting | s | samples KL | top-1 | questions KL | top-1 | answers | unrel. |")
-    print("|---|---|---|---|---|---|---|---|---|", flush=True)
+    print(
+        "| context | setting | s | samples KL | top-1 | questions KL | top-1 | answers "
+        "| first 4 | unrel. |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     for name in args.contexts.split(","):
         ids, refs = references(args, model, tok, name)
         control = judge(model, None, refs)

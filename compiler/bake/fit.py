@@ -170,7 +170,7 @@ def bake(
     if data is None:
         o.check_fit(queries)
         ids = _context_ids(tokenizer, context, context_ids)
-        stage("sampling")
+        stage(f"fit data: {o.asked} self-study questions, {o.sampled} samples")
         data = bake_data(
             model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
             questions=o.asked, answer_tokens=o.answer_tokens,
