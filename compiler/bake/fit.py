@@ -168,17 +168,8 @@ def bake(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     if data is None:
-        o.check_fit(queries)
-        ids = _context_ids(tokenizer, context, context_ids)
-        stage(f"fit data: {o.asked} self-study questions, {o.sampled} samples")
-        data = bake_data(
-            model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
-            questions=o.asked, answer_tokens=o.answer_tokens,
-        )  # fmt: skip
-    if not data.queries:
-        raise OptionError(
-            "the model wrote no self-study question about this context (none ended in '?'): "
-            "fit with {data} both or continuations, or give {queries}"
+        data = _fit_data(
+            model, tokenizer, _context_ids(tokenizer, context, context_ids), queries, o, stage
         )
     timings["data"] = round(time.perf_counter() - clock, 3)
     traced, blocks = _fit_blocks(model, o)
@@ -210,6 +201,22 @@ def bake(
         extra["distill"]["last_loss"] = run.loss
     assert patch is not None
     return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra})
+
+
+def _fit_data(model, tokenizer, ids: list[int], queries, o: BakeOptions, stage) -> FitData:
+    """The fit data of ``o`` (refused in one line when there is nothing to fit on)."""
+    o.check_fit(queries)
+    stage(f"fit data: {o.asked} self-study questions, {o.sampled} samples")
+    data = bake_data(
+        model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
+        questions=o.asked, answer_tokens=o.answer_tokens,
+    )  # fmt: skip
+    if not data.queries:
+        raise OptionError(
+            "the model wrote no self-study question about this context (none ended in '?'): "
+            "fit with {data} both or continuations, or give {queries}"
+        )
+    return data
 
 
 def _fit_blocks(model: torch.nn.Module, o: BakeOptions):

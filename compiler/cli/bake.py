@@ -27,6 +27,15 @@ EVAL_TOKENS = 16
 FIT_EVAL = 8
 _DEFAULTS = BakeOptions()
 _RANK = "full" if _DEFAULTS.rank is None else str(_DEFAULTS.rank)
+_QUESTIONS = typer.Option(
+    _DEFAULTS.questions, "--questions", help="Self-study questions the model writes."
+)
+_ANSWER_TOKENS = typer.Option(
+    _DEFAULTS.answer_tokens, "--answer-tokens", help="Greedy tokens per self-study answer."
+)
+_EVAL_QUESTIONS = typer.Option(
+    None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
+)
 
 
 def parse_rank(rank: str) -> int | None:
@@ -52,12 +61,8 @@ def bake_cmd(
     sample_tokens: int = typer.Option(
         _DEFAULTS.sample_tokens, "--sample-tokens", help="Tokens per sample."
     ),
-    questions: int = typer.Option(
-        _DEFAULTS.questions, "--questions", help="Self-study questions the model writes."
-    ),
-    answer_tokens: int = typer.Option(
-        _DEFAULTS.answer_tokens, "--answer-tokens", help="Greedy tokens per self-study answer."
-    ),
+    questions: int = _QUESTIONS,
+    answer_tokens: int = _ANSWER_TOKENS,
     rank: str = typer.Option(_RANK, "--rank", help="Rank budget per matrix, or 'full'."),
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
@@ -68,9 +73,7 @@ def bake_cmd(
     ),
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
-    eval_questions: Path = typer.Option(
-        None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
-    ),
+    eval_questions: Path = _EVAL_QUESTIONS,
     eval_samples: int = typer.Option(
         EVAL_SAMPLES, "--eval-samples", help="Held-out samples (seed + 1)."
     ),
@@ -85,8 +88,10 @@ def bake_cmd(
 
     text = read_context(context)
     fit_texts = read_queries(queries) if queries is not None else None
-    held_texts = read_queries(eval_queries) if eval_queries is not None else None
-    asked = read_queries(eval_questions) if eval_questions is not None else None
+    held = {
+        "held_out_queries": read_queries(eval_queries) if eval_queries else None,
+        "held_out_questions": read_queries(eval_questions) if eval_questions else None,
+    }
     opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
         data=data,
         samples=samples,
@@ -114,15 +119,17 @@ def bake_cmd(
                 net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage, on_block=on_block
             )
         report = result.report
-        held = {"held_out_queries": held_texts, "held_out_questions": asked}
         report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
         result.patch.save(tmp / "patch.safetensors")
         write_report(
             tmp, report, _emit(net, tokenizer, result.patch, tmp, kinds), under="artefacts"
         )
-    for line in _summary(report["figures"]):
+    _say_all([*_summary(report["figures"]), f"wrote {out_dir}/"])
+
+
+def _say_all(lines: list[str]) -> None:
+    for line in lines:
         say(line)
-    say(f"wrote {out_dir}/")
 
 
 def _figures(net, tokenizer, result, held: dict, eval_samples: int, seed: int) -> dict:
