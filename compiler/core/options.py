@@ -83,7 +83,8 @@ class BakeOptions:
     """How a thought patch is made (``ctxc.bake.fit.bake``).
 
     Attributes:
-        samples: K, continuations sampled from the model fed the context (at least 0).
+        samples: K, continuations sampled from the model fed the context (at least 0); 8 of
+            16 tokens by default: the fastest row of docs/results/bake_defaults.md.
         sample_tokens: tokens per sampled continuation (at least 1).
         rank: rank budget per matrix (at least 1; the model bounds it above); None: no budget.
         method: ``fit`` or ``distill`` (``ctxc.core.vocabulary.BAKE_METHODS``; distill needs
@@ -116,8 +117,8 @@ class BakeOptions:
         OptionError: a bad value, naming its attribute.
     """
 
-    samples: int = 32
-    sample_tokens: int = 32
+    samples: int = 8
+    sample_tokens: int = 16
     rank: int | None = None
     method: str = "fit"
     ridge: float = 1.0
@@ -129,8 +130,8 @@ class BakeOptions:
     distill_from_fit: bool = False
     fit_prefix: bool = False
     input_moves: bool = True
-    data: str = "both"
-    questions: int = 16
+    data: str = "continuations"
+    questions: int = 8
     answer_tokens: int = 16
 
     def __post_init__(self) -> None:

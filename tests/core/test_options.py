@@ -34,7 +34,7 @@ CASES = [
         None,
     ),
     (
-        lambda: BakeOptions(samples=0, questions=0).check_fit(None),
+        lambda: BakeOptions(samples=0, questions=0, data="both").check_fit(None),
         "samples 0 and questions 0 and no queries: nothing",
         None,
     ),
