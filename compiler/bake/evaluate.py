@@ -31,6 +31,7 @@ from ctxc.patch import Patch
 __all__ = [
     "BakeEval",
     "Reference",
+    "answer_lengths",
     "evaluate",
     "evaluate_against",
     "evaluate_many",
@@ -55,6 +56,8 @@ class BakeEval:
         matched: mean greedy tokens generated before the first difference (of ``gen_tokens``).
         gen_tokens: tokens generated per query (0: no generation).
         matched_all: each query's matched tokens.
+        answers: the share of queries whose greedy answer equals the full-context model's
+            through its first sentence (:func:`answer_lengths`); None without a tokenizer.
     """
 
     queries: int
@@ -64,6 +67,7 @@ class BakeEval:
     matched: float
     gen_tokens: int
     matched_all: list[int]
+    answers: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -79,12 +83,34 @@ class Reference:
         logits: per query, the full-context logits at the patched input's positions
             [len(prefix + q), vocab], float32.
         tokens: per query, its greedy continuation (``gen_tokens`` ids).
+        answer_len: per query, the tokens of its first sentence (:func:`answer_lengths`), or
+            None without a tokenizer.
     """
 
     data: FitData
     gen_tokens: int
     logits: tuple[torch.Tensor, ...]
     tokens: tuple[tuple[int, ...], ...]
+    answer_len: tuple[int, ...] | None = None
+
+
+_SENTENCE_ENDS = (".", "?", "!", "\n")
+
+
+def answer_lengths(tokenizer, tokens: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Per greedy continuation, how many tokens its first sentence takes: up to the first
+    token after which the text (leading white space dropped) holds ``.``, ``?``, ``!`` or a
+    newline; all of them when none does (then the answer is its first ``gen_tokens``)."""
+    out = []
+    for toks in tokens:
+        n = len(toks)
+        for j in range(len(toks)):
+            text = tokenizer.decode(list(toks[: j + 1]), skip_special_tokens=True).lstrip()
+            if any(e in text for e in _SENTENCE_ENDS):
+                n = j + 1
+                break
+        out.append(n)
+    return tuple(out)
 
 
 def position_figures(
@@ -114,49 +140,66 @@ def greedy(model: torch.nn.Module, ids: list[int], steps: int) -> list[int]:
 
 def _continue(model: torch.nn.Module, out, steps: int) -> list[int]:
     """Greedy tokens from a forward's output (its last logits and its cache)."""
+    return _continue_batch(model, out, steps)[0]
+
+
+def _continue_batch(model: torch.nn.Module, out, steps: int) -> list[list[int]]:
+    """Greedy tokens of every row of a batched forward's output (its last logits, its cache)."""
     device = next(model.parameters()).device
-    got: list[int] = []
+    got: list[torch.Tensor] = []
     for i in range(steps):
-        tok = int(out.logits[0, -1].argmax())
-        got.append(tok)
+        tok = out.logits[:, -1].argmax(-1)  # [b]
+        got.append(tok.cpu())
         if i + 1 < steps:
-            nxt = torch.tensor([[tok]], device=device)
-            out = model(input_ids=nxt, past_key_values=out.past_key_values, use_cache=True)
-    return got
+            out = model(input_ids=tok[:, None].to(device), past_key_values=out.past_key_values,
+                        use_cache=True, logits_to_keep=1)  # fmt: skip
+    rows = out.logits.shape[0]
+    return torch.stack(got, 1).tolist() if got else [[] for _ in range(rows)]
 
 
 def reference(
-    model: torch.nn.Module, data: FitData, gen_tokens: int = 32, on_query=None
+    model: torch.nn.Module, data: FitData, gen_tokens: int = 32, on_query=None, tokenizer=None
 ) -> Reference:
     """The original model fed ``context + q`` for each query: logits and greedy tokens.
 
-    The context runs once; each query continues a copy of its KV cache (the same computation
-    as the full input, up to rounding).
+    The context runs once; queries of equal length continue a copy of its KV cache together,
+    batched (the same computation as the full input, up to rounding), greedy generation too.
 
     Args:
         model: the unpatched model.
         data: the context and the queries.
         gen_tokens: greedy tokens per query (0: none).
         on_query: progress callback ``(done, total)``.
+        tokenizer: gives the answers' first sentences (:attr:`Reference.answer_len`).
     """
     device = next(model.parameters()).device
-    p = len(data.prefix)
-    logits, tokens = [], []
+    p, n = len(data.prefix), len(data.queries)
+    logits: list = [None] * n
+    tokens: list = [None] * n
+    groups: dict[int, list[int]] = {}
+    for i, q in enumerate(data.queries):
+        groups.setdefault(len(q), []).append(i)
+    done = 0
     with torch.no_grad():
         ctx = torch.tensor([data.context_ids], device=device)
         first = model(input_ids=ctx, use_cache=True, logits_to_keep=max(p, 1))
         head = first.logits[0, first.logits.shape[1] - p :].float().cpu()  # [p, vocab]
-        for i, q in enumerate(data.queries):
+        for idx in groups.values():
             cache = copy.deepcopy(first.past_key_values)
-            x = torch.tensor([q], device=device)
+            cache.batch_repeat_interleave(len(idx))
+            x = torch.tensor([data.queries[i] for i in idx], device=device)
             out = model(input_ids=x, past_key_values=cache, use_cache=True)
             # The patched input's positions: the context's last p (matched to the prefix), then
             # every query position.
-            logits.append(torch.cat([head, out.logits[0].float().cpu()]))
-            tokens.append(tuple(_continue(model, out, gen_tokens)))
+            for j, i in enumerate(idx):
+                logits[i] = torch.cat([head, out.logits[j].float().cpu()])
+            for j, toks in enumerate(_continue_batch(model, out, gen_tokens)):
+                tokens[idx[j]] = tuple(toks)
+            done += len(idx)
             if on_query is not None:
-                on_query(i + 1, len(data.queries))
-    return Reference(data, gen_tokens, tuple(logits), tuple(tokens))
+                on_query(done, n)
+    lengths = answer_lengths(tokenizer, tuple(tokens)) if tokenizer and gen_tokens else None
+    return Reference(data, gen_tokens, tuple(logits), tuple(tokens), lengths)
 
 
 def _matched(picks: list[int], want: tuple[int, ...]) -> int:
@@ -168,8 +211,8 @@ def _matched(picks: list[int], want: tuple[int, ...]) -> int:
     return n
 
 
-# Per query: (kl [k], agree [k], generated tokens matched).
-_Figures = tuple[torch.Tensor, torch.Tensor, int]
+# Per query: (kl [k], agree [k], generated tokens matched, first sentence matched or None).
+_Figures = tuple[torch.Tensor, torch.Tensor, int, bool | None]
 
 
 def _query_figures(
@@ -194,7 +237,9 @@ def _query_figures(
                 i, k = start + j, len(data.reduced(start + j))
                 kl, agree = position_figures(out[j, :k], ref.logits[i])
                 picks = out[j, k - 1 : k - 1 + gen].argmax(-1).tolist() if gen else []
-                found.append((kl, agree, _matched(picks, ref.tokens[i])))
+                m = _matched(picks, ref.tokens[i])
+                answer = None if ref.answer_len is None else m >= ref.answer_len[i]
+                found.append((kl, agree, m, answer))
             del out
     return found
 
@@ -243,6 +288,7 @@ def evaluate_many(
     data: FitData,
     gen_tokens: int = 32,
     on_query=None,
+    tokenizer=None,
 ) -> list[BakeEval]:
     """:func:`evaluate` for several patches (None: the control), sharing the reference runs;
     ``_CHUNK`` queries' reference in memory at a time.
@@ -259,7 +305,7 @@ def evaluate_many(
             data.queries[start : start + _CHUNK],
             data.kinds[start : start + _CHUNK],
         )
-        ref = reference(model, sub, gen_tokens)
+        ref = reference(model, sub, gen_tokens, tokenizer=tokenizer)
         for patch, acc in zip(patches, figs, strict=True):
             acc.extend(_query_figures(model, patch, ref, _BATCH))
         if on_query is not None:
@@ -268,9 +314,10 @@ def evaluate_many(
 
 
 def _summarise(found: list[_Figures], gen_tokens: int) -> BakeEval:
-    kl_all = torch.cat([kl for kl, _, _ in found])
-    agree_all = torch.cat([agree for _, agree, _ in found])
-    matched = [m for _, _, m in found]
+    kl_all = torch.cat([f[0] for f in found])
+    agree_all = torch.cat([f[1] for f in found])
+    matched = [f[2] for f in found]
+    answers = [f[3] for f in found if f[3] is not None]
     return BakeEval(
         queries=len(matched),
         positions=int(kl_all.numel()),
@@ -279,4 +326,5 @@ def _summarise(found: list[_Figures], gen_tokens: int) -> BakeEval:
         matched=float(sum(matched) / max(len(matched), 1)),
         gen_tokens=gen_tokens,
         matched_all=matched,
+        answers=sum(answers) / len(answers) if answers else None,
     )

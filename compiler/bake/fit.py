@@ -21,11 +21,12 @@ import torch
 from ctxc._version import __version__
 from ctxc.bake.data import (
     FitData,
-    record_fit_targets,
     sample_continuations,
     special_prefix,
     text_queries,
 )
+from ctxc.bake.selfstudy import self_study
+from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
 from ctxc.models.fingerprint import fingerprint
@@ -65,11 +66,17 @@ def bake_data(
     sample_tokens: int,
     seed: int,
     prefix: list[int] | None = None,
+    questions: int = 0,
+    answer_tokens: int = 16,
 ) -> FitData:
-    """The fit data: the query texts' ids, then ``samples`` sampled continuations.
+    """The fit data: the query texts' ids, then ``questions`` self-study queries
+    (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
+    continuations.
 
     Args:
         samples: K, at least 0 (``BakeOptions`` validated it; an evaluation's count, its caller).
+        questions: self-study questions, at least 0.
+        answer_tokens: greedy answer tokens per self-study question.
 
     Raises:
         CtxcError: an input past the model's positions.
@@ -77,16 +84,25 @@ def bake_data(
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
-    longest = max([len(q) for q in given] + [sample_tokens if samples else 0])
+    # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
+    asked_bound = 48 + answer_tokens if questions else 0
+    longest = max([len(q) for q in given] + [sample_tokens if samples else 0, asked_bound])
     check_length(model, len(context_ids) + longest, "context + longest query")
+    asked = (
+        self_study(
+            model, tokenizer, context_ids, questions, answer_tokens=answer_tokens, seed=seed
+        )[0]
+        if questions
+        else []
+    )
     sampled = (
         sample_continuations(model, context_ids, samples, sample_tokens, seed) if samples else []
     )
     return FitData(
         list(context_ids),
         list(prefix),
-        given + sampled,
-        ["file"] * len(given) + ["sample"] * samples,
+        given + asked + sampled,
+        ["file"] * len(given) + ["self-study"] * len(asked) + ["sample"] * samples,
     )
 
 
@@ -152,10 +168,9 @@ def bake(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     if data is None:
-        o.check_fit(queries)
-        ids = _context_ids(tokenizer, context, context_ids)
-        stage("sampling")
-        data = bake_data(model, tokenizer, ids, queries, o.samples, o.sample_tokens, o.seed)
+        data = _fit_data(
+            model, tokenizer, _context_ids(tokenizer, context, context_ids), queries, o, stage
+        )
     timings["data"] = round(time.perf_counter() - clock, 3)
     traced, blocks = _fit_blocks(model, o)
     fit, extra = None, {}
@@ -163,7 +178,7 @@ def bake(
         if targets is None:
             clock = time.perf_counter()
             stage("full runs")
-            targets = record_fit_targets(traced, blocks, data)
+            targets = cached_fit_targets(model, traced, blocks, data)
             timings["targets"] = round(time.perf_counter() - clock, 3)
         stage("fitting")
         clock = time.perf_counter()
@@ -186,6 +201,22 @@ def bake(
         extra["distill"]["last_loss"] = run.loss
     assert patch is not None
     return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra})
+
+
+def _fit_data(model, tokenizer, ids: list[int], queries, o: BakeOptions, stage) -> FitData:
+    """The fit data of ``o`` (refused in one line when there is nothing to fit on)."""
+    o.check_fit(queries)
+    stage(f"fit data: {o.asked} self-study questions, {o.sampled} samples")
+    data = bake_data(
+        model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
+        questions=o.asked, answer_tokens=o.answer_tokens,
+    )  # fmt: skip
+    if not data.queries:
+        raise OptionError(
+            "the model wrote no self-study question about this context (none ended in '?'): "
+            "fit with {data} both or continuations, or give {queries}"
+        )
+    return data
 
 
 def _fit_blocks(model: torch.nn.Module, o: BakeOptions):

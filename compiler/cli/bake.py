@@ -10,13 +10,32 @@ from pathlib import Path
 
 import typer
 
-from ctxc.cli.options import FORCE, MODEL, BakeMethod
+from ctxc.cli.options import FORCE, MODEL, BakeData, BakeMethod
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
 from ctxc.cli.support import load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
+from ctxc.core.options import BakeOptions
 
-__all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
+__all__ = ["EVAL_SAMPLES", "EVAL_TOKENS", "FIT_EVAL", "bake_cmd", "eval_bake_cmd", "parse_rank"]
+
+# The report's figures, kept within the default's time budget (docs/results/bake_defaults.md):
+# held-out samples of EVAL_TOKENS tokens (greedy generation as long), the fit set's first
+# FIT_EVAL queries.
+EVAL_SAMPLES = 8
+EVAL_TOKENS = 16
+FIT_EVAL = 8
+_DEFAULTS = BakeOptions()
+_RANK = "64"  # R = 64 was as good as full in issue 13's table, and cheaper to apply
+_QUESTIONS = typer.Option(
+    _DEFAULTS.questions, "--questions", help="Self-study questions the model writes."
+)
+_ANSWER_TOKENS = typer.Option(
+    _DEFAULTS.answer_tokens, "--answer-tokens", help="Greedy tokens per self-study answer."
+)
+_EVAL_QUESTIONS = typer.Option(
+    None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
+)
 
 
 def parse_rank(rank: str) -> int | None:
@@ -33,9 +52,18 @@ def parse_rank(rank: str) -> int | None:
 def bake_cmd(
     context: Path = typer.Option(..., "--context", help="UTF-8 text file with the context."),
     queries: Path = typer.Option(None, "--queries", help="Fit queries, one per line."),
-    samples: int = typer.Option(32, "--samples", help="K continuations sampled to fit on."),
-    sample_tokens: int = typer.Option(32, "--sample-tokens", help="Tokens per sample."),
-    rank: str = typer.Option("64", "--rank", help="Rank budget per matrix, or 'full'."),
+    data: BakeData = typer.Option(
+        _DEFAULTS.data, "--data", help="Fit data: continuations, self-study or both."
+    ),
+    samples: int = typer.Option(
+        _DEFAULTS.samples, "--samples", help="K continuations sampled to fit on."
+    ),
+    sample_tokens: int = typer.Option(
+        _DEFAULTS.sample_tokens, "--sample-tokens", help="Tokens per sample."
+    ),
+    questions: int = _QUESTIONS,
+    answer_tokens: int = _ANSWER_TOKENS,
+    rank: str = typer.Option(_RANK, "--rank", help="Rank budget per matrix, or 'full'."),
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
     seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
@@ -45,7 +73,10 @@ def bake_cmd(
     ),
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
-    eval_samples: int = typer.Option(8, "--eval-samples", help="Held-out samples (seed + 1)."),
+    eval_questions: Path = _EVAL_QUESTIONS,
+    eval_samples: int = typer.Option(
+        EVAL_SAMPLES, "--eval-samples", help="Held-out samples (seed + 1)."
+    ),
     model: str | None = MODEL,
     emit: str = typer.Option("torch", "--emit", help="Comma list: torch, onnx, peft."),
     out_dir: Path = typer.Option(Path("ctxc-bake"), "--out", help="Output folder."),
@@ -54,14 +85,19 @@ def bake_cmd(
 ) -> None:
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
     from ctxc.bake.data import read_queries
-    from ctxc.core.options import BakeOptions
 
     text = read_context(context)
     fit_texts = read_queries(queries) if queries is not None else None
-    held_texts = read_queries(eval_queries) if eval_queries is not None else None
+    held = {
+        "held_out_queries": read_queries(eval_queries) if eval_queries else None,
+        "held_out_questions": read_queries(eval_questions) if eval_questions else None,
+    }
     opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
+        data=data,
         samples=samples,
         sample_tokens=sample_tokens,
+        questions=questions,
+        answer_tokens=answer_tokens,
         rank=parse_rank(rank),
         method=method,
         ridge=ridge,
@@ -83,37 +119,52 @@ def bake_cmd(
                 net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage, on_block=on_block
             )
         report = result.report
-        report["figures"] = _figures(net, tokenizer, result, held_texts, eval_samples, seed)
+        report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
         result.patch.save(tmp / "patch.safetensors")
         write_report(
             tmp, report, _emit(net, tokenizer, result.patch, tmp, kinds), under="artefacts"
         )
-    for line in _summary(report["figures"]):
+    _say_all([*_summary(report["figures"]), f"wrote {out_dir}/"])
+
+
+def _say_all(lines: list[str]) -> None:
+    for line in lines:
         say(line)
-    say(f"wrote {out_dir}/")
 
 
-def _figures(net, tokenizer, result, held_texts, eval_samples: int, seed: int) -> dict:
-    """Fit-data and held-out figures of the patch beside the unpatched control's."""
+def _figures(net, tokenizer, result, held: dict, eval_samples: int, seed: int) -> dict:
+    """Fit-data (its first ``FIT_EVAL`` queries) and held-out figures of the patch beside the
+    unpatched control's; held-out questions get the answer-agreement figure too."""
     from ctxc.bake.evaluate import evaluate_many
     from ctxc.bake.fit import bake_data
+    from ctxc.bake.selfstudy import as_question
 
     data = result.data
-    sets = {"fit": data}
-    ids = data.context_ids
+    ids, prefix = data.context_ids, data.prefix
+    sets = {"fit": (leading(data, FIT_EVAL), 0)}
     if eval_samples:
-        sets["held_out_samples"] = bake_data(
-            net, tokenizer, ids, None, eval_samples, 32, seed + 1, data.prefix
-        )
-    if held_texts:
-        sets["held_out_queries"] = bake_data(net, tokenizer, ids, held_texts, 0, 32, seed)
+        d = bake_data(net, tokenizer, ids, None, eval_samples, EVAL_TOKENS, seed + 1, prefix)
+        sets["held_out_samples"] = (d, EVAL_TOKENS)
+    if held["held_out_queries"]:
+        d = bake_data(net, tokenizer, ids, held["held_out_queries"], 0, 1, seed, prefix)
+        sets["held_out_queries"] = (d, EVAL_TOKENS)
+    if held["held_out_questions"]:
+        texts = [as_question(q) for q in held["held_out_questions"]]
+        sets["held_out_questions"] = (bake_data(net, tokenizer, ids, texts, 0, 1, seed, prefix), 24)
     figures = {}
-    for name, d in sets.items():
-        gen = 0 if name == "fit" else 32
+    for name, (d, gen) in sets.items():
         stage(f"evaluating on {name}, {len(d.queries)} queries")
-        patched, control = evaluate_many(net, [result.patch, None], d, gen)
+        tok = tokenizer if name == "held_out_questions" else None
+        patched, control = evaluate_many(net, [result.patch, None], d, gen, tokenizer=tok)
         figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
     return figures
+
+
+def leading(data, k: int):
+    """The first ``k`` queries of ``data``."""
+    from ctxc.bake.data import FitData
+
+    return FitData(data.context_ids, data.prefix, data.queries[:k], data.kinds[:k])
 
 
 def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
@@ -131,6 +182,8 @@ def _summary(figures: dict) -> list[str]:
         gen = (
             f", free generation {p['matched']:.1f} vs {c['matched']:.1f}" if p["gen_tokens"] else ""
         )
+        if p.get("answers") is not None:
+            gen += f", answers {p['answers']:.0%} vs {c['answers']:.0%}"
         lines.append(
             f"{name}: KL {p['kl']:.3g} (unpatched {c['kl']:.3g}), top-1 {p['top1']:.1%} "
             f"(unpatched {c['top1']:.1%}){gen}"

@@ -15,7 +15,15 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 import typer
 
 from ctxc.core.errors import CtxcError
-from ctxc.core.vocabulary import BACKEND_NAMES, BAKE_METHODS, DTYPES, FORMATS, GGUF_TYPES, RULES
+from ctxc.core.vocabulary import (
+    BACKEND_NAMES,
+    BAKE_DATA,
+    BAKE_METHODS,
+    DTYPES,
+    FORMATS,
+    GGUF_TYPES,
+    RULES,
+)
 from ctxc.models.devices import Placement
 
 __all__ = [
@@ -32,6 +40,7 @@ __all__ = [
     "MODEL",
     "SYSTEM",
     "UPDATE",
+    "BakeData",
     "BakeMethod",
     "DType",
     "Engine",
@@ -53,6 +62,7 @@ if TYPE_CHECKING:
     Format: TypeAlias = str
     BakeMethod: TypeAlias = str
     Engine: TypeAlias = str
+    BakeData: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
@@ -60,6 +70,7 @@ else:
     Format = Literal[tuple(FORMATS)]
     BakeMethod = Literal[tuple(BAKE_METHODS)]
     Engine = Literal["local", "ray"]  # where the lines of --contexts compile
+    BakeData = Literal[tuple(BAKE_DATA)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
@@ -149,6 +160,9 @@ FLAGS: dict[str, str] = {
     "method": "--method",
     "distill_steps": "--steps",
     "distill_seconds": "--seconds",
+    "data": "--data",
+    "questions": "--questions",
+    "answer_tokens": "--answer-tokens",
 }
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ctxc.core.errors import OptionError
-from ctxc.core.vocabulary import APPLY_MODES, BAKE_METHODS, RULES, check_choice
+from ctxc.core.vocabulary import APPLY_MODES, BAKE_DATA, BAKE_METHODS, RULES, check_choice
 
 __all__ = ["BakeOptions", "CompileOptions", "GenerateOptions"]
 
@@ -83,7 +83,8 @@ class BakeOptions:
     """How a thought patch is made (``ctxc.bake.fit.bake``).
 
     Attributes:
-        samples: K, continuations sampled from the model fed the context (at least 0).
+        samples: K, continuations sampled from the model fed the context (at least 0); 8 of
+            16 tokens by default: the fastest row of docs/results/bake_defaults.md.
         sample_tokens: tokens per sampled continuation (at least 1).
         rank: rank budget per matrix (at least 1; the model bounds it above); None: no budget.
         method: ``fit`` or ``distill`` (``ctxc.core.vocabulary.BAKE_METHODS``; distill needs
@@ -105,13 +106,19 @@ class BakeOptions:
             dominated the least squares and held-out KL on fresh samples was 0.71 against
             0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
         input_moves: fit the inner linears' input moves too; False: the output move only.
+        data: what the fit data are besides the query file (``ctxc.core.vocabulary.BAKE_DATA``):
+            ``continuations`` (``samples`` of ``sample_tokens``), ``self-study`` (``questions``
+            the model writes about the context, each with its greedy answer of
+            ``answer_tokens``; ``ctxc.bake.selfstudy``) or ``both``.
+        questions: self-study questions (at least 0; used by ``self-study`` and ``both``).
+        answer_tokens: greedy answer tokens per self-study question (at least 1).
 
     Raises:
         OptionError: a bad value, naming its attribute.
     """
 
-    samples: int = 32
-    sample_tokens: int = 32
+    samples: int = 8
+    sample_tokens: int = 16
     rank: int | None = None
     method: str = "fit"
     ridge: float = 1.0
@@ -123,9 +130,15 @@ class BakeOptions:
     distill_from_fit: bool = False
     fit_prefix: bool = False
     input_moves: bool = True
+    data: str = "continuations"
+    questions: int = 8
+    answer_tokens: int = 16
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
+        _at_least("questions", self.questions, 0)
+        _at_least("answer_tokens", self.answer_tokens, 1)
+        check_choice("data", self.data, BAKE_DATA, "fit data kind")
         _at_least("sample_tokens", self.sample_tokens, 1)
         if self.rank is not None:
             _at_least("rank", self.rank, 1)
@@ -142,5 +155,20 @@ class BakeOptions:
         Raises:
             OptionError: naming ``samples`` and ``queries``.
         """
-        if self.samples == 0 and not queries:
-            raise OptionError("{samples} 0 and no {queries}: nothing to fit the patch on")
+        if self.sampled or self.asked or queries:
+            return
+        zero = {"continuations": "{samples} 0", "self-study": "{questions} 0"}
+        raise OptionError(
+            zero.get(self.data, "{samples} 0 and {questions} 0")
+            + " and no {queries}: nothing to fit the patch on"
+        )
+
+    @property
+    def sampled(self) -> int:
+        """Continuations to sample: ``samples`` unless ``data`` is ``self-study``."""
+        return 0 if self.data == "self-study" else self.samples
+
+    @property
+    def asked(self) -> int:
+        """Self-study questions: ``questions`` unless ``data`` is ``continuations``."""
+        return 0 if self.data == "continuations" else self.questions

@@ -16,6 +16,7 @@ from ctxc.core.errors import OptionError
 __all__ = [
     "APPLY_MODES",
     "BACKEND_NAMES",
+    "BAKE_DATA",
     "BAKE_METHODS",
     "DTYPES",
     "EXACT_RULES",
@@ -82,6 +83,13 @@ FORMATS: dict[str, str] = {
 BAKE_METHODS: dict[str, str] = {
     "fit": "closed-form least squares over every fit position",
     "distill": "a LoRA trained by context distillation (needs peft)",
+}
+
+# What ``ctxc bake`` fits on (issue 25).
+BAKE_DATA: dict[str, str] = {
+    "continuations": "continuations sampled from the model fed the context",
+    "self-study": "questions the model writes about the context, answered with it in view",
+    "both": "self-study questions and continuations",
 }
 
 

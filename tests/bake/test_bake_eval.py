@@ -10,6 +10,7 @@ import torch
 from ctxc.bake.data import FitData, record_fit_targets, special_prefix
 from ctxc.bake.evaluate import evaluate_against, greedy, position_figures, reference
 from ctxc.bake.fit import BakeOptions, bake
+from ctxc.bake.targets import cached_fit_targets
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from ctxc.passes.solver.fit_solve import effective_rank
@@ -47,10 +48,11 @@ def _direct(model, patch, data: FitData, gen: int):
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_shared_reference_and_teacher_forced_count_match_direct_runs(family: str) -> None:
-    """Queries of three lengths in a batch of two (right padding): the same KL, top-1 and
-    free-generation count as running every input whole and generating on both sides."""
+    """Queries of three lengths in a batch of two (right padding; the reference batches the
+    equal lengths): the same KL, top-1 and free-generation count as running every input whole
+    and generating on both sides."""
     model = shared(family)
-    data = _data(50, [3, 7, 5])
+    data = _data(50, [3, 7, 5, 7, 3])
     patch = bake(
         model, data=data, options=BakeOptions(rank=2, ridge=1e-3, scale_ridge=1e-3, fit_prefix=True)
     ).patch
@@ -73,7 +75,7 @@ def test_reused_targets_of_a_longer_set_give_the_same_patch() -> None:
     model = shared("gemma3")
     data = _data(60, [4, 6, 5, 3])
     traced, blocks = traced_blocks(model)
-    targets = record_fit_targets(traced, blocks, data)
+    targets = cached_fit_targets(model, traced, blocks, data)
     two = FitData(data.context_ids, data.prefix, data.queries[:2], data.kinds[:2])
     n = two.positions
     sliced = {p: BlockTargets(z=t.z[:n], y=t.y[:n]) for p, t in targets.items()}
@@ -84,6 +86,27 @@ def test_reused_targets_of_a_longer_set_give_the_same_patch() -> None:
     for name, d in fresh.deltas.items():
         got, want = again.deltas[name].dense(), d.dense()
         assert torch.equal(got, want), diff_msg(name, got, want)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cached_targets_are_the_graph_s_up_to_rounding(family: str, monkeypatch) -> None:
+    """One context run, its cache continued by batches of equal-length queries: every block's
+    z and y at every fit position as the graph records them query by query; a failed check on
+    the first query falls back to the graph's recording (bit for bit)."""
+    model = shared(family)
+    data = _data(70, [4, 6, 4, 4, 6])
+    traced, blocks = traced_blocks(model)
+    want = record_fit_targets(traced, blocks, data)
+    got = cached_fit_targets(model, traced, blocks, data)
+    assert list(got) == list(want)
+    for path, tg in want.items():
+        for a, b in ((got[path].z, tg.z), (got[path].y, tg.y)):
+            assert a.shape == b.shape, (path, a.shape, b.shape)
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), diff_msg(path, a, b)
+    monkeypatch.setattr("ctxc.bake.targets.CHECK_TOL", -1.0)
+    fallback = cached_fit_targets(model, traced, blocks, data)
+    for path, tg in want.items():
+        assert torch.equal(fallback[path].y, tg.y), diff_msg(path, fallback[path].y, tg.y)
 
 
 @pytest.mark.parametrize(("n", "ridge"), [(40, 0.1), (40, 0.0), (5, 0.1)])

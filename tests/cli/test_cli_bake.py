@@ -28,7 +28,8 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     proc = run_cli(
         "bake", "--model", str(tiny_model_dir), "--context", str(context),
         "--queries", str(queries), "--samples", "2", "--sample-tokens", "4", "--rank", "4",
-        "--eval-queries", str(held), "--eval-samples", "1", "--out", str(out), cwd=tmp_path,
+        "--eval-queries", str(held), "--eval-questions", str(held), "--eval-samples", "1",
+        "--out", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
@@ -37,7 +38,9 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["fit_queries"] == 5 and report["fit_kinds"] == {"file": 3, "sample": 2}
     figures = report["figures"]
-    assert set(figures) == {"fit", "held_out_samples", "held_out_queries"}
+    assert set(figures) == {"fit", "held_out_samples", "held_out_queries", "held_out_questions"}
+    answers = figures["held_out_questions"]["patched"]["answers"]
+    assert answers is not None and 0.0 <= answers <= 1.0, figures["held_out_questions"]
     for pair in figures.values():
         p, c = pair["patched"], pair["control"]
         assert p["positions"] == c["positions"] > 0
@@ -61,7 +64,9 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--samples", "0"], "nothing to fit"),
+        (["--samples", "0", "--questions", "0"], "nothing to fit"),
+        (["--data", "continuations", "--samples", "0"], "--samples 0 and no --queries"),
+        (["--data", "self-study", "--questions", "0"], "--questions 0 and no --queries"),
         (["--rank", "0"], "--rank must be at least 1"),
         (["--rank", "99999"], "past the matrix size"),
         (["--queries", "EMPTY"], "query file is empty"),

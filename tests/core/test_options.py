@@ -28,7 +28,19 @@ CASES = [
     (lambda: BakeOptions(sample_tokens=0), "sample_tokens must be at least 1 (got 0)", None),
     (lambda: BakeOptions(distill_steps=0), "distill_steps must be at least 1 (got 0)", None),
     (lambda: BakeOptions(distill_seconds=0.0), "distill_seconds must be positive (got 0.0)", None),
-    (lambda: BakeOptions(samples=0).check_fit(None), "samples 0 and no queries: nothing", None),
+    (
+        lambda: BakeOptions(samples=0, data="continuations").check_fit(None),
+        "samples 0 and no queries: nothing",
+        None,
+    ),
+    (
+        lambda: BakeOptions(samples=0, questions=0, data="both").check_fit(None),
+        "samples 0 and questions 0 and no queries: nothing",
+        None,
+    ),
+    (lambda: BakeOptions(questions=0, data="self-study").check_fit([]), "questions 0 and", None),
+    (lambda: BakeOptions(data="none"), "data: unknown fit data kind 'none'", None),
+    (lambda: BakeOptions(answer_tokens=0), "answer_tokens must be at least 1 (got 0)", None),
 ]
 
 
@@ -45,7 +57,7 @@ def test_a_bad_option_names_the_library_parameter(make, message, _) -> None:
 
 def test_the_cli_prints_flags() -> None:
     with pytest.raises(OptionError) as caught:
-        BakeOptions(samples=0).check_fit([])
+        BakeOptions(samples=0, data="continuations").check_fit([])
     assert cli_message(caught.value) == "--samples 0 and no --queries: nothing to fit the patch on"
     with pytest.raises(OptionError) as caught:
         GenerateOptions(0)

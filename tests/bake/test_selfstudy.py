@@ -1,0 +1,90 @@
+"""Self-study fit data and answer agreement (issue 25) on tiny random models: batched
+left-padded generation against one row at a time, the questions' shape, the first sentence."""
+
+from __future__ import annotations
+
+import string
+
+import pytest
+import torch
+
+from ctxc.bake.evaluate import answer_lengths, evaluate_against, greedy, reference
+from ctxc.bake.fit import BakeOptions, bake, bake_data
+from ctxc.bake.selfstudy import SEED_PROMPTS, as_question, continue_rows, self_study
+from tests.fixtures.helpers import random_ids
+from tests.fixtures.tiny_models import VOCAB, shared
+
+pytestmark = pytest.mark.tiny
+
+_CHARS = string.ascii_letters + " ?.:\n"
+
+
+class CharTokenizer:
+    """One token per character of ``_CHARS`` (ids from 4), so a random model writes ``?``."""
+
+    def __call__(self, text: str, add_special_tokens: bool = True):
+        ids = [4 + _CHARS.index(c) for c in text if c in _CHARS]
+
+        class Out:
+            input_ids = ([1] if add_special_tokens else []) + ids
+
+        return Out()
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        return "".join(_CHARS[i - 4] if 4 <= i < 4 + len(_CHARS) else "" for i in ids)
+
+
+@pytest.mark.parametrize(("family", "n"), [("gemma3", 12), ("gemma3", 1), ("llama", 12)])
+def test_batched_rows_generate_what_each_row_generates_alone(family: str, n: int) -> None:
+    """Rows of three lengths on a shared context cache, left-padded in one batch (or, past
+    Gemma's sliding window of 8, batched by length): each row's greedy tokens are those of the
+    model fed context + row alone."""
+    model = shared(family)
+    context = [1, *random_ids(90, n)]
+    rows = [random_ids(91, 3), random_ids(92, 5), random_ids(93, 1), random_ids(94, 5)]
+    got = continue_rows(model, context, rows, 1 if n == 1 else 5)
+    with torch.no_grad():
+        want = [greedy(model, context + r, 1 if n == 1 else 5) for r in rows]
+    assert got == want, (got, want)
+
+
+def test_self_study_queries_are_questions_with_the_greedy_answer() -> None:
+    """Each query is ``Question: <seed word>...?`` and the model's greedy answer with the
+    context in view; the questions are seeded (the same twice)."""
+    assert 4 + len(_CHARS) <= VOCAB, VOCAB
+    model, tok = shared("gemma3"), CharTokenizer()
+    context = [1, *random_ids(95, 16, vocab=4 + len(_CHARS))]
+    queries, questions = self_study(model, tok, context, 12, 30, 4, seed=3)
+    assert questions, "no question ended in '?': the test cannot check them"
+    assert (queries, questions) == self_study(model, tok, context, 12, 30, 4, seed=3)
+    for q, text in zip(queries, questions, strict=True):
+        assert text.endswith("?") and any(text.startswith(s) for s in SEED_PROMPTS), text
+        asked = tok(" " + as_question(text), add_special_tokens=False).input_ids
+        assert q[: len(asked)] == asked and len(q) == len(asked) + 4, (q, asked)
+        with torch.no_grad():
+            assert q[len(asked) :] == greedy(model, context + asked, 4)
+
+
+def test_bake_on_self_study_data_marks_its_queries() -> None:
+    model, tok = shared("gemma3"), CharTokenizer()
+    context = [1, *random_ids(95, 16, vocab=4 + len(_CHARS))]
+    opts = BakeOptions(data="both", samples=2, sample_tokens=3, questions=6, rank=2)
+    result = bake(model, tok, context_ids=context, options=opts)
+    kinds = result.report["fit_kinds"]
+    assert kinds["sample"] == 2 and 1 <= kinds["self-study"] <= 6, kinds
+
+
+def test_answer_agreement_is_the_first_sentence_matched() -> None:
+    """The first sentence ends at the first '.', '?', '!' or newline; a query agrees when the
+    patched model's greedy tokens match through it (here the unpatched control's)."""
+    tok = CharTokenizer()
+    ids = tok("ab. cd", add_special_tokens=False).input_ids
+    assert answer_lengths(tok, (tuple(ids), tuple(ids[:2]))) == (3, 2)
+    model = shared("gemma3")
+    context = [1, *random_ids(96, 10, vocab=4 + len(_CHARS))]
+    data = bake_data(model, tok, context, ["Question: who is it?\nAnswer:"], 0, 1, 0)
+    ref = reference(model, data, 6, tokenizer=tok)
+    assert ref.answer_len is not None and 1 <= ref.answer_len[0] <= 6
+    unpatched = evaluate_against(model, None, ref)
+    assert unpatched.answers in (0.0, 1.0)
+    assert unpatched.answers == float(unpatched.matched_all[0] >= ref.answer_len[0])
