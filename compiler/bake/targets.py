@@ -20,13 +20,14 @@ from collections import defaultdict
 import torch
 
 from ctxc.bake.data import FitData, record_fit_targets
+from ctxc.core.thresholds import BAKE_TARGETS_RTOL
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.run_graph import BlockTargets
 
 __all__ = ["CHECK_TOL", "cached_fit_targets"]
 
-CHECK_TOL = 1e-3  # relative max difference to the graph's recording (rounding is ~1e-6 in fp32)
+CHECK_TOL = BAKE_TARGETS_RTOL  # relative max difference to the graph's recording
 _BATCH = 16  # queries per batched forward
 
 
