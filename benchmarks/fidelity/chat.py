@@ -133,7 +133,7 @@ def main() -> None:
                 except ctxc.CtxcError as exc:  # refused: the reason, then the lora rule's row
                     rows.append((name, label, "refused", "", str(exc)[:160], "", "", ""))
                     print(" | ".join(rows[-1]), flush=True)
-                    if "--update lora" not in str(exc):
+                    if "the lora rule moves" not in str(exc):
                         continue
                     m = measure(model, tok, messages, query, folder, update="lora")
                     label = f"{label}, `--update lora`"

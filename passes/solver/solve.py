@@ -403,7 +403,7 @@ def _lora_hint(block: MlpBlock, todo: BlockPlan) -> str:
     k positions): o_proj and down_proj set each position (MATH.md 10)."""
     if block.attention is None or todo.rule == LORA_RULE or not todo.post_norm_scale:
         return ""
-    return "; --update lora moves o_proj and down_proj per position instead (MATH.md 10)"
+    return "; the lora rule moves o_proj and down_proj per position instead (MATH.md 10)"
 
 
 def _over(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:

@@ -131,5 +131,5 @@ def test_inspect_json_names_every_block(tiny_model_dir, tmp_path):
     info = json.loads(proc.stdout)
     s = info["summary"]
     assert (s["blocks"], s["patchable"], s["rejected"]) == (3, 3, 0), s
-    assert s["patched_params"] == {"standard": 9, "stable": 12, "output": 6, "lora": 9}, s
+    assert s["patched_params"] == {"standard": 9, "stable": 12, "output": 6, "lora": 12}, s
     assert [b["path"] for b in info["blocks"]] == [f"model.layers.{i}.mlp" for i in range(3)]

@@ -93,7 +93,7 @@ def test_a_query_turn_one_shared_scale_cannot_serve_is_exact_under_lora() -> Non
     """The refused case above: the stable rule names the lora rule, which moves o_proj and
     down_proj per query position instead of one post-norm scale (MATH.md 10)."""
     messages = [{"role": "user", "content": DOCUMENTS[1]}]
-    with pytest.raises(SolveError, match="--update lora moves o_proj and down_proj"):
+    with pytest.raises(SolveError, match="the lora rule moves o_proj and down_proj"):
         _check("gemma3", messages, QUERIES[1])
     data = _check("gemma3", messages, QUERIES[1], update="lora")
     assert len(data["query_ids"]) == 14 and data["update"] == "lora"
