@@ -160,7 +160,7 @@ def _shared_point(
     if min(cap_a, cap_f) < 0:  # the coordinates one branch alone reaches overdraw its sphere
         return None
     if slack[0] and not slack[1]:  # hold the MLP branch on its sphere: w_f = (t - sa w_a) / sf
-        w_f = _circle_root(_onto(_over(t - sa * start, sf), cap_f), sa / sf, t / sf, cap_a, True)
+        w_f = _circle_root(_onto((t - sa * start) / sf, cap_f), sa / sf, t / sf, cap_a, True)
         return None if w_f is None else (t - sf * w_f) / sa
     return _circle_root(_onto(start, cap_a), sf / sa, t / sa, cap_f, slack[1])
 
@@ -172,10 +172,6 @@ def _onto(w: torch.Tensor, cap: float) -> torch.Tensor:
         w = torch.ones_like(w)
         n = float(w.norm())
     return w * (math.sqrt(cap) / n)
-
-
-def _over(t: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    return t / s
 
 
 def _circle_root(
