@@ -12,29 +12,36 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from ctxc._version import __version__
-from ctxc.cli.job import CompileJob, compile_into
-from ctxc.cli.options import cli_message
+from ctxc.cli.batch_line import PLAIN, batch_progress, compile_line, record, settle
+from ctxc.cli.job import CompileJob
 from ctxc.cli.output import MARKER
-from ctxc.cli.progress import progress
 from ctxc.cli.support import err, out, written
-from ctxc.core.checks import ArtefactError
-from ctxc.core.errors import CtxcError, environment_error
+from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
 from ctxc.core.textfile import read_text
 
-__all__ = ["compile_batch", "read_lines"]
+if TYPE_CHECKING:
+    from ctxc.cli.ray_engine import RayEngine
+
+__all__ = ["compile_batch", "compile_many", "read_lines", "run_batch"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
-def read_lines(path: Path) -> list[tuple[int, dict | None, str | None]]:
-    """(line number, parsed entry or None, error or None) for every non-blank line of ``path``."""
-    if path.is_dir():  # the reader would say "is not a file": say what --contexts takes
+def read_lines(path: Path | list[str]) -> list[tuple[int, dict | None, str | None]]:
+    """(line number, parsed entry or None, error or None) for every non-blank line of ``path``
+    (a JSON Lines file, or its lines)."""
+    if isinstance(path, list):
+        raw = path
+        if not any(line.strip() for line in raw):
+            raise CtxcError("no contexts given (an empty list)")
+    elif path.is_dir():  # the reader would say "is not a file": say what --contexts takes
         raise CtxcError(f"--contexts takes a JSON Lines file; {path} is a folder")
-    raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
+    else:
+        raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
     numbered = [(n, line) for n, line in enumerate(raw, 1) if line.strip()]
     width = max(4, len(str(numbered[-1][0])))
     seen: set[str] = set()
@@ -100,16 +107,60 @@ def _chat_line(obj: dict) -> tuple[list | None, str | None, str | None]:
 
 
 def compile_batch(
-    contexts: Path, out_dir: Path, model, dtype: str, force: bool, opts: CompileJob, resume=False
+    contexts: Path,
+    out_dir: Path,
+    model,
+    dtype: str,
+    force: bool,
+    opts: CompileJob,
+    resume=False,
+    engine: RayEngine | None = None,
 ):
+    """Compile every line of ``contexts`` into ``out_dir``/<name>/ and say how it went.
+
+    See :func:`run_batch`; ``engine``: a Ray cluster's workers (``--engine ray``), or None.
+
+    Returns:
+        the exit status: 0 when every line succeeded, 1 when some failed.
+    """
+    rows = run_batch(contexts, out_dir, model, dtype, force, opts, resume, engine)
+    failed = sum(row["status"] == "error" for row in rows)
+    done = len(rows) - failed
+    if failed:
+        err.print(
+            f"compiled {done} of {len(rows)} contexts; {failed} failed "
+            f"(see {out_dir / 'index.json'})",
+            **PLAIN,
+        )
+        return 1
+    kinds = ", ".join(written(opts.kinds))
+    out.print(f"compiled {done} of {len(rows)} contexts into {out_dir}/ ({kinds})", **PLAIN)
+    return 0
+
+
+def run_batch(
+    contexts: Path | list[str],
+    out_dir: Path,
+    model,
+    dtype: str,
+    force: bool,
+    opts: CompileJob,
+    resume=False,
+    engine: RayEngine | None = None,
+) -> list[dict]:
     """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
 
     ``index.json`` is rewritten after every line (the lines not reached: ``"not run"``); an
     interrupt keeps the finished lines. ``resume``: keep the lines an earlier run wrote
     (``compiler/cli/batch_out.py``).
 
+    Args:
+        contexts: the JSON Lines file, or its lines.
+        engine: compile on a Ray cluster's workers (``compiler/cli/ray_engine.py``); None:
+            here, one model load.
+
     Returns:
-        the exit status: 0 when every line succeeded, 1 when some failed.
+        the rows of index.json, one per line.
     """
     from ctxc.cli.batch_out import batch_folder
 
@@ -119,44 +170,38 @@ def compile_batch(
         for n, entry, _ in lines
     ]
     with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
-        from ctxc.cli.support import load
-        from ctxc.models.fingerprint import fingerprint
-
-        net, tokenizer = load(model, dtype, opts.placement)
-        folder.check_model(fingerprint(net))
-        folder.write_index(rows)
         try:
-            _run_lines(net, tokenizer, folder, lines, rows, opts)
+            if engine is not None:
+                from ctxc.cli.ray_engine import run_on_ray
+
+                run_on_ray(engine, (model, dtype), folder, lines, rows, opts)
+            else:
+                _run_here(model, dtype, folder, lines, rows, opts)
         finally:  # an interrupt too: the finished lines are listed, the rest "not run"
             folder.write_index(rows)
-    failed = sum(row["status"] == "error" for row in rows)
-    done = len(rows) - failed
-    if failed:
-        err.print(
-            f"compiled {done} of {len(rows)} contexts; {failed} failed "
-            f"(see {out_dir / 'index.json'})",
-            **_PLAIN,
-        )
-        return 1
-    kinds = ", ".join(written(opts.kinds))
-    out.print(f"compiled {done} of {len(rows)} contexts into {out_dir}/ ({kinds})", **_PLAIN)
-    return 0
+    return rows
+
+
+def _run_here(model, dtype: str, folder, lines, rows: list[dict], opts: CompileJob) -> None:
+    """Load the model here and compile each line in turn (:func:`_run_lines`)."""
+    from ctxc.cli.support import load
+    from ctxc.models.fingerprint import fingerprint
+
+    net, tokenizer = load(model, dtype, opts.placement)
+    folder.check_model(fingerprint(net))
+    folder.write_index(rows)
+    _run_lines(net, tokenizer, folder, lines, rows, opts)
 
 
 def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: CompileJob) -> None:
     """Compile each line (or keep it, resuming), updating ``rows`` and index.json after each."""
-    with _progress() as bar:
+    with batch_progress() as bar:
         task = bar.add_task("contexts", total=len(lines))
         for i, (n, entry, problem) in enumerate(lines):
+            figures = None
             if entry is not None:
                 problem, figures = _one(net, tokenizer, folder, entry, opts)
-            row = {"line": n, "name": entry["name"] if entry else None}
-            if problem is None:
-                row.update(status="ok", **figures, folder=entry["name"])
-            else:
-                row.update(status="error", error=problem)
-                err.print(f"ctxc: error: line {n}: {problem}", **_PLAIN)
-            rows[i] = row
+            record(rows, i, (n, entry), problem, figures)
             folder.write_index(rows)
             bar.update(task, advance=1)
             pause_point(f"line {n} done")
@@ -179,23 +224,12 @@ def _options(opts: CompileJob, dtype: str) -> dict:
     }
 
 
-_PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
-
-
-def _progress():
-    """Contexts done of all and the rate, on the command's progress trail (cli_progress.py)."""
-    return progress(rate="contexts/s")
-
-
 def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
     """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
 
-    A line already written by an earlier run (``--resume``) is kept; an artefact that fails
-    keeps the rest in DIR/<name>.failed/; an unexpected error is recorded for this line only.
+    A line already written by an earlier run (``--resume``) is kept (:meth:`finished`).
     """
-    import os
-
-    from ctxc.cli.batch_out import headline, input_digest
+    from ctxc.cli.batch_out import input_digest
 
     digest = input_digest(entry)
     kept = folder.finished(entry["name"], digest)
@@ -203,36 +237,74 @@ def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
         return None, kept
     staging = folder.staging(entry["name"])
     try:
-        compile_into(
-            net,
-            tokenizer,
-            staging,
-            entry["context"],
-            entry["query"],
-            opts,
-            messages=entry["messages"],
-            on_stage=pause_point,
-        )
-        folder.commit(staging, entry["name"], digest)
-    except ArtefactError as exc:
-        where = folder.keep_failed(staging, entry["name"], exc.artefact)
-        return f"{_line(exc)}; the patch and what passed are kept in {where}/", None
-    except CtxcError as exc:
-        folder.discard(staging)
-        return _line(cli_message(exc)), None
-    except Exception as exc:  # a bug on one line: recorded, and the other lines still run
-        folder.discard(staging)
-        refused = environment_error(exc)  # disk full, read-only, permissions: not a bug
-        if refused is not None:
-            return _line(str(refused)), None
-        if os.environ.get("CTXC_DEBUG"):
-            raise
-        return f"internal error: {type(exc).__name__}: {_line(exc)}", None
+        outcome = compile_line(net, tokenizer, staging, entry, opts)
     except BaseException:
         folder.discard(staging)
         raise
-    return None, headline(json.loads((folder.final / entry["name"] / "report.json").read_text()))
+    return settle(folder, staging, entry, digest, outcome)
 
 
-def _line(exc: BaseException | str) -> str:
-    return " ".join(str(exc).split())
+def compile_many(
+    contexts: str | Path | list[dict],
+    out: str | Path,
+    *,
+    model: str | None = None,
+    dtype: str = "float32",
+    emit: tuple[str, ...] | list[str] = ("torch",),
+    update: str = "stable",
+    start_layer: int = 0,
+    skip_unpatchable: bool = False,
+    gguf_type: str = "F32",
+    device: str | None = None,
+    engine: str = "local",
+    address: str | None = None,
+    workers: int | None = None,
+    gpus_per_worker: float = 0.0,
+    resume: bool = False,
+    force: bool = False,
+) -> list[dict]:
+    """``ctxc compile --contexts`` from Python: every context into ``out``/<name>/.
+
+    The same run as the command (docs/cluster.md): the same folders, index.json and
+    ``resume``; ``engine="ray"`` hands the lines to a Ray cluster's workers (``ctxc[ray]``;
+    a Ray already initialised in this process is used as it is).
+
+    Args:
+        contexts: a JSON Lines file, or its lines as dicts (``context``, ``query``, ``name``,
+            or a chat line's ``messages``/``system``/``document``).
+        out: the output folder.
+        model, dtype, emit, update, start_layer, skip_unpatchable, gguf_type, device: as the
+            command's options.
+        engine: ``"local"`` (this process, one model load) or ``"ray"``.
+        address, workers, gpus_per_worker: the Ray cluster and pool
+            (:class:`~ctxc.cli.ray_engine.RayEngine`).
+        resume, force: keep an earlier run's lines in ``out``; replace an earlier output.
+
+    Returns:
+        index.json's rows, one per line (``status`` ``"ok"`` or ``"error"``).
+
+    Raises:
+        CtxcError: bad options, ``out`` refused, the model does not load, or ray is missing.
+    """
+    from ctxc.cli.options import placement_for
+    from ctxc.cli.support import parse_emit
+    from ctxc.core.options import CompileOptions
+
+    if engine not in ("local", "ray"):
+        raise CtxcError(f"engine must be 'local' or 'ray', not {engine!r}")
+    on = None
+    if engine == "ray":
+        from ctxc.cli.ray_engine import RayEngine, require_ray
+
+        require_ray()
+        on = RayEngine(address=address, workers=workers, gpus_per_worker=gpus_per_worker)
+    kinds = parse_emit(",".join(emit))
+    compiling = CompileOptions(update, start_layer, skip_unpatchable)
+    job = CompileJob(compiling, kinds, gguf_type, placement=placement_for(device, None, None))
+    source = Path(contexts) if isinstance(contexts, (str, Path)) else _as_lines(contexts)
+    return run_batch(source, Path(out), model, dtype, force, job, resume, on)
+
+
+def _as_lines(entries) -> list[str]:
+    """Python dicts as the JSON lines a file would hold (one parser for both)."""
+    return [json.dumps(e) if isinstance(e, dict) else "[not a dict]" for e in entries]

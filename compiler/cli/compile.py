@@ -27,6 +27,7 @@ from ctxc.cli.options import (
     SYSTEM,
     UPDATE,
     DType,
+    Engine,
     GgufType,
     Update,
     emit_help,
@@ -39,6 +40,20 @@ from ctxc.core.errors import CtxcError
 from ctxc.core.options import CompileOptions
 
 __all__ = ["compile_cmd"]
+
+# Where the lines of --contexts compile (docs/cluster.md): here, or on a Ray cluster's workers.
+ENGINE = typer.Option(
+    "local",
+    "--engine",
+    help="With --contexts: local (this process) or ray (a Ray cluster's workers; ctxc[ray]).",
+)
+ADDRESS = typer.Option(
+    None, "--address", help="With --engine ray: the Ray cluster (default: a local one)."
+)
+WORKERS = typer.Option(
+    None, "--workers", help="With --engine ray: workers, one model each (default: the CPUs)."
+)
+GPUS = typer.Option(0.0, "--gpus-per-worker", help="With --engine ray: GPUs per worker.")
 
 
 def compile_cmd(
@@ -73,6 +88,10 @@ def compile_cmd(
     resume: bool = typer.Option(
         False, "--resume", help="With --contexts: keep the lines an earlier run wrote in --out."
     ),
+    engine: Engine = ENGINE,
+    address: str = ADDRESS,
+    workers: int = WORKERS,
+    gpus_per_worker: float = GPUS,
     verbose: bool = VERBOSE,
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
@@ -91,13 +110,11 @@ def compile_cmd(
     where = placement_for(device, device_map, max_memory, kinds)
     compiling = CompileOptions(update, start_layer, skip_unpatchable)  # validated here, once
     opts = CompileJob(compiling, kinds, gguf_type, placement=where)
+    on = _engine(contexts, resume, engine, address, workers, gpus_per_worker)
     if contexts is not None:
         if query is not None:
             raise CtxcError("--query applies to --context; give each query in the JSON lines")
-        rc = compile_batch(contexts, out_dir, model, dtype, force, opts, resume)
-        raise typer.Exit(rc)
-    if resume:
-        raise CtxcError("--resume applies to --contexts")
+        raise typer.Exit(compile_batch(contexts, out_dir, model, dtype, force, opts, resume, on))
     if conversation is not None:
         if image:
             opts = image_options(opts, image)  # every image read now, before the model loads
@@ -117,6 +134,29 @@ def compile_cmd(
     for f in figures.values():
         say(f.summary())
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
+
+
+def _engine(contexts, resume: bool, engine: str, address, workers, gpus: float):
+    """The Ray engine of ``--engine ray`` (ray checked now, before anything loads), or None.
+
+    Raises:
+        CtxcError: a ``--contexts`` option without ``--contexts``, a Ray option without
+            ``--engine ray``, or ray not installed.
+    """
+    ray_flags = {"--address": address, "--workers": workers, "--gpus-per-worker": gpus or None}
+    given = [flag for flag, value in ray_flags.items() if value is not None]
+    if contexts is None:
+        for flag, value in (("--resume", resume), ("--engine", engine != "local")):
+            if value:
+                raise CtxcError(f"{flag} applies to --contexts")
+    if engine == "local":
+        if given:
+            raise CtxcError(f"{given[0]} applies to --engine ray")
+        return None
+    from ctxc.cli.ray_engine import RayEngine, require_ray
+
+    require_ray()
+    return RayEngine(address=address, workers=workers, gpus_per_worker=gpus)
 
 
 def _conversation(chat: bool, others: tuple, system, document, messages, query):

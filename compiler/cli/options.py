@@ -43,6 +43,7 @@ __all__ = [
     "BakeData",
     "BakeMethod",
     "DType",
+    "Engine",
     "Format",
     "GgufType",
     "Update",
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
     GgufType: TypeAlias = str
     Format: TypeAlias = str
     BakeMethod: TypeAlias = str
+    Engine: TypeAlias = str
     BakeData: TypeAlias = str
 else:
     Update = Literal[RULES]
@@ -67,6 +69,7 @@ else:
     GgufType = Literal[tuple(GGUF_TYPES)]
     Format = Literal[tuple(FORMATS)]
     BakeMethod = Literal[tuple(BAKE_METHODS)]
+    Engine = Literal["local", "ray"]  # where the lines of --contexts compile
     BakeData = Literal[tuple(BAKE_DATA)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.

@@ -43,6 +43,7 @@ __all__ = [
     "current",
     "err",
     "finish",
+    "is_verbose",
     "out",
     "progress",
     "quiet_defaults",
@@ -365,6 +366,11 @@ VERBOSE = typer.Option(
     is_eager=True,
     metavar="",
 )
+
+
+def is_verbose() -> bool:
+    """Whether ``--verbose`` was given (a Ray worker is told, compiler/cli/ray_engine.py)."""
+    return bool(_state["verbose"])
 
 
 def quiet_defaults() -> None:

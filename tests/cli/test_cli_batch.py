@@ -174,10 +174,10 @@ def test_bad_line_messages(tmp_path, line, first) -> None:
 
 def test_progress_shows_rate(capsys) -> None:
     """Contexts done of all and the rate, on the plain trail of a stderr that is no terminal."""
-    from ctxc.cli.batch import _progress
+    from ctxc.cli.batch_line import batch_progress
     from ctxc.cli.progress import command_trail
 
-    with command_trail(), _progress() as bar:
+    with command_trail(), batch_progress() as bar:
         task = bar.add_task("contexts", total=2)
         for _ in range(2):
             bar.update(task, advance=1)

@@ -101,7 +101,7 @@ def test_interrupted_after_k_lines_then_resumed_is_byte_identical(whole, tiny_mo
 
 
 def test_an_unexpected_error_is_that_lines_alone(tiny_model_dir, tmp_path, monkeypatch):
-    import ctxc.cli.batch as cli_batch
+    import ctxc.cli.batch_line as cli_batch
 
     real = cli_batch.compile_into
 

@@ -1,0 +1,134 @@
+"""One line of a ``ctxc compile --contexts`` run, the steps every engine shares.
+
+:func:`compile_line` compiles a line into its staging folder (in this process, or in a Ray
+worker, ``compiler/cli/ray_engine.py``); :func:`settle` moves it into DIR by how that ended and
+:func:`record` sets its row of index.json (in the process that holds DIR,
+``compiler/cli/batch_out.py``). No torch import at module level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from ctxc.cli.job import CompileJob, compile_into
+from ctxc.cli.options import cli_message
+from ctxc.cli.progress import progress
+from ctxc.cli.support import err
+from ctxc.core.checks import ArtefactError
+from ctxc.core.errors import CtxcError, environment_error
+from ctxc.core.interrupts import pause_point
+
+__all__ = ["PLAIN", "LineOutcome", "batch_progress", "compile_line", "record", "settle"]
+
+
+PLAIN: dict[str, Any] = {"highlight": False, "markup": False, "soft_wrap": True}
+
+
+def batch_progress():
+    """Contexts done of all and the rate, on the command's progress trail (cli_progress.py)."""
+    return progress(rate="contexts/s")
+
+
+def record(rows: list[dict], i: int, line: tuple, problem: str | None, figures, **extra) -> None:
+    """Set ``rows[i]`` to line ``(n, entry)``'s outcome; an error is said on stderr.
+
+    Args:
+        extra: more fields of the row (a Ray run's ``attempts``).
+    """
+    n, entry = line
+    row = {"line": n, "name": entry["name"] if entry else None}
+    if problem is None:
+        row.update(status="ok", **figures, folder=entry["name"])
+    else:
+        row.update(status="error", error=problem)
+        err.print(f"ctxc: error: line {n}: {problem}", **PLAIN)
+    rows[i] = {**row, **extra}
+
+
+@dataclasses.dataclass(frozen=True)
+class LineOutcome:
+    """How one line's compile into its staging folder ended (sent back by a Ray worker).
+
+    Attributes:
+        kind: ``"ok"``; ``"failed"``: an artefact failed its check, the rest is in the
+            staging folder; ``"error"``: nothing worth keeping.
+        message: what went wrong, on one line (None when ok).
+        artefact: the artefact that failed (``"failed"``).
+    """
+
+    kind: str
+    message: str | None = None
+    artefact: str | None = None
+
+
+def compile_line(net, tokenizer, staging: Path, entry: dict, opts: CompileJob) -> LineOutcome:
+    """Compile line ``entry`` into ``staging``: the per-line step of every engine.
+
+    An unexpected error is this line's alone (re-raised with ``CTXC_DEBUG``); an interrupt
+    propagates. Nothing here touches DIR but ``staging``.
+
+    Returns:
+        the :class:`LineOutcome`.
+    """
+    try:
+        compile_into(
+            net,
+            tokenizer,
+            staging,
+            entry["context"],
+            entry["query"],
+            opts,
+            messages=entry["messages"],
+            on_stage=pause_point,
+        )
+    except ArtefactError as exc:
+        return LineOutcome("failed", _line(exc), exc.artefact)
+    except Exception as exc:  # an error on one line: recorded, and the other lines still run
+        return LineOutcome("error", _problem(exc))
+    return LineOutcome("ok")
+
+
+def _problem(exc: Exception) -> str:
+    """A line's error on one line; an unexpected one is re-raised with ``CTXC_DEBUG``."""
+    import os
+
+    if isinstance(exc, CtxcError):
+        return _line(cli_message(exc))
+    refused = environment_error(exc)  # disk full, read-only, permissions: not a bug
+    if refused is not None:
+        return _line(str(refused))
+    if os.environ.get("CTXC_DEBUG"):
+        raise exc
+    return f"internal error: {type(exc).__name__}: {_line(exc)}"
+
+
+def settle(folder, staging: Path, entry: dict, digest: str, outcome: LineOutcome):
+    """Move a compiled line into DIR (or DIR/<name>.failed/, or discard it) by its outcome.
+
+    Returns:
+        (error or None, headline figures or None).
+    """
+    from ctxc.cli.batch_out import headline
+
+    try:
+        if outcome.kind == "failed":
+            where = folder.keep_failed(staging, entry["name"], outcome.artefact)
+            return f"{outcome.message}; the patch and what passed are kept in {where}/", None
+        if outcome.kind != "ok":
+            folder.discard(staging)
+            return outcome.message, None
+        folder.commit(staging, entry["name"], digest)
+    except Exception as exc:  # DIR/<name> appeared meanwhile, the disk is full...
+        folder.discard(staging)
+        return _problem(exc), None
+    except BaseException:
+        folder.discard(staging)
+        raise
+    return None, headline(json.loads((folder.final / entry["name"] / "report.json").read_text()))
+
+
+def _line(exc: BaseException | str) -> str:
+    return " ".join(str(exc).split())

@@ -1,0 +1,310 @@
+"""``ctxc compile --contexts FILE.jsonl --engine ray``: the lines compiled by a Ray actor pool.
+
+Each worker is a Ray actor that loads and traces the model once (through the export cache,
+``compiler/store/export_cache.py``: with ``CTXC_CACHE`` on a shared path, one trace serves every
+worker) and compiles one line at a time with the local run's own per-line step
+(:func:`ctxc.cli.batch_line.compile_line`). The driver (this process) keeps everything else of the
+local run (``compiler/cli/batch_out.py``): it holds DIR, creates each line's staging folder,
+hands lines to whichever worker is free (in any order), and moves a finished line into place, so
+every line's folder is what the local run writes and only the driver ever renames into DIR.
+DIR must therefore be on a path every worker sees (one machine, or a shared file system).
+
+A worker that dies (killed, out of memory, its node lost) loses only the line it held: its
+staging folder is removed, the line goes back to the queue for another worker, a new worker
+takes the dead one's place, and the line's row in index.json says ``"attempts"``. A line whose
+workers die :data:`MAX_ATTEMPTS` times is an error of that line. Ctrl-C kills the workers and
+removes the staging folders; the lines finished stay, and ``--resume`` skips them.
+
+``ray`` is an optional extra (``ctxc[ray]``), imported only here and only when asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections import deque
+from pathlib import Path
+
+from ctxc.core.errors import CtxcError
+from ctxc.core.interrupts import pause_point
+
+__all__ = ["MAX_ATTEMPTS", "LineWorker", "RayEngine", "require_ray", "run_on_ray"]
+
+MAX_ATTEMPTS = 3  # a line whose worker dies this often is that line's error, not a retry loop
+
+
+@dataclasses.dataclass(frozen=True)
+class RayEngine:
+    """Where and how wide a ``--engine ray`` run goes.
+
+    Attributes:
+        address: the cluster (``ray.init(address=...)``: ``auto``, ``ray://host:10001``...);
+            None: a Ray already initialised in this process, else a local one.
+        workers: the number of workers; None: as many as the cluster's CPUs (or GPUs, with
+            ``gpus_per_worker``) allow, at most one per line to compile.
+        gpus_per_worker: GPUs each worker reserves (its model goes on ``cuda``); 0: CPU.
+        cpus_per_worker: CPUs each worker reserves.
+    """
+
+    address: str | None = None
+    workers: int | None = None
+    gpus_per_worker: float = 0.0
+    cpus_per_worker: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.workers is not None and self.workers < 1:
+            raise CtxcError(f"--workers must be at least 1, not {self.workers}")
+        if self.gpus_per_worker < 0:
+            raise CtxcError(f"--gpus-per-worker must be 0 or more, not {self.gpus_per_worker}")
+        if self.cpus_per_worker <= 0:
+            raise CtxcError(f"cpus_per_worker must be more than 0, not {self.cpus_per_worker}")
+
+
+def require_ray():
+    """The ``ray`` module; a CtxcError naming the extra when it is not installed."""
+    try:
+        import ray
+    except ImportError:
+        raise CtxcError("--engine ray needs ray: pip install 'ctxc[ray]'") from None
+    return ray
+
+
+class LineWorker:
+    """One worker's model, loaded once; compiles lines into staging folders the driver made.
+
+    Wrapped by ``ray.remote`` when a run starts (this module imports no ray at load).
+    """
+
+    def __init__(self, model, dtype: str, placement, threads: int, verbose: bool) -> None:
+        """Load the model; a CtxcError is kept for :meth:`ready` (the driver says it).
+
+        Args:
+            threads: torch's intra-op threads: the local run's, as the count decides the
+                rounding of every parallel sum, so the folders are byte-identical to it.
+            verbose: ``--verbose``: the libraries' warnings and bars are kept.
+        """
+        import torch
+
+        from ctxc.cli.progress import quiet_defaults
+        from ctxc.cli.support import load
+
+        if not verbose:
+            quiet_defaults()  # this process never ran ctxc's main: its bars and warnings off
+        torch.set_num_threads(threads)
+        self.net = self.tokenizer = None
+        self.problem: str | None = None
+        try:
+            self.net, self.tokenizer = load(model, dtype, placement)
+        except CtxcError as exc:  # said by the driver in one line, as the local run does
+            self.problem = " ".join(str(exc).split())
+
+    def ready(self) -> tuple[dict | None, str | None, int]:
+        """(the model's fingerprint, or None and why it did not load; this process's pid)."""
+        if self.problem is not None or self.net is None:
+            return None, self.problem or "the model did not load", os.getpid()
+        from ctxc.models.fingerprint import fingerprint
+
+        return fingerprint(self.net), None, os.getpid()
+
+    def compile(self, staging: str, entry: dict, opts):
+        """Compile ``entry`` into ``staging`` (:func:`ctxc.cli.batch_line.compile_line`)."""
+        import socket
+
+        from ctxc.cli.batch_line import LineOutcome, compile_line
+
+        if not Path(staging).is_dir():  # the driver made it: DIR is not shared with this node
+            return LineOutcome(
+                "error",
+                f"the output folder is not visible on {socket.gethostname()}: with --engine "
+                "ray, --out must be on a path every worker sees",
+            )
+        return compile_line(self.net, self.tokenizer, Path(staging), entry, opts)
+
+
+def run_on_ray(engine: RayEngine, model: tuple, folder, lines, rows: list[dict], opts) -> None:
+    """Compile ``lines`` on Ray workers, updating ``rows`` and index.json after each line.
+
+    Args:
+        engine: the cluster and the pool's size.
+        model: ``(model, dtype)`` as given to ``ctxc compile``.
+        folder: the run's :class:`~ctxc.cli.batch_out.BatchFolder` (held here).
+        lines: :func:`~ctxc.cli.batch.read_lines`'s lines; ``rows``: index.json's rows.
+        opts: the run's :class:`~ctxc.cli.job.CompileJob`.
+
+    Side effects:
+        starts a local Ray (shut down at the end) unless one is initialised or ``address``
+        is given; starts and ends the workers; writes DIR as the local run does.
+    """
+    from ctxc.cli.batch_line import batch_progress, record
+    from ctxc.cli.batch_out import input_digest
+
+    ray = require_ray()
+    queue: deque[int] = deque()
+    with batch_progress() as bar:
+        task = bar.add_task("contexts", total=len(lines))
+        for i, (n, entry, problem) in enumerate(lines):
+            kept = None if entry is None else folder.finished(entry["name"], input_digest(entry))
+            if entry is not None and kept is None:
+                queue.append(i)
+                continue
+            record(rows, i, (n, entry), problem, kept)
+            bar.update(task, advance=1)
+        if not queue:
+            folder.write_index(rows)
+            return
+        started = _connect(ray, engine)
+        pool = None
+        try:
+            pool = _Pool(ray, engine, model, opts, min(len(queue), _width(ray, engine)))
+            folder.check_model(pool.start())
+            folder.write_index(rows)
+            pool.drain(queue, folder, lines, rows, lambda: bar.update(task, advance=1))
+        finally:
+            if pool is not None:
+                pool.close(folder)
+            if started:
+                ray.shutdown()
+
+
+def _connect(ray, engine: RayEngine) -> bool:
+    """Join ``engine.address`` (or start a local Ray); True when this call started it."""
+    if ray.is_initialized():
+        return False
+    env = {k: os.environ[k] for k in ("CTXC_CACHE", "HF_HOME") if k in os.environ}
+    try:
+        ray.init(
+            address=engine.address,
+            runtime_env={"env_vars": env} if env else None,
+            log_to_driver=False,  # a worker's own progress lines: the driver shows the bar
+            include_dashboard=False,
+            configure_logging=False,
+        )
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        raise CtxcError(f"--engine ray: cannot reach the Ray cluster: {exc}") from None
+    return True
+
+
+def _width(ray, engine: RayEngine) -> int:
+    """The pool's size: ``--workers``, else what the cluster's CPUs (or GPUs) hold, at most
+    what it holds now (a worker that never gets its CPU or GPU would hold its line forever).
+
+    Raises:
+        CtxcError: the cluster has fewer GPUs than one worker asks for.
+    """
+    have = ray.cluster_resources()
+    fit = int(have.get("CPU", 0) // engine.cpus_per_worker)
+    if engine.gpus_per_worker > 0:
+        fit = min(fit, int(have.get("GPU", 0) // engine.gpus_per_worker))
+        if fit < 1:
+            raise CtxcError(
+                f"--gpus-per-worker {engine.gpus_per_worker:g}: the Ray cluster has "
+                f"{have.get('GPU', 0):g} GPUs"
+            )
+    fit = max(1, fit)
+    if engine.workers is not None and engine.workers > fit:
+        from ctxc.cli.progress import stage
+
+        stage(f"--workers {engine.workers}: the Ray cluster holds {fit}; using {fit}", keep=True)
+    return fit if engine.workers is None else min(engine.workers, fit)
+
+
+class _Pool:
+    """The workers of a run, a line in flight on each; a dead one replaced by a new one."""
+
+    def __init__(self, ray, engine: RayEngine, model: tuple, opts, width: int) -> None:
+        self.ray = ray
+        placement = opts.placement
+        if engine.gpus_per_worker > 0 and (placement is None or placement.device is None):
+            from ctxc.models.devices import Placement
+
+            placement = Placement(device="cuda")  # the GPU Ray gave this worker
+        import torch
+
+        from ctxc.cli.progress import is_verbose
+
+        # Ray starts a worker with one thread per reserved CPU; the local run uses torch's
+        # default here (OMP_NUM_THREADS, else the cores), and the count changes the bytes.
+        self.args = (*model, placement, torch.get_num_threads(), is_verbose())
+        self.opts = dataclasses.replace(opts, placement=placement)
+        self.remote = ray.remote(LineWorker).options(
+            num_cpus=engine.cpus_per_worker, num_gpus=engine.gpus_per_worker
+        )
+        self.workers = [self.remote.remote(*self.args) for _ in range(width)]
+        self.pids: dict = {}
+        self.flight: dict = {}  # ObjectRef -> (worker, line index, staging folder)
+
+    def start(self) -> dict:
+        """Wait for every worker's model; its fingerprint (a CtxcError when one failed)."""
+        ready = self.ray.get([w.ready.remote() for w in self.workers])
+        for worker, (_, problem, pid) in zip(self.workers, ready, strict=True):
+            self.pids[worker] = pid
+            if problem is not None:
+                raise CtxcError(problem)
+        return ready[0][0]
+
+    def drain(self, queue: deque, folder, lines, rows: list[dict], advance) -> None:
+        """Hand out the queued lines until every one is settled (see the module docstring)."""
+        from ctxc.cli.batch_line import LineOutcome, record, settle
+        from ctxc.cli.batch_out import input_digest
+
+        idle = list(self.workers)
+        attempts: dict[int, list[str]] = {}
+        while queue or self.flight:
+            while idle and queue:
+                i = queue.popleft()
+                worker, entry = idle.pop(), lines[i][1]
+                staging = folder.staging(entry["name"])
+                self.flight[worker.compile.remote(str(staging), entry, self.opts)] = (
+                    worker,
+                    i,
+                    staging,
+                )
+                attempts.setdefault(i, [])
+            [done], _ = self.ray.wait(list(self.flight), num_returns=1)
+            worker, i, staging = self.flight.pop(done)
+            n, entry, _ = lines[i]
+            try:
+                outcome = self.ray.get(done)
+                idle.append(worker)
+            except self.ray.exceptions.RayActorError as exc:  # the worker's process is gone
+                folder.discard(staging)  # the dead worker's half-written line
+                attempts[i].append(f"worker pid {self.pids.get(worker)} lost: {_cause(exc)}")
+                idle.append(self._replace(worker))
+                if len(attempts[i]) < MAX_ATTEMPTS:
+                    queue.appendleft(i)  # first in line again: another worker takes it
+                    continue
+                outcome = LineOutcome("error", f"its worker died {MAX_ATTEMPTS} times")
+            except BaseException:  # an interrupt, or an error that escaped the line's step
+                folder.discard(staging)
+                raise
+            problem, figures = settle(folder, staging, entry, input_digest(entry), outcome)
+            lost = attempts[i]
+            extra = {"attempts": len(lost) + 1, "workers_lost": lost} if lost else {}
+            record(rows, i, (n, entry), problem, figures, **extra)
+            folder.write_index(rows)
+            advance()
+            pause_point(f"line {n} done")
+
+    def _replace(self, dead):
+        """A new worker in place of ``dead`` (its model loaded before it takes a line)."""
+        fresh = self.remote.remote(*self.args)
+        self.workers[self.workers.index(dead)] = fresh
+        _, problem, pid = self.ray.get(fresh.ready.remote())
+        if problem is not None:
+            raise CtxcError(problem)
+        self.pids[fresh] = pid
+        return fresh
+
+    def close(self, folder) -> None:
+        """End every worker and remove the staging folders of the lines still in flight."""
+        for worker in self.workers:
+            self.ray.kill(worker, no_restart=True)
+        for _, _, staging in self.flight.values():
+            folder.discard(staging)
+        self.flight.clear()
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of a Ray actor error (the rest is Ray's advice and a traceback)."""
+    text = " ".join(str(exc).split("\n")[0].split())
+    return text[:200] or type(exc).__name__

@@ -1,0 +1,285 @@
+"""``ctxc compile --contexts --engine ray`` (issue 26): the lines on a Ray actor pool.
+
+The quick tests need no Ray (the options, and the one line a missing ``ray`` gives). The others
+start one local Ray for the module (2 CPUs, 2 workers of the tiny model) and check that every
+folder is byte for byte the local run's, that a worker killed with SIGKILL mid-run costs no line
+and writes none twice, and that an interrupted run resumes to the uninterrupted result; they
+skip, saying so, where ray is not installed (``pip install 'ctxc[ray]'``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fixtures.helpers import run_cli
+
+ROWS = [
+    {"context": "w5 w6 w7 w8 w9", "name": "first"},
+    {"context": "w10 w11 w12 w13", "query": "w14 w15"},
+    {"context": "w20 w21 w22 w23 w24 w25", "query": "w26", "name": "third.v1"},
+    {"context": "w30 w31 w32 w33", "name": "fourth"},
+    {"context": "w40 w41 w42 w43 w44", "query": "w45", "name": "fifth"},
+    {"context": "w50 w51 w52", "name": "sixth"},
+]
+NAMES = ["first", "0002", "third.v1", "fourth", "fifth", "sixth"]
+
+
+def _jsonl(folder: Path, rows: list) -> Path:
+    path = folder / "c.jsonl"
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def _args(model_dir: Path, folder: Path, out: str, *extra: str) -> list[str]:
+    contexts = str(folder / "c.jsonl")
+    return ["compile", "--model", str(model_dir), "--contexts", contexts, "--out", out, *extra]
+
+
+def _ray(folder: Path, model_dir: Path, out: str, *extra: str) -> list[str]:
+    return _args(model_dir, folder, str(folder / out), "--engine", "ray", "--workers", "2", *extra)
+
+
+def _same_folders(ours: Path, local: Path, names: list[str]) -> None:
+    """Every file of every line byte-identical to the local run's but the run's own records
+    (report.json's wall times, the markers)."""
+    for name in names:
+        files = sorted(
+            p.relative_to(local / name)
+            for p in (local / name).rglob("*")
+            if p.is_file() and p.name not in ("report.json", ".ctxc")
+        )
+        assert files, f"{local / name} is empty"
+        differ = [
+            f for f in files if (ours / name / f).read_bytes() != (local / name / f).read_bytes()
+        ]
+        assert not differ, f"{name}: {differ} differ from the local run's"
+        report = json.loads((ours / name / "report.json").read_text())
+        expected = json.loads((local / name / "report.json").read_text())
+        report.pop("timings"), expected.pop("timings")
+        assert report == expected, name
+
+
+# --- without Ray --------------------------------------------------------------------------
+
+
+def test_missing_ray_is_one_line(tmp_path, monkeypatch) -> None:
+    """ray not importable: one line naming the extra, exit 2, nothing written."""
+    monkeypatch.setitem(sys.modules, "ray", None)  # ``import ray`` raises ImportError
+    _jsonl(tmp_path, ROWS[:1])
+    run = run_cli(*_args(Path("unused"), tmp_path, str(tmp_path / "out"), "--engine", "ray"))
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        "ctxc: error: --engine ray needs ray: pip install 'ctxc[ray]'"
+    ], run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_ray_from_python(tmp_path, monkeypatch) -> None:
+    import ctxc
+
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ctxc.CtxcError, match=r"needs ray: pip install 'ctxc\[ray\]'"):
+        ctxc.compile_many(ROWS[:1], tmp_path / "out", engine="ray")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--workers", "2"], "--workers applies to --engine ray"),
+        (["--address", "auto"], "--address applies to --engine ray"),
+        (["--gpus-per-worker", "1"], "--gpus-per-worker applies to --engine ray"),
+        (["--engine", "ray", "--workers", "0"], "--workers must be at least 1, not 0"),
+        (["--engine", "cluster"], "invalid value for '--engine': 'cluster' is not one of"),
+    ],
+)
+def test_engine_options_are_checked(tmp_path, extra, message) -> None:
+    _jsonl(tmp_path, ROWS[:1])
+    run = run_cli(*_args(Path("unused"), tmp_path, str(tmp_path / "out"), *extra))
+    assert run.returncode == 2, run.stderr
+    assert message in run.stderr, run.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_engine_applies_to_contexts(tmp_path) -> None:
+    (tmp_path / "c.txt").write_text("w1 w2")
+    run = run_cli("compile", "--context", str(tmp_path / "c.txt"), "--engine", "ray")
+    assert (run.returncode, run.stderr.strip()) == (
+        2,
+        "ctxc: error: --engine applies to --contexts",
+    )
+
+
+# --- on a local Ray -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray of 2 CPUs for the module; its workers are this process's descendants."""
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ctxc[ray]'")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def local(tiny_model_dir, tmp_path_factory) -> Path:
+    """The local run of the six lines (and a bad one), for comparison."""
+    work = tmp_path_factory.mktemp("local")
+    _jsonl(work, [*ROWS[:3], "{not json", *ROWS[3:]])
+    run = run_cli(*_args(tiny_model_dir, work, str(work / "out")))
+    assert run.returncode == 1, run.stderr
+    return work / "out"
+
+
+@pytest.mark.slow
+@pytest.mark.tiny
+def test_ray_run_is_byte_identical_to_the_local_run(cluster, local, tiny_model_dir, tmp_path):
+    _jsonl(tmp_path, [*ROWS[:3], "{not json", *ROWS[3:]])
+    run = run_cli(*_ray(tmp_path, tiny_model_dir, "out"))
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.splitlines()[0].startswith("ctxc: error: line 4: not JSON:"), run.stderr
+    out = tmp_path / "out"
+    _same_folders(out, local, NAMES)
+    assert (out / "index.json").read_bytes() == (local / "index.json").read_bytes()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in local.iterdir())
+    assert cluster.is_initialized()  # a Ray the caller started is left running
+
+
+def _descendant_workers() -> list[int]:
+    """The pids of the Ray workers below this process that compile a line now."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            title = (entry / "cmdline").read_bytes().decode(errors="replace")
+            pid = int(entry.name)
+            if not title.startswith("ray::LineWorker.compile"):
+                continue
+            while pid > 1 and pid != me:
+                stat = Path(f"/proc/{pid}/stat").read_text()
+                pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's pid
+        except (OSError, ValueError, IndexError):
+            continue
+        if pid == me:
+            found.append(int(entry.name))
+    return found
+
+
+def _kill_when(out: Path, seen: list[int], wanted: str) -> threading.Thread:
+    """A thread that waits for a line's staging folder in ``out`` (a worker holds it), then
+    kills one LineWorker process with SIGKILL (recorded in ``seen``)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if out.is_dir() and any(p.name.startswith(wanted) for p in out.iterdir()):
+                workers = _descendant_workers()
+                if workers:
+                    seen.append(workers[0])
+                    os.kill(workers[0], signal.SIGKILL)
+                    return
+            time.sleep(0.02)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+@pytest.mark.tiny
+def test_killed_worker_loses_no_line(cluster, local, tiny_model_dir, tmp_path):
+    """SIGKILL to a worker while it compiles: its line is retried by another, every line
+    once, the loss in index.json, the folders still the local run's."""
+    _jsonl(tmp_path, [*ROWS[:3], "{not json", *ROWS[3:]])
+    out, killed = tmp_path / "out", []
+    watcher = _kill_when(out, killed, ".first.partial-")
+    run = run_cli(*_ray(tmp_path, tiny_model_dir, "out"))
+    watcher.join(timeout=5)
+    assert killed, "no worker was found to kill"
+    assert run.returncode == 1, run.stderr
+    index = json.loads((out / "index.json").read_text())
+    assert [r["name"] for r in index] == ["first", "0002", "third.v1", None, *NAMES[3:]]
+    assert [r["status"] for r in index] == ["ok"] * 3 + ["error"] + ["ok"] * 3
+    lost = [r for r in index if r.get("attempts")]
+    assert lost and all(r["attempts"] == 2 for r in lost), index
+    assert any(f"worker pid {killed[0]} lost" in r["workers_lost"][0] for r in lost), lost
+    assert not [p.name for p in out.iterdir() if ".partial-" in p.name]
+    _same_folders(out, local, NAMES)
+
+
+def _interrupt_after(out: Path, name: str) -> None:
+    """SIGINT to this process once index.json lists line ``name`` as done (the driver is
+    paused there by ``CTXC_TEST_PAUSE_AT``)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            rows = json.loads((out / "index.json").read_text())
+        except (OSError, ValueError):
+            rows = []
+        if any(r["name"] == name and r["status"] == "ok" for r in rows):
+            os.kill(os.getpid(), signal.SIGINT)
+            return
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.tiny
+def test_interrupted_ray_run_resumes(cluster, local, tiny_model_dir, tmp_path, monkeypatch):
+    """Ctrl-C after two lines: the workers end, no staging folder is left, the finished lines
+    stay; --resume compiles only the others, and the result is the uninterrupted run's."""
+    _jsonl(tmp_path, [*ROWS[:3], "{not json", *ROWS[3:]])
+    out = tmp_path / "out"
+    monkeypatch.setenv("CTXC_TEST_PAUSE_AT", "line 2 done")  # the driver only: workers never
+    # see it (they were started with the Ray of the module)
+    watcher = threading.Thread(target=_interrupt_after, args=(out, "0002"), daemon=True)
+    watcher.start()
+    run = run_cli(*_ray(tmp_path, tiny_model_dir, "out"))
+    watcher.join(timeout=5)
+    assert run.returncode == 130, run.stderr
+    assert not [p.name for p in out.iterdir() if ".partial-" in p.name]
+    kept = {r["name"]: r["status"] for r in json.loads((out / "index.json").read_text())}
+    done = sorted(n for n in NAMES if kept.get(n) == "ok")
+    assert "0002" in done and len(done) < len(NAMES), kept
+    stamps = {n: (out / n / "patch.safetensors").stat().st_mtime_ns for n in done}
+
+    monkeypatch.delenv("CTXC_TEST_PAUSE_AT")
+    run = run_cli(*_ray(tmp_path, tiny_model_dir, "out", "--resume"))
+    assert run.returncode == 1, run.stderr
+    assert {n: (out / n / "patch.safetensors").stat().st_mtime_ns for n in done} == stamps
+    _same_folders(out, local, NAMES)
+    assert (out / "index.json").read_bytes() == (local / "index.json").read_bytes()
+
+
+@pytest.mark.tiny
+def test_compile_many_here(local, tiny_model_dir, tmp_path):
+    """``ctxc.compile_many`` without Ray: the command's run, its rows returned."""
+    import ctxc
+
+    rows = ctxc.compile_many(ROWS[:2], tmp_path / "out", model=str(tiny_model_dir))
+    assert [(r["name"], r["status"]) for r in rows] == [("first", "ok"), ("0002", "ok")]
+    assert json.loads((tmp_path / "out" / "index.json").read_text()) == rows
+    _same_folders(tmp_path / "out", local, ["first", "0002"])
+
+
+@pytest.mark.slow
+@pytest.mark.tiny
+def test_compile_many_on_ray(cluster, local, tiny_model_dir, tmp_path):
+    import ctxc
+
+    out = tmp_path / "out"
+    # 5 workers asked of 2 CPUs: 2 (the others would never start and hold their lines)
+    rows = ctxc.compile_many(ROWS[:3], out, model=str(tiny_model_dir), engine="ray", workers=5)
+    assert [(r["name"], r["status"]) for r in rows] == [(n, "ok") for n in NAMES[:3]]
+    _same_folders(out, local, NAMES[:3])
+    with pytest.raises(ctxc.CtxcError, match="engine must be 'local' or 'ray'"):
+        ctxc.compile_many(ROWS[:2], out, engine="spark")
