@@ -26,11 +26,12 @@ from collections import deque
 from pathlib import Path
 
 from ctxc.core.errors import CtxcError
-from ctxc.core.interrupts import pause_point
+from ctxc.core.interrupts import TEST_HOOKS, deferred_signals, pause_point
 
-__all__ = ["MAX_ATTEMPTS", "LineWorker", "RayEngine", "require_ray", "run_on_ray"]
+__all__ = ["KILL_WAIT_S", "MAX_ATTEMPTS", "LineWorker", "RayEngine", "require_ray", "run_on_ray"]
 
 MAX_ATTEMPTS = 3  # a line whose worker dies this often is that line's error, not a retry loop
+KILL_WAIT_S = 30.0  # how long an interrupted run waits for its killed workers to be gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,16 +76,19 @@ class LineWorker:
     Wrapped by ``ray.remote`` when a run starts (this module imports no ray at load).
     """
 
-    def __init__(self, model, dtype: str, placement, threads: int, verbose: bool) -> None:
+    def __init__(self, model, dtype: str, placement, threads: int, verbose: bool, hooks) -> None:
         """Load the model; a CtxcError is kept for :meth:`ready` (the driver says it).
 
         Args:
             threads: torch's intra-op threads: the local run's, as the count decides the
                 rounding of every parallel sum, so the folders are byte-identical to it.
             verbose: ``--verbose``: the libraries' warnings and bars are kept.
+            hooks: the driver's test-hook variables (``TEST_HOOKS``): a worker of a Ray
+                started earlier has that Ray's environment, not the driver's.
         """
         import torch
 
+        os.environ.update(hooks)
         from ctxc.cli.progress import quiet_defaults
         from ctxc.cli.support import load
 
@@ -112,6 +116,7 @@ class LineWorker:
 
         from ctxc.cli.batch_line import LineOutcome, compile_line
 
+        pause_point(f"compiling {entry['name']}")
         if not Path(staging).is_dir():  # the driver made it: DIR is not shared with this node
             return LineOutcome(
                 "error",
@@ -224,7 +229,8 @@ class _Pool:
 
         # Ray starts a worker with one thread per reserved CPU; the local run uses torch's
         # default here (OMP_NUM_THREADS, else the cores), and the count changes the bytes.
-        self.args = (*model, placement, torch.get_num_threads(), is_verbose())
+        hooks = {k: os.environ[k] for k in TEST_HOOKS if k in os.environ}
+        self.args = (*model, placement, torch.get_num_threads(), is_verbose(), hooks)
         self.opts = dataclasses.replace(opts, placement=placement)
         self.remote = ray.remote(LineWorker).options(
             num_cpus=engine.cpus_per_worker, num_gpus=engine.gpus_per_worker
@@ -296,11 +302,19 @@ class _Pool:
         return fresh
 
     def close(self, folder) -> None:
-        """End every worker and remove the staging folders of the lines still in flight."""
+        """End every worker and remove the staging folders of the lines still in flight.
+
+        ``ray.kill`` only asks; a line's task fails once its worker's process is gone, and
+        only then is its staging folder removed (a worker still writing would make it again).
+        """
         for worker in self.workers:
             self.ray.kill(worker, no_restart=True)
-        for _, _, staging in self.flight.values():
-            folder.discard(staging)
+        with deferred_signals():  # a second Ctrl-C does not cut the cleanup short
+            if self.flight:
+                refs = list(self.flight)
+                self.ray.wait(refs, num_returns=len(refs), timeout=KILL_WAIT_S)
+            for _, _, staging in self.flight.values():
+                folder.discard(staging)
         self.flight.clear()
 
 

@@ -12,7 +12,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["deferred_signals", "install_handlers", "pause_point", "received"]
+__all__ = ["TEST_HOOKS", "deferred_signals", "install_handlers", "pause_point", "received"]
+
+# The test hooks' variables: a Ray worker (compiler/cli/ray_engine.py) is given them too.
+TEST_HOOKS = ("CTXC_TEST_PAUSE_AT", "CTXC_TEST_PAUSE_ONCE")
 
 _RECEIVED: list[int] = []
 
@@ -60,11 +63,13 @@ def pause_point(stage: str) -> None:
     """Test hook: with ``CTXC_TEST_PAUSE_AT=stage``, say so on stderr and wait to be signalled.
 
     The interrupt tests use it to send SIGINT at a known stage (loading, converting, solving,
-    writing, placing, ``line N done``) instead of guessing with timers; SIGUSR1 lets the run
-    go on (the race tests hold two runs at ``placing`` and release them together). Without a
-    signal it goes on after 120 s.
+    writing, placing, ``line N done``, a Ray worker's ``compiling NAME``) instead of guessing
+    with timers; SIGUSR1 lets the run go on (the race tests hold two runs at ``placing`` and
+    release them together). Without a signal it goes on after 120 s. With
+    ``CTXC_TEST_PAUSE_ONCE=FILE`` only the first process to create FILE pauses, and FILE holds
+    its pid (the Ray tests kill the one worker that holds a line, and its retry goes on).
     """
-    if os.environ.get("CTXC_TEST_PAUSE_AT") != stage:
+    if os.environ.get("CTXC_TEST_PAUSE_AT") != stage or not _first_to_pause():
         return
     # A Python handler, not a blocked signal: the signal may land on any of torch's threads,
     # and Python runs its handler on the main thread, here.
@@ -78,3 +83,18 @@ def pause_point(stage: str) -> None:
             time.sleep(0.05)  # SIGINT and SIGTERM raise KeyboardInterrupt here
     finally:
         signal.signal(signal.SIGUSR1, old)
+
+
+def _first_to_pause() -> bool:
+    """False when ``CTXC_TEST_PAUSE_ONCE`` names a file another process created first."""
+    once = os.environ.get("CTXC_TEST_PAUSE_ONCE")
+    if not once:
+        return True
+    try:
+        fd = os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    # One write of a whole line: a reader waits for the newline.
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{os.getpid()}\n")
+    return True
