@@ -2,8 +2,9 @@
 
 For each context (a ``benchmarks/thought/questions/<name>.json``: its context file and held-out
 questions) and each setting (``name=value`` comma lists over :class:`BakeOptions` fields:
-``data``, ``samples``, ``sample_tokens``, ``questions``, ``answer_tokens``, ``rank``), a bake
-from scratch as ``ctxc bake`` runs it (sampling / self-study, the cached full runs, the fit),
+``data``, ``samples``, ``sample_tokens``, ``questions``, ``answer_tokens``, ``rank``,
+``method``, ``distill_seconds``, ``distill_from_fit``...), a bake from scratch as ``ctxc bake``
+runs it (sampling / self-study, the cached full runs, the fit),
 its seconds by stage, then its held-out figures beside the unpatched model's:
 
 - fresh continuation samples (seed 1, ``--held`` of ``--held-tokens``): KL(full || patched)
@@ -37,7 +38,9 @@ from ctxc.bake.selfstudy import as_question
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = Path(__file__).resolve().parent / "questions"
-_INT = ("samples", "sample_tokens", "questions", "answer_tokens")
+_INT = ("samples", "sample_tokens", "questions", "answer_tokens", "distill_steps", "refit_passes")
+_FLOAT = ("distill_seconds", "distill_lr", "ridge", "scale_ridge")
+_BOOL = ("distill_from_fit", "input_moves", "fit_prefix", "rank_per_block")
 
 
 def options(setting: str) -> BakeOptions:
@@ -49,6 +52,10 @@ def options(setting: str) -> BakeOptions:
             given[name] = None if value == "full" else int(value)
         elif name in _INT:
             given[name] = int(value)
+        elif name in _FLOAT:
+            given[name] = float(value)
+        elif name in _BOOL:
+            given[name] = {"true": True, "false": False}[value]
         else:
             given[name] = value
     return BakeOptions(**given)

@@ -183,9 +183,10 @@ def bake(
         stage("fitting")
         clock = time.perf_counter()
         queries_t = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
-        opts = FitOptions(o.ridge, o.rank, o.scale_ridge, o.input_moves)
+        opts = FitOptions(o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block)
         rows = None if o.fit_prefix else _query_rows(data)
-        fit = fit_solve(traced, blocks, targets, queries_t, opts, on_block, rows)
+        passes = 1 + o.refit_passes
+        fit = fit_solve(traced, blocks, targets, queries_t, opts, on_block, rows, passes)
         timings["fit"] = round(time.perf_counter() - clock, 3)
     meta = _meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None

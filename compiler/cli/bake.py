@@ -39,14 +39,14 @@ _EVAL_QUESTIONS = typer.Option(
 
 
 def parse_rank(rank: str) -> int | None:
-    """``full`` -> None, else the integer (``BakeOptions`` checks its range); a CtxcError for
-    anything else."""
-    if rank.strip().lower() == "full":
+    """``full`` or ``auto`` -> None, else the integer (``BakeOptions`` checks its range); a
+    CtxcError for anything else."""
+    if rank.strip().lower() in ("full", "auto"):
         return None
     try:
         return int(rank)
     except ValueError:
-        raise CtxcError(f"--rank {rank!r} is not an integer or 'full'") from None
+        raise CtxcError(f"--rank {rank!r} is not an integer, 'full' or 'auto'") from None
 
 
 def bake_cmd(
@@ -63,7 +63,9 @@ def bake_cmd(
     ),
     questions: int = _QUESTIONS,
     answer_tokens: int = _ANSWER_TOKENS,
-    rank: str = typer.Option(_RANK, "--rank", help="Rank budget per matrix, or 'full'."),
+    rank: str = typer.Option(
+        _RANK, "--rank", help="Rank budget per matrix, 'full', or 'auto' (each block's own)."
+    ),
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
     seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
@@ -72,6 +74,9 @@ def bake_cmd(
         None, "--seconds", help="distill: train for this wall time instead of --steps."
     ),
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
+    refit_passes: int = typer.Option(
+        _DEFAULTS.refit_passes, "--refit-passes", help="fit: passes refitting the error left."
+    ),
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
     eval_questions: Path = _EVAL_QUESTIONS,
     eval_samples: int = typer.Option(
@@ -99,12 +104,14 @@ def bake_cmd(
         questions=questions,
         answer_tokens=answer_tokens,
         rank=parse_rank(rank),
+        rank_per_block=rank.strip().lower() == "auto",
         method=method,
         ridge=ridge,
         seed=seed,
         distill_steps=steps,
         distill_seconds=seconds,
         distill_from_fit=from_fit,
+        refit_passes=refit_passes,
     )
     if eval_samples < 0:
         raise CtxcError(f"--eval-samples must be at least 0 (got {eval_samples})")

@@ -163,6 +163,8 @@ FLAGS: dict[str, str] = {
     "data": "--data",
     "questions": "--questions",
     "answer_tokens": "--answer-tokens",
+    "refit_passes": "--refit-passes",
+    "rank_per_block": "--rank auto",
 }
 
 

@@ -83,8 +83,10 @@ class BakeOptions:
     """How a thought patch is made (``ctxc.bake.fit.bake``).
 
     Attributes:
-        samples: K, continuations sampled from the model fed the context (at least 0); 8 of
-            16 tokens by default: the fastest row of docs/results/bake_defaults.md.
+        samples: K, continuations sampled from the model fed the context (at least 0). The
+            defaults (``both``: 16 samples of 16 tokens and 16 self-study questions with 16
+            answer tokens, rank 64 in ``ctxc bake``) are the table's best of those within the
+            time goal (docs/results/bake_defaults.md).
         sample_tokens: tokens per sampled continuation (at least 1).
         rank: rank budget per matrix (at least 1; the model bounds it above); None: no budget.
         method: ``fit`` or ``distill`` (``ctxc.core.vocabulary.BAKE_METHODS``; distill needs
@@ -112,12 +114,17 @@ class BakeOptions:
             ``answer_tokens``; ``ctxc.bake.selfstudy``) or ``both``.
         questions: self-study questions (at least 0; used by ``self-study`` and ``both``).
         answer_tokens: greedy answer tokens per self-study question (at least 1).
+        rank_per_block: each block's matrices at its measured effective rank (rounded up),
+            at most ``rank`` (``fit`` only; ``FitOptions.rank_per_block``).
+        refit_passes: refit passes after the first fit (at least 0): each runs the queries
+            again with the patch so far and fits every block's remaining error on top of it
+            (:func:`~ctxc.passes.solver.fit_solve.fit_solve`).
 
     Raises:
         OptionError: a bad value, naming its attribute.
     """
 
-    samples: int = 8
+    samples: int = 16
     sample_tokens: int = 16
     rank: int | None = None
     method: str = "fit"
@@ -130,12 +137,15 @@ class BakeOptions:
     distill_from_fit: bool = False
     fit_prefix: bool = False
     input_moves: bool = True
-    data: str = "continuations"
-    questions: int = 8
+    data: str = "both"
+    questions: int = 16
     answer_tokens: int = 16
+    refit_passes: int = 0
+    rank_per_block: bool = False
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
+        _at_least("refit_passes", self.refit_passes, 0)
         _at_least("questions", self.questions, 0)
         _at_least("answer_tokens", self.answer_tokens, 1)
         check_choice("data", self.data, BAKE_DATA, "fit data kind")
@@ -146,6 +156,8 @@ class BakeOptions:
         _at_least("distill_steps", self.distill_steps, 1)
         if self.distill_seconds is not None and not self.distill_seconds > 0:
             raise OptionError("{distill_seconds} must be positive (got {})", self.distill_seconds)
+        if self.rank_per_block and self.method != "fit":
+            raise OptionError("{rank_per_block} is for {method} fit: a LoRA has one rank")
         if self.method == "distill" and importlib.util.find_spec("peft") is None:
             raise OptionError("{method} distill needs peft: pip install 'ctxc[peft]'")
 

@@ -43,12 +43,15 @@ class FitOptions:
         scale_ridge: the same for the post-norm scale, relative to ``mean_j f_ji^2``.
         input_moves: fit the inner linears' input moves; False: only the output move (outer
             linear and post-norm scale, or bias) carries the patch.
+        rank_per_block: each block's matrices at that block's measured effective rank (the
+            participation ratio of its per-position exact moves, rounded up), at most ``rank``.
     """
 
     ridge: float = 0.0
     rank: int | None = None
     scale_ridge: float = 0.0
     input_moves: bool = True
+    rank_per_block: bool = False
 
 
 @dataclass(frozen=True)

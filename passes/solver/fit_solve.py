@@ -9,11 +9,19 @@ a post-norm scale; or a bias) is fitted the same way to the full run's targets `
 so the next block's input is what the patched model computes, and each block's target is the
 full run's block output (self-correcting). With one query, ridge 0 and no rank budget every
 fit is exact and the deltas are those of :func:`~ctxc.passes.solver.solve.solve` (stable rule).
+
+A refit pass (``passes > 1``) runs the queries again from the start with the previous pass's
+deltas in place and fits each block's remaining error on top of them (the earlier blocks now
+refitted, so each block sees what they produce after the refit); the two moves are summed and,
+under a rank budget, cut back to it by an SVD of the sum. Ridge shrinks each pass's move, so a
+second pass is also a weaker ridge on the whole.
 Pure: the model and the graph are not modified; the runs' values are.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -33,7 +41,7 @@ from ctxc.passes.solver.output_magnitude import least_rounding_targets, summed_t
 from ctxc.passes.solver.update_rules import ConditionError
 from ctxc.patch import Delta
 
-__all__ = ["FitBlock", "FitSolution", "effective_rank", "fit_solve"]
+__all__ = ["FitBlock", "FitSolution", "effective_rank", "fit_solve", "summed_delta"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class FitBlock:
         effective_rank: participation ratio of the per-position exact input moves of the
             first inner linear (1: one shared patch could serve all positions; N: none).
         delta_norms: parameter name -> Frobenius norm of its delta.
+        ranks: matrix parameter name -> the rank of its delta.
     """
 
     path: str
@@ -56,6 +65,7 @@ class FitBlock:
     target_rms: float
     effective_rank: float
     delta_norms: dict[str, float] = field(default_factory=dict)
+    ranks: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -114,6 +124,10 @@ class _Lockstep:
     def param(self, name: str) -> torch.Tensor:
         return self.runs[0].env[self.view.param_node[name]]
 
+    def original(self, name: str) -> torch.Tensor:
+        """A parameter's value before any delta was put (a refit sums onto the original)."""
+        return self.runs[0].original_param(self.view.param_node[name])
+
     def drop_before(self, name: str) -> None:
         at = self.view.index[self.view.by_name[name]]
         for run in self.runs:
@@ -131,15 +145,22 @@ class _Fitter:
         targets: dict[str, BlockTargets],
         opts: FitOptions,
         rows: torch.Tensor | None,
+        start: dict[str, Delta] | None = None,
     ):
         self.runs, self.targets, self.opts = runs, targets, opts
+        self.base_opts = opts  # ``opts`` is this block's (its own rank: rank_per_block)
         self.rows = rows  # [N] bool: the positions that are constraints (None: all)
+        self.start = start or {}  # the previous pass's deltas (a refit pass)
         self.deltas: dict[str, Delta] = {}
         self.resid: dict[str, float] = {}
 
     def block(self, block: MlpBlock) -> FitBlock:
         self.resid = {}
         z = torch.cat(self.runs.advance(block.mlp_in)).float()  # [N, d_in]
+        for param, before in self.start.items():  # a refit pass starts from them
+            if before.block == block.path:  # (read after the advance: it loads the params)
+                base = self.runs.param(param)
+                self.runs.put(param, at_alignment_of(before.materialize(base), base), block.mlp_in)
         z_c = self.targets[block.path].z.float()  # [N, d_in]
         sites = [s for s in block.inner if not s.experts]
         if len(sites) != len(block.inner) or block.output_control == "experts":
@@ -148,9 +169,14 @@ class _Fitter:
         for i, site in enumerate(sites):
             w = self._weight(site).float()  # [out, in]
             want = self._fit_rows((z_c - z) @ w.T)  # [N', out]: W (z_C - z) at each position
+            if site.weight in self.start:  # W0 z_C - W z: W is W0 plus the last pass's move
+                w0 = self.runs.original(site.weight).float()
+                w0 = w0.T if site.layout == "in_out" else w0  # [out, in]
+                want = self._fit_rows(z_c @ w0.T - z @ w.T)  # [N', out]
             zf = self._fit_rows(z)  # [N', d_in]
             if i == 0:
                 rank = effective_rank(want, zf / zf.pow(2).sum(1, keepdim=True).clamp_min(1e-30))
+                self.opts = self._block_options(rank)
             if not self.opts.input_moves:
                 continue
             fit = fit_linear(zf, want, self.opts, "MLP input z")
@@ -170,6 +196,7 @@ class _Fitter:
             target_rms=float(y_c.pow(2).mean().sqrt()),
             effective_rank=rank,
             delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
+            ranks={p: d.rank for p, d in self.deltas.items() if d.block == block.path and d.rank},
         )
 
     def _output(self, block: MlpBlock) -> None:
@@ -212,6 +239,14 @@ class _Fitter:
         else:  # pragma: no cover - the locator makes only the kinds above
             raise SolveError(block.path, f"unknown output control {ctl!r}")
 
+    def _block_options(self, effective: float) -> FitOptions:
+        """The options of this block's fits: its own rank when ranks follow the blocks."""
+        if not self.base_opts.rank_per_block:
+            return self.base_opts
+        own = max(1, math.ceil(effective))
+        cap = self.base_opts.rank
+        return dataclasses.replace(self.base_opts, rank=own if cap is None else min(own, cap))
+
     def _fit_rows(self, x: torch.Tensor) -> torch.Tensor:
         return x if self.rows is None else x[self.rows]
 
@@ -225,9 +260,12 @@ class _Fitter:
     def _put(self, delta: Delta, upto: str, rel: float) -> None:
         if delta.param in self.deltas:
             raise SolveError(delta.block, f"{delta.param} is shared with another block")
+        before = self.start.get(delta.param)
+        if before is not None:
+            delta = summed_delta(before, delta, self.opts.rank)
         self.deltas[delta.param] = delta
         self.resid[delta.param] = rel
-        base = self.runs.param(delta.param)
+        base = self.runs.original(delta.param)
         self.runs.put(delta.param, at_alignment_of(delta.materialize(base), base), upto)
 
     def _weight(self, site: LinearSite) -> torch.Tensor:
@@ -252,6 +290,27 @@ class _Fitter:
         return F.rms_norm(x, (x.shape[-1],), None, eps)
 
 
+def summed_delta(a: Delta, b: Delta, rank: int | None) -> Delta:
+    """``a + b`` of one parameter, a matrix sum cut back to ``rank`` (its top singular values).
+
+    Returns:
+        a :class:`Delta` of rank ``a.rank + b.rank``, at most ``rank``.
+    """
+    if a.vector is not None:
+        assert b.vector is not None
+        return dataclasses.replace(a, vector=a.vector + b.vector)
+    assert a.u is not None and a.v is not None and b.u is not None and b.v is not None
+    u = torch.cat([a.u, b.u], dim=-1).double()  # [out, r_a + r_b]
+    v = torch.cat([a.v, b.v], dim=-1).double()  # [in, r_a + r_b]
+    if rank is not None and u.shape[-1] > rank:
+        qu, ru = torch.linalg.qr(u)  # u v^T = qu (ru rv^T) qv^T
+        qv, rv = torch.linalg.qr(v)
+        left, sv, right = torch.linalg.svd(ru @ rv.T)  # [r, r] each
+        u = qu @ (left[:, :rank] * sv[:rank])  # [out, rank]
+        v = qv @ right[:rank].T  # [in, rank]
+    return dataclasses.replace(a, u=u.float().contiguous(), v=v.float().contiguous())
+
+
 def fit_solve(
     traced: TracedModel,
     blocks: BlockMap,
@@ -260,6 +319,7 @@ def fit_solve(
     opts: FitOptions,
     on_block: Callable[[int, int, str], None] | None = None,
     rows: torch.Tensor | None = None,
+    passes: int = 1,
 ) -> FitSolution:
     """Fit one patch over every position of every query, block by block (pure).
 
@@ -273,24 +333,29 @@ def fit_solve(
         on_block: progress callback ``(done, total, block path)``.
         rows: [N] bool, the positions that are constraints (None: every one); the others are
             run (later positions attend to them) but not fitted.
+        passes: 1, or more for refit passes (module docstring).
 
     Returns:
-        the :class:`FitSolution`.
+        the :class:`FitSolution` (the figures of the last pass).
 
     Raises:
         SolveError: a block the fit cannot move (an MoE bank, a zero input), with its reason.
     """
     keep = set().union(*(moves.output_reads(b) for b in blocks.blocks))
-    runs = _Lockstep(traced, queries, keep)
-    fitter = _Fitter(runs, targets, opts, rows)
-    stats = []
-    with torch.no_grad():
-        for i, block in enumerate(blocks.blocks):
-            try:
-                stats.append(fitter.block(block))
-            except ConditionError as exc:
-                raise SolveError(block.path, str(exc)) from exc
-            runs.drop_before(block.residual_add)
-            if on_block is not None:
-                on_block(i + 1, len(blocks.blocks), block.path)
-    return FitSolution(dict(fitter.deltas), tuple(stats))
+    deltas: dict[str, Delta] = {}
+    stats: list[FitBlock] = []
+    total = passes * len(blocks.blocks)
+    for p in range(passes):
+        fitter = _Fitter(_Lockstep(traced, queries, keep), targets, opts, rows, start=deltas)
+        stats = []
+        with torch.no_grad():
+            for i, block in enumerate(blocks.blocks):
+                try:
+                    stats.append(fitter.block(block))
+                except ConditionError as exc:
+                    raise SolveError(block.path, str(exc)) from exc
+                fitter.runs.drop_before(block.residual_add)
+                if on_block is not None:
+                    on_block(p * len(blocks.blocks) + i + 1, total, block.path)
+        deltas = dict(fitter.deltas)
+    return FitSolution(deltas, tuple(stats))

@@ -122,3 +122,81 @@ def test_distill_trains_a_lora_of_the_rank_into_a_patch() -> None:
     assert patched.kl < 0.5 * control.kl, f"KL {patched.kl:.3g} vs control {control.kl:.3g}"
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert not changed and not any("lora" in k for k in model.state_dict()), changed[:3]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_a_refit_pass_of_an_exact_fit_stays_exact(family: str) -> None:
+    """One position fitted exactly: the second pass finds no error to fit; the patch still
+    gives the full context's logits (a post-norm block may move to another exact magnitude)."""
+    model = shared(family)
+    ids = random_ids(4, 20)
+    exact = ctxc.compile(model, context_ids=ids[:-1], query_ids=ids[-1:])
+    data = FitData(ids[:-1], [], [ids[-1:]], ["file"])
+    twice = bake(model, data=data, options=BakeOptions(**{**vars(EXACT), "refit_passes": 1}))
+    assert list(twice.patch.deltas) == list(exact.patch.deltas)
+    with torch.no_grad(), twice.patch.applied(model):
+        patched = model(input_ids=torch.tensor([ids[-1:]])).logits[0].float()
+    full = exact.full_logits
+    control = exact.report.control.max_abs_logit_diff
+    assert control > 1e-2, f"control {control:.3g}: the test cannot fail"
+    assert float((patched - full).abs().max()) <= 1e-5, diff_msg("refit vs full", patched, full)
+
+
+def test_a_refit_pass_lowers_the_fit_error_and_keeps_the_rank() -> None:
+    """Many positions under a ridge: the second pass fits what the first left (the fit data's
+    KL drops); under a rank budget every summed move is cut back to it."""
+    model, tok = shared("llama"), tiny_tokenizer()
+    ctx = random_ids(5, 24)
+    queries = [random_ids(30 + i, 6) for i in range(4)]
+    data = FitData([1, *ctx], special_prefix(tok), queries, ["file"] * 4)
+    kl = []
+    for passes in (0, 1):
+        opts = BakeOptions(ridge=1.0, rank=None, fit_prefix=True, refit_passes=passes)
+        kl.append(evaluate(model, bake(model, data=data, options=opts).patch, data, 0).kl)
+    assert kl[1] < 0.9 * kl[0], f"fit-data KL: one pass {kl[0]:.4g}, two passes {kl[1]:.4g}"
+    budget = bake(model, data=data, options=BakeOptions(rank=2, refit_passes=1))
+    assert {d.rank for d in budget.patch.deltas.values() if d.u is not None} == {2}
+    assert budget.report["options"]["refit_passes"] == 1
+
+
+def test_summed_delta_is_the_best_rank_r_sum() -> None:
+    from ctxc.passes.solver.fit_solve import summed_delta
+    from ctxc.patch import Delta
+
+    g = torch.Generator().manual_seed(0)
+    a = Delta("w", "b", u=torch.randn(7, 2, generator=g), v=torch.randn(5, 2, generator=g))
+    b = Delta("w", "b", u=torch.randn(7, 2, generator=g), v=torch.randn(5, 2, generator=g))
+    want = a.dense() + b.dense()  # [7, 5], rank 4
+    summed = summed_delta(a, b, None)
+    assert summed.rank == 4
+    assert torch.allclose(summed.dense(), want, atol=1e-5), diff_msg("sum", summed.dense(), want)
+    cut = summed_delta(a, b, 2)
+    u, s, vh = torch.linalg.svd(want)
+    best = (u[:, :2] * s[:2]) @ vh[:2]
+    assert cut.rank == 2
+    assert torch.allclose(cut.dense(), best, atol=1e-4), diff_msg("rank 2", cut.dense(), best)
+    vec = summed_delta(
+        Delta("s", "b", vector=torch.ones(3)), Delta("s", "b", vector=torch.ones(3)), 1
+    )
+    assert vec.vector is not None and vec.vector.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_rank_auto_gives_each_block_its_effective_rank() -> None:
+    import math
+
+    model, tok = shared("llama"), tiny_tokenizer()
+    queries = [random_ids(40 + i, 6) for i in range(4)]
+    data = FitData([1, *random_ids(6, 24)], special_prefix(tok), queries, ["file"] * 4)
+    baked = bake(model, data=data, options=BakeOptions(rank_per_block=True))
+    n = sum(len(q) for q in queries)  # the fitted rows (the prefix is run, not fitted)
+    for block in baked.report["blocks"]:
+        own = math.ceil(block["effective_rank"])
+        got = {
+            name: (d.rank, min(n, *model.get_parameter(name).shape))
+            for name, d in baked.patch.deltas.items()
+            if d.block == block["path"] and d.u is not None
+        }
+        assert got and all(r == min(own, size) for r, size in got.values()), (own, got)
+        assert block["ranks"] == {name: r for name, (r, _) in got.items()}, block["ranks"]
+    with pytest.raises(CtxcError, match="a LoRA has one rank"):
+        BakeOptions(rank_per_block=True, method="distill")

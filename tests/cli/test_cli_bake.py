@@ -28,8 +28,8 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     proc = run_cli(
         "bake", "--model", str(tiny_model_dir), "--context", str(context),
         "--queries", str(queries), "--samples", "2", "--sample-tokens", "4", "--rank", "4",
-        "--eval-queries", str(held), "--eval-questions", str(held), "--eval-samples", "1",
-        "--out", str(out), cwd=tmp_path,
+        "--refit-passes", "1", "--eval-queries", str(held), "--eval-questions", str(held),
+        "--eval-samples", "1", "--out", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
@@ -37,6 +37,7 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     ]  # fmt: skip
     report = json.loads((out / "report.json").read_text())
     assert report["fit_queries"] == 5 and report["fit_kinds"] == {"file": 3, "sample": 2}
+    assert report["options"]["refit_passes"] == 1 and report["options"]["rank"] == 4
     figures = report["figures"]
     assert set(figures) == {"fit", "held_out_samples", "held_out_queries", "held_out_questions"}
     answers = figures["held_out_questions"]["patched"]["answers"]
@@ -71,6 +72,9 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
         (["--rank", "99999"], "past the matrix size"),
         (["--queries", "EMPTY"], "query file is empty"),
         (["--sample-tokens", "5000"], "the model takes at most"),
+        (["--refit-passes", "-1"], "--refit-passes must be at least 0"),
+        (["--rank", "auto", "--method", "distill"], "--rank auto is for --method fit"),
+        (["--rank", "many"], "--rank 'many' is not an integer, 'full' or 'auto'"),
     ],
 )
 def test_bake_bad_input_is_one_line_and_no_folder(tiny_model_dir, texts, tmp_path, args, message):
