@@ -32,6 +32,7 @@ __all__ = [
     "BakeEval",
     "Reference",
     "answer_lengths",
+    "chunks",
     "evaluate",
     "evaluate_against",
     "evaluate_many",
@@ -297,20 +298,28 @@ def evaluate_many(
         one :class:`BakeEval` per patch, in order.
     """
     figs: list[list[_Figures]] = [[] for _ in patches]
-    n = len(data.queries)
-    for start in range(0, n, _CHUNK):
-        sub = FitData(
+    n, done = len(data.queries), 0
+    for sub in chunks(data):
+        ref = reference(model, sub, gen_tokens, tokenizer=tokenizer)
+        for patch, acc in zip(patches, figs, strict=True):
+            acc.extend(_query_figures(model, patch, ref, _BATCH))
+        done += len(sub.queries)
+        if on_query is not None:
+            on_query(done, n)
+    return [_summarise(f, gen_tokens=gen_tokens) for f in figs]
+
+
+def chunks(data: FitData) -> list[FitData]:
+    """``data`` in parts of ``_CHUNK`` queries (a part's reference logits held at a time)."""
+    return [
+        FitData(
             data.context_ids,
             data.prefix,
             data.queries[start : start + _CHUNK],
             data.kinds[start : start + _CHUNK],
         )
-        ref = reference(model, sub, gen_tokens, tokenizer=tokenizer)
-        for patch, acc in zip(patches, figs, strict=True):
-            acc.extend(_query_figures(model, patch, ref, _BATCH))
-        if on_query is not None:
-            on_query(min(start + _CHUNK, n), n)
-    return [_summarise(f, gen_tokens=gen_tokens) for f in figs]
+        for start in range(0, len(data.queries), _CHUNK)
+    ]
 
 
 def _summarise(found: list[_Figures], gen_tokens: int) -> BakeEval:

@@ -74,6 +74,9 @@ def bake_cmd(
         None, "--seconds", help="distill: train for this wall time instead of --steps."
     ),
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
+    lr: float = typer.Option(
+        None, "--lr", help="distill: learning rate (1e-3; 1e-4 with --from-fit)."
+    ),
     refit_passes: int = typer.Option(
         _DEFAULTS.refit_passes, "--refit-passes", help="fit: passes refitting the error left."
     ),
@@ -111,6 +114,7 @@ def bake_cmd(
         distill_steps=steps,
         distill_seconds=seconds,
         distill_from_fit=from_fit,
+        distill_lr=lr,
         refit_passes=refit_passes,
     )
     if eval_samples < 0:

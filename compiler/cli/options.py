@@ -160,6 +160,7 @@ FLAGS: dict[str, str] = {
     "method": "--method",
     "distill_steps": "--steps",
     "distill_seconds": "--seconds",
+    "distill_lr": "--lr",
     "data": "--data",
     "questions": "--questions",
     "answer_tokens": "--answer-tokens",

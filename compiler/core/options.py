@@ -100,7 +100,9 @@ class BakeOptions:
         distill_steps: optimiser steps of ``distill`` (at least 1).
         distill_seconds: a wall-time budget for ``distill`` instead of ``distill_steps`` (the
             training loop's time; the report gives the steps reached). None: the step count.
-        distill_lr: its learning rate.
+        distill_lr: its learning rate; None: 1e-3 from scratch, 1e-4 from the fit (at 1e-3
+            the first steps undo the fit: held-out KL 0.34x of the unpatched model's against
+            the fit's own 0.29x; at 1e-4, 0.21x; docs/results/bake_defaults.md).
         distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
         fit_prefix: the prefix positions (BOS, matched to the context's last token) are
             constraints too; False (default): they are run but not fitted. The BOS position is
@@ -133,7 +135,7 @@ class BakeOptions:
     seed: int = 0
     distill_steps: int = 200
     distill_seconds: float | None = None
-    distill_lr: float = 1e-3
+    distill_lr: float | None = None
     distill_from_fit: bool = False
     fit_prefix: bool = False
     input_moves: bool = True
@@ -154,6 +156,8 @@ class BakeOptions:
             _at_least("rank", self.rank, 1)
         check_choice("method", self.method, BAKE_METHODS, "method")
         _at_least("distill_steps", self.distill_steps, 1)
+        if self.distill_lr is not None and not self.distill_lr > 0:
+            raise OptionError("{distill_lr} must be positive (got {})", self.distill_lr)
         if self.distill_seconds is not None and not self.distill_seconds > 0:
             raise OptionError("{distill_seconds} must be positive (got {})", self.distill_seconds)
         if self.rank_per_block and self.method != "fit":
@@ -179,6 +183,13 @@ class BakeOptions:
     def sampled(self) -> int:
         """Continuations to sample: ``samples`` unless ``data`` is ``self-study``."""
         return 0 if self.data == "self-study" else self.samples
+
+    @property
+    def lr(self) -> float:
+        """``distill``'s learning rate (``distill_lr``, else by where it starts)."""
+        if self.distill_lr is not None:
+            return self.distill_lr
+        return 1e-4 if self.distill_from_fit else 1e-3
 
     @property
     def asked(self) -> int:

@@ -149,3 +149,25 @@ def test_distill_under_a_time_budget_reports_its_steps() -> None:
     opts = BakeOptions(method="distill", rank=2, distill_seconds=1e-9)
     timed = bake(model, data=data, options=opts).report["distill"]
     assert timed["steps"] == 1 and timed["seconds"] > 0, timed
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_teacher_from_the_shared_context_run_is_the_direct_one(family: str) -> None:
+    """The distillation teacher from one context run per chunk (12 queries: two chunks, three
+    lengths): the top tokens and log-probabilities of running each full input whole."""
+    from ctxc.bake.distill import TOP, teacher_top
+
+    model = shared(family)
+    data = _data(70, [3, 7, 5, 7, 3, 4, 4, 6, 2, 7, 3, 5])
+    got = teacher_top(model, data)
+    assert len(got) == len(data.queries)
+    with torch.no_grad():
+        for i, (logp, ids) in enumerate(got):
+            k = len(data.reduced(i))
+            full = model(input_ids=torch.tensor([data.full(i)])).logits[0, -k:].float()
+            want = full.log_softmax(-1)  # [k, vocab]
+            assert logp.shape == ids.shape == (k, min(TOP, want.shape[-1]))
+            at = want.gather(-1, ids)  # the direct log-probabilities of the tokens kept
+            assert torch.allclose(logp, at, atol=1e-4), diff_msg(f"query {i}", logp, at)
+            best = want.topk(ids.shape[-1], dim=-1).values
+            assert torch.allclose(logp, best, atol=1e-4), diff_msg(f"query {i} top", logp, best)

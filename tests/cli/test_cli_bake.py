@@ -75,6 +75,7 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
         (["--refit-passes", "-1"], "--refit-passes must be at least 0"),
         (["--rank", "auto", "--method", "distill"], "--rank auto is for --method fit"),
         (["--rank", "many"], "--rank 'many' is not an integer, 'full' or 'auto'"),
+        (["--method", "distill", "--lr", "0"], "--lr must be positive"),
     ],
 )
 def test_bake_bad_input_is_one_line_and_no_folder(tiny_model_dir, texts, tmp_path, args, message):
