@@ -33,6 +33,16 @@ _QUESTIONS = typer.Option(
 _ANSWER_TOKENS = typer.Option(
     _DEFAULTS.answer_tokens, "--answer-tokens", help="Greedy tokens per self-study answer."
 )
+_RANK_OPTION = typer.Option(
+    _RANK, "--rank", help="Rank budget per matrix, 'full', or 'auto' (each block's own)."
+)
+_LR = typer.Option(None, "--lr", help="distill: learning rate (1e-3; 1e-4 with --from-fit).")
+_REFIT = typer.Option(
+    _DEFAULTS.refit_passes, "--refit-passes", help="fit: passes refitting the error left."
+)
+_SECONDS = typer.Option(
+    None, "--seconds", help="distill: train for this wall time instead of --steps."
+)
 _EVAL_QUESTIONS = typer.Option(
     None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
 )
@@ -63,23 +73,15 @@ def bake_cmd(
     ),
     questions: int = _QUESTIONS,
     answer_tokens: int = _ANSWER_TOKENS,
-    rank: str = typer.Option(
-        _RANK, "--rank", help="Rank budget per matrix, 'full', or 'auto' (each block's own)."
-    ),
+    rank: str = _RANK_OPTION,
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
     seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
     steps: int = typer.Option(200, "--steps", help="distill: optimiser steps."),
-    seconds: float = typer.Option(
-        None, "--seconds", help="distill: train for this wall time instead of --steps."
-    ),
+    seconds: float = _SECONDS,
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
-    lr: float = typer.Option(
-        None, "--lr", help="distill: learning rate (1e-3; 1e-4 with --from-fit)."
-    ),
-    refit_passes: int = typer.Option(
-        _DEFAULTS.refit_passes, "--refit-passes", help="fit: passes refitting the error left."
-    ),
+    lr: float = _LR,
+    refit_passes: int = _REFIT,
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
     eval_questions: Path = _EVAL_QUESTIONS,
     eval_samples: int = typer.Option(
