@@ -168,11 +168,12 @@ class _Fitter:
         rank = 0.0
         for i, site in enumerate(sites):
             w = self._weight(site).float()  # [out, in]
-            want = self._fit_rows((z_c - z) @ w.T)  # [N', out]: W (z_C - z) at each position
             if site.weight in self.start:  # W0 z_C - W z: W is W0 plus the last pass's move
                 w0 = self.runs.original(site.weight).float()
                 w0 = w0.T if site.layout == "in_out" else w0  # [out, in]
                 want = self._fit_rows(z_c @ w0.T - z @ w.T)  # [N', out]
+            else:
+                want = self._fit_rows((z_c - z) @ w.T)  # [N', out]: W (z_C - z) at each position
             zf = self._fit_rows(z)  # [N', d_in]
             if i == 0:
                 rank = effective_rank(want, zf / zf.pow(2).sum(1, keepdim=True).clamp_min(1e-30))
