@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = Path(__file__).resolve().parent / "questions"
 _INT = ("samples", "sample_tokens", "questions", "answer_tokens", "distill_steps", "refit_passes")
 _FLOAT = ("distill_seconds", "distill_lr", "ridge", "scale_ridge")
-_BOOL = ("distill_from_fit", "input_moves", "fit_prefix", "rank_per_block")
+_BOOL = ("distill_from_fit", "input_moves", "fit_prefix", "rank_per_block", "attention")
 
 
 def options(setting: str) -> BakeOptions:

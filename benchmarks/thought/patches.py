@@ -58,7 +58,7 @@ def leading(data: FitData, k: int) -> FitData:
 def leading_targets(targets: dict[str, BlockTargets], data: FitData, k: int) -> dict:
     """The rows of the first ``k`` queries (rows are stacked query by query)."""
     n = leading(data, k).positions
-    return {p: BlockTargets(z=t.z[:n], y=t.y[:n]) for p, t in targets.items()}
+    return {p: t.leading(n) for p, t in targets.items()}
 
 
 def mean_exact_patch(model, data: FitData, positions: int) -> Patch:

@@ -67,9 +67,13 @@ def teacher_top(model: torch.nn.Module, data: FitData) -> list[tuple[torch.Tenso
     return out
 
 
-def _lora_targets(blocks) -> dict[str, str]:
-    """Module path -> block path of every linear the fit moves (inner and outer)."""
-    return {s.module: b.path for b in blocks.blocks for s in (*b.inner, b.outer)}
+def _lora_targets(blocks, attention: bool = False) -> dict[str, str]:
+    """Module path -> block path of every linear the fit moves (inner and outer; the attention
+    output projections too with ``attention``)."""
+    found = {s.module: b.path for b in blocks.blocks for s in (*b.inner, b.outer)}
+    if attention:
+        found |= {b.attention.site.module: b.path for b in blocks.blocks if b.attention}
+    return found
 
 
 def distill(
@@ -101,7 +105,7 @@ def distill(
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = _lora_targets(blocks)
+    targets = _lora_targets(blocks, options.attention is not False)
     rank = options.rank or max(min(model.get_parameter(f"{m}.weight").shape) for m in targets)
     teacher = teacher if teacher is not None else teacher_top(model, data)
     vectors = {n: d for n, d in (start.deltas if start else {}).items() if d.vector is not None}

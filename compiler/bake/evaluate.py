@@ -165,6 +165,8 @@ def reference(
 
     The context runs once; queries of equal length continue a copy of its KV cache together,
     batched (the same computation as the full input, up to rounding), greedy generation too.
+    Without generation every query goes in one batch, right-padded (a causal model's earlier
+    positions never see the padding after them).
 
     Args:
         model: the unpatched model.
@@ -179,7 +181,7 @@ def reference(
     tokens: list = [None] * n
     groups: dict[int, list[int]] = {}
     for i, q in enumerate(data.queries):
-        groups.setdefault(len(q), []).append(i)
+        groups.setdefault(len(q) if gen_tokens else 0, []).append(i)
     done = 0
     with torch.no_grad():
         ctx = torch.tensor([data.context_ids], device=device)
@@ -188,12 +190,16 @@ def reference(
         for idx in groups.values():
             cache = copy.deepcopy(first.past_key_values)
             cache.batch_repeat_interleave(len(idx))
-            x = torch.tensor([data.queries[i] for i in idx], device=device)
-            out = model(input_ids=x, past_key_values=cache, use_cache=True)
+            width = max(len(data.queries[i]) for i in idx)
+            x = [data.queries[i] + [0] * (width - len(data.queries[i])) for i in idx]
+            out = model(
+                input_ids=torch.tensor(x, device=device), past_key_values=cache, use_cache=True
+            )
             # The patched input's positions: the context's last p (matched to the prefix), then
             # every query position.
             for j, i in enumerate(idx):
-                logits[i] = torch.cat([head, out.logits[j].float().cpu()])
+                k = len(data.queries[i])
+                logits[i] = torch.cat([head, out.logits[j, :k].float().cpu()])
             for j, toks in enumerate(_continue_batch(model, out, gen_tokens)):
                 tokens[idx[j]] = tuple(toks)
             done += len(idx)

@@ -25,7 +25,7 @@ from ctxc.bake.data import (
     special_prefix,
     text_queries,
 )
-from ctxc.bake.selfstudy import self_study
+from ctxc.bake.selfstudy import context_run, self_study
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
@@ -88,15 +88,17 @@ def bake_data(
     asked_bound = 48 + answer_tokens if questions else 0
     longest = max([len(q) for q in given] + [sample_tokens if samples else 0, asked_bound])
     check_length(model, len(context_ids) + longest, "context + longest query")
-    asked = (
-        self_study(
-            model, tokenizer, context_ids, questions, answer_tokens=answer_tokens, seed=seed
-        )[0]
-        if questions
-        else []
-    )
+    start = context_run(model, context_ids) if questions and samples else None  # run once
+    asked: list[list[int]] = []
+    if questions:
+        asked, _ = self_study(
+            model, tokenizer, context_ids, questions, answer_tokens=answer_tokens, seed=seed,
+            start=start,
+        )  # fmt: skip
     sampled = (
-        sample_continuations(model, context_ids, samples, sample_tokens, seed) if samples else []
+        sample_continuations(model, context_ids, samples, sample_tokens, seed, start)
+        if samples
+        else []
     )
     return FitData(
         list(context_ids),
@@ -182,11 +184,7 @@ def bake(
             timings["targets"] = round(time.perf_counter() - clock, 3)
         stage("fitting")
         clock = time.perf_counter()
-        queries_t = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
-        opts = FitOptions(o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block)
-        rows = None if o.fit_prefix else _query_rows(data)
-        passes = 1 + o.refit_passes
-        fit = fit_solve(traced, blocks, targets, queries_t, opts, on_block, rows, passes)
+        fit = _fit(traced, blocks, targets, data, o, on_block)
         timings["fit"] = round(time.perf_counter() - clock, 3)
     meta = _meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
@@ -202,6 +200,15 @@ def bake(
         extra["distill"]["last_loss"] = run.loss
     assert patch is not None
     return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra})
+
+
+def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> FitSolution:
+    """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``."""
+    queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
+    attention = o.attention is not False
+    opts = FitOptions(o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, attention)
+    rows = None if o.fit_prefix else _query_rows(data)
+    return fit_solve(traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes)
 
 
 def _fit_data(model, tokenizer, ids: list[int], queries, o: BakeOptions, stage) -> FitData:
@@ -232,6 +239,11 @@ def _fit_blocks(model: torch.nn.Module, o: BakeOptions):
             else "no MLP block found"
         )
     check_rank(o.rank, model, blocks)
+    if o.attention is True and not any(b.attention is not None for b in blocks.blocks):
+        raise OptionError(
+            "{attention}: no block of this model has an attention output projection behind a "
+            "post norm (sandwich norms: Gemma 2/3, OLMo 2)"
+        )
     return traced, blocks
 
 

@@ -13,8 +13,12 @@ with an attention mask and their own position ids (:func:`continue_rows`).
 from __future__ import annotations
 
 import copy
+import functools
+from collections.abc import Callable
 
 import torch
+
+from ctxc.bake.data import sample_tokens
 
 __all__ = [
     "QUESTION_FORMAT",
@@ -47,9 +51,10 @@ def continue_rows(
     steps: int,
     generator: torch.Generator | None = None,
     start=None,
+    until: Callable[[list[int]], bool] | None = None,
 ) -> list[list[int]]:
     """``steps`` tokens after ``context + row`` for every row, in one batch (greedy, or sampled
-    at temperature 1 when ``generator`` is given).
+    at temperature 1 when ``generator`` is given), or fewer once ``until`` holds for every row.
 
     The context runs once; its cache is repeated per row. Rows are left-padded: the padding is
     masked out and each row's position ids continue the context as if it were alone, so every
@@ -64,9 +69,13 @@ def continue_rows(
         generator: sampling RNG; None: greedy.
         start: the model's output on the context with its cache (``use_cache=True``), when
             already computed (left as it was: the cache is copied).
+        until: a row's generated ids so far -> whether it is finished; decoding stops when
+            every row is (a finished row's later tokens are cut the same, so every row is the
+            full draw's up to where ``until`` first held). Past a sliding window (batches by
+            length) every batch draws all ``steps``.
 
     Returns:
-        the generated ids, [len(rows)][steps].
+        the generated ids, [len(rows)][steps or fewer], every row as long.
     """
     c, width = len(context_ids), max(len(r) for r in rows)
     window = _sliding_window(model)
@@ -77,11 +86,13 @@ def continue_rows(
         out: list = [None] * len(rows)
         for n in sorted({len(r) for r in rows}):
             idx = [i for i, r in enumerate(rows) if len(r) == n]
+            # Each length draws all its steps: a batch stopped early would leave the generator
+            # where the next batch's draws would differ from an unstopped run's.
             got = continue_rows(model, context_ids, [rows[i] for i in idx], steps, generator, start)
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
-    return _padded(model, context_ids, rows, steps, generator, start)
+    return _padded(model, context_ids, rows, steps, generator, start, until)
 
 
 def _sliding_window(model: torch.nn.Module) -> int | None:
@@ -91,7 +102,7 @@ def _sliding_window(model: torch.nn.Module) -> int | None:
     return int(window) if window else None
 
 
-def _padded(model, context_ids, rows, steps, generator, start) -> list[list[int]]:
+def _padded(model, context_ids, rows, steps, generator, start, until) -> list[list[int]]:
     """:func:`continue_rows` in one left-padded batch."""
     device = next(model.parameters()).device
     c, b = len(context_ids), len(rows)
@@ -116,12 +127,9 @@ def _padded(model, context_ids, rows, steps, generator, start) -> list[list[int]
         got = []
         for step in range(steps):
             logits = out.logits[:, -1].float().cpu()  # [b, vocab]
-            if generator is None:
-                tok = logits.argmax(-1)
-            else:
-                tok = torch.multinomial(logits.double().softmax(-1), 1, generator=generator)[:, 0]
+            tok = logits.argmax(-1) if generator is None else sample_tokens(logits, generator)
             got.append(tok)
-            if step + 1 == steps:
+            if step + 1 == steps or (until is not None and _all_done(got, until)):
                 break
             last = last + 1
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], 1)
@@ -131,6 +139,12 @@ def _padded(model, context_ids, rows, steps, generator, start) -> list[list[int]
                 use_cache=True, logits_to_keep=1,
             )  # fmt: skip
     return torch.stack(got, 1).tolist()
+
+
+def _all_done(got: list[torch.Tensor], until: Callable[[list[int]], bool]) -> bool:
+    """Whether ``until`` holds for every row of the tokens drawn so far ([b] per step)."""
+    rows = torch.stack(got, 1).tolist()  # [b, steps so far]
+    return all(until(r) for r in rows)
 
 
 def context_run(model: torch.nn.Module, context_ids: list[int]):
@@ -151,6 +165,13 @@ def _question(tokenizer, seed: str, ids: list[int]) -> str:
     return text[: end + 1].strip()
 
 
+def _ended(tokenizer, ids: list[int]) -> bool:
+    """Whether a sampled question's text holds its end (``?`` or a newline): :func:`_question`
+    reads no further."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    return "?" in text or "\n" in text
+
+
 def _ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -163,6 +184,7 @@ def self_study(
     question_tokens: int = 24,
     answer_tokens: int = 24,
     seed: int = 0,
+    start=None,
 ) -> tuple[list[list[int]], list[str]]:
     """``count`` self-study queries: a sampled question and the model's greedy answer with the
     context in view.
@@ -175,13 +197,14 @@ def self_study(
         question_tokens: tokens sampled per question before the cut.
         answer_tokens: greedy answer tokens.
         seed: the sampling seed.
+        start: :func:`context_run` of the context, when already computed.
 
     Returns:
         (the queries' ids, each question followed by its answer; the questions' texts). A
         sampled question that is empty after the cut is drawn again once, then dropped.
     """
     gen = torch.Generator().manual_seed(seed)
-    start = context_run(model, context_ids)
+    start = start if start is not None else context_run(model, context_ids)
     questions: list[str] = []
     for _ in range(2):  # a second draw for the ones that are not questions
         need = count - len(questions)
@@ -189,7 +212,8 @@ def self_study(
             break
         seeds = [SEED_PROMPTS[(len(questions) + i) % len(SEED_PROMPTS)] for i in range(need)]
         rows = [_ids(tokenizer, " " + as_question(s).split("\n")[0]) for s in seeds]
-        drawn = continue_rows(model, context_ids, rows, question_tokens, gen, start)
+        ended = functools.partial(_ended, tokenizer)
+        drawn = continue_rows(model, context_ids, rows, question_tokens, gen, start, ended)
         found = [_question(tokenizer, s, d) for s, d in zip(seeds, drawn, strict=True)]
         questions += [q for q in found if q][:need]
     if not questions:

@@ -9,7 +9,9 @@ linear's input) and output ``y`` (the decoder layer's output, the module above t
 same values up to rounding (the cache and the batch change the summation order only), checked
 on the first query against the graph's recording: a model whose layer output is not the block's
 residual add (a trailing post-LN, an extra op after the add) fails the check and is recorded by
-the graph, query by query, as before.
+the graph, query by query, as before. A block with an attention surface also gets ``v``, the
+residual after its attention: the input of the norm that makes ``z`` (Gemma's pre-feedforward
+norm), checked the same way.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from ctxc.bake.data import FitData, record_fit_targets
+from ctxc.bake.data import FitData, record_fit_targets, stacked
 from ctxc.core.thresholds import BAKE_TARGETS_RTOL
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap
@@ -32,17 +34,21 @@ _BATCH = 16  # queries per batched forward
 
 
 class _Hooks:
-    """Forward hooks that keep every block's ``z`` and ``y`` of the last forward."""
+    """Forward hooks that keep every block's ``z``, ``y`` (and ``v``) of the last forward."""
 
     def __init__(self, model: torch.nn.Module, blocks: BlockMap):
         self.z: dict[str, torch.Tensor] = {}
         self.y: dict[str, torch.Tensor] = {}
+        self.v: dict[str, torch.Tensor] = {}
         self.handles = []
         for b in blocks.blocks:
             inner = model.get_submodule(b.inner[0].module)
             layer = model.get_submodule(b.path.rsplit(".", 1)[0])
             self.handles.append(inner.register_forward_pre_hook(self._keep(self.z, b.path)))
             self.handles.append(layer.register_forward_hook(self._keep_out(self.y, b.path)))
+            if b.attention is not None and b.pre_norm is not None:
+                pre = model.get_submodule(b.pre_norm)
+                self.handles.append(pre.register_forward_pre_hook(self._keep(self.v, b.path)))
 
     @staticmethod
     def _keep(store: dict, path: str):
@@ -64,7 +70,7 @@ class _Hooks:
 
 
 def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dict[str, list]:
-    """Per block, per query: (z [k, d_in], y [k, d]) at the reduced input's positions."""
+    """Per block, per query: its :class:`BlockTargets` at the reduced input's positions."""
     device = next(model.parameters()).device
     p = len(data.prefix)
     out: dict[str, list] = {b.path: [None] * len(data.queries) for b in blocks.blocks}
@@ -76,7 +82,7 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
         with torch.no_grad():
             ctx = torch.tensor([data.context_ids], device=device)
             first = model(input_ids=ctx, use_cache=True, logits_to_keep=1)
-            head = {b: (hooks.z[b][0, -p:], hooks.y[b][0, -p:]) for b in out} if p else {}
+            head = {b: _rows_of(hooks, b, 0, slice(-p, None)) for b in out} if p else {}
             for members in groups.values():
                 for start in range(0, len(members), _BATCH):
                     idx = members[start : start + _BATCH]
@@ -86,20 +92,33 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
                     model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     for b in out:
                         for j, i in enumerate(idx):
-                            z, y = hooks.z[b][j], hooks.y[b][j]
-                            if p:
-                                z, y = torch.cat([head[b][0], z]), torch.cat([head[b][1], y])
-                            out[b][i] = (z.cpu(), y.cpu())
+                            tg = _rows_of(hooks, b, j, slice(None))
+                            out[b][i] = stacked([head[b], tg]) if p else tg
     finally:
         hooks.remove()
     return out
 
 
+def _rows_of(hooks: _Hooks, path: str, row: int, positions: slice) -> BlockTargets:
+    """One batch row's hooked values of block ``path`` at ``positions``, on the CPU."""
+    v = hooks.v.get(path)
+    return BlockTargets(
+        z=hooks.z[path][row, positions].cpu(),
+        y=hooks.y[path][row, positions].cpu(),
+        v=v[row, positions].cpu() if v is not None else None,
+    )
+
+
 def _agrees(got: dict[str, list], want: dict[str, BlockTargets]) -> bool:
     """Query 0's hooked rows against the graph's, relative max difference per block."""
     for path, tg in want.items():
-        z, y = got[path][0]
-        for a, b in ((z, tg.z), (y, tg.y)):
+        mine = got[path][0]
+        if (mine.v is None) != (tg.v is None):
+            return False
+        pairs = [(mine.z, tg.z), (mine.y, tg.y)]
+        if tg.v is not None:
+            pairs.append((mine.v, tg.v))
+        for a, b in pairs:
             if a.shape != b.shape:
                 return False
             scale = float(b.float().abs().max()) or 1.0
@@ -127,10 +146,11 @@ def cached_fit_targets(
     got = _cached_rows(model, blocks, data)
     if not _agrees(got, want):
         return record_fit_targets(traced, blocks, data)
-    return {
-        p: BlockTargets(
-            z=torch.cat([z for z, _ in rows]).to(want[p].z.dtype),
-            y=torch.cat([y for _, y in rows]).to(want[p].y.dtype),
-        )
-        for p, rows in got.items()
-    }
+    dtype = {p: tg.z.dtype for p, tg in want.items()}
+    return {p: _cast(stacked(rows), dtype[p]) for p, rows in got.items()}
+
+
+def _cast(tg: BlockTargets, dtype: torch.dtype) -> BlockTargets:
+    return BlockTargets(
+        z=tg.z.to(dtype), y=tg.y.to(dtype), v=tg.v.to(dtype) if tg.v is not None else None
+    )

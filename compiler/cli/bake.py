@@ -43,6 +43,13 @@ _REFIT = typer.Option(
 _SECONDS = typer.Option(
     None, "--seconds", help="distill: train for this wall time instead of --steps."
 )
+_ATTENTION = typer.Option(
+    None,
+    "--attention/--no-attention",
+    help="Move the attention output projections too (sandwich-norm blocks: Gemma 2/3, OLMo "
+    "2). Default: where the model has them; --attention refuses a model without.",
+    show_default=False,
+)
 _EVAL_QUESTIONS = typer.Option(
     None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
 )
@@ -82,6 +89,7 @@ def bake_cmd(
     from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
     lr: float = _LR,
     refit_passes: int = _REFIT,
+    attention: bool | None = _ATTENTION,
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
     eval_questions: Path = _EVAL_QUESTIONS,
     eval_samples: int = typer.Option(
@@ -98,10 +106,7 @@ def bake_cmd(
 
     text = read_context(context)
     fit_texts = read_queries(queries) if queries is not None else None
-    held = {
-        "held_out_queries": read_queries(eval_queries) if eval_queries else None,
-        "held_out_questions": read_queries(eval_questions) if eval_questions else None,
-    }
+    held = _held_out(eval_queries, eval_questions)
     opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
         data=data,
         samples=samples,
@@ -118,6 +123,7 @@ def bake_cmd(
         distill_from_fit=from_fit,
         distill_lr=lr,
         refit_passes=refit_passes,
+        attention=attention,
     )
     if eval_samples < 0:
         raise CtxcError(f"--eval-samples must be at least 0 (got {eval_samples})")
@@ -138,6 +144,16 @@ def bake_cmd(
             tmp, report, _emit(net, tokenizer, result.patch, tmp, kinds), under="artefacts"
         )
     _say_all([*_summary(report["figures"]), f"wrote {out_dir}/"])
+
+
+def _held_out(queries: Path | None, questions: Path | None) -> dict:
+    """The held-out query and question files' lines (None where not given)."""
+    from ctxc.bake.data import read_queries
+
+    return {
+        "held_out_queries": read_queries(queries) if queries else None,
+        "held_out_questions": read_queries(questions) if questions else None,
+    }
 
 
 def _say_all(lines: list[str]) -> None:

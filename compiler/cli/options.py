@@ -166,6 +166,7 @@ FLAGS: dict[str, str] = {
     "answer_tokens": "--answer-tokens",
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
+    "attention": "--attention",
 }
 
 

@@ -121,6 +121,10 @@ class BakeOptions:
         refit_passes: refit passes after the first fit (at least 0): each runs the queries
             again with the patch so far and fits every block's remaining error on top of it
             (:func:`~ctxc.passes.solver.fit_solve.fit_solve`).
+        attention: move the attention output projections too (and their post-norm scales, in
+            ``fit``; a LoRA on them, in ``distill``) where a block has that surface (sandwich
+            norms: Gemma 2/3, OLMo 2). None: wherever the model has it; True: the same, and a
+            model with none refuses it; False: the MLPs only.
 
     Raises:
         OptionError: a bad value, naming its attribute.
@@ -144,6 +148,7 @@ class BakeOptions:
     answer_tokens: int = 16
     refit_passes: int = 0
     rank_per_block: bool = False
+    attention: bool | None = None
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)

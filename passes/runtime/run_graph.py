@@ -43,6 +43,10 @@ class BlockTargets:
     y: torch.Tensor
     v: torch.Tensor | None = None
 
+    def leading(self, n: int) -> BlockTargets:
+        """The first ``n`` rows (a shorter query set's, when the rows are stacked by query)."""
+        return BlockTargets(self.z[:n], self.y[:n], self.v[:n] if self.v is not None else None)
+
 
 @dataclass(frozen=True)
 class FullRun:

@@ -45,6 +45,9 @@ class FitOptions:
             linear and post-norm scale, or bias) carries the patch.
         rank_per_block: each block's matrices at that block's measured effective rank (the
             participation ratio of its per-position exact moves, rounded up), at most ``rank``.
+        attention_moves: fit the attention output projection and its post-norm scale too,
+            where a block has that surface (sandwich norms: Gemma 2/3, OLMo 2), so the residual
+            after the attention reaches the full run's before the MLP's moves.
     """
 
     ridge: float = 0.0
@@ -52,6 +55,7 @@ class FitOptions:
     scale_ridge: float = 0.0
     input_moves: bool = True
     rank_per_block: bool = False
+    attention_moves: bool = False
 
 
 @dataclass(frozen=True)

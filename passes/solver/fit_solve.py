@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ctxc.core.delta_math import at_alignment_of
 from ctxc.core.errors import SolveError
 from ctxc.frontend.trace import TracedModel
-from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
+from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock, NormSite
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import BlockTargets
@@ -156,11 +156,10 @@ class _Fitter:
 
     def block(self, block: MlpBlock) -> FitBlock:
         self.resid = {}
+        if self.opts.attention_moves and block.attention is not None:
+            self._attention(block)
         z = torch.cat(self.runs.advance(block.mlp_in)).float()  # [N, d_in]
-        for param, before in self.start.items():  # a refit pass starts from them
-            if before.block == block.path:  # (read after the advance: it loads the params)
-                base = self.runs.param(param)
-                self.runs.put(param, at_alignment_of(before.materialize(base), base), block.mlp_in)
+        self._start_from(block, block.mlp_in)
         z_c = self.targets[block.path].z.float()  # [N, d_in]
         sites = [s for s in block.inner if not s.experts]
         if len(sites) != len(block.inner) or block.output_control == "experts":
@@ -199,6 +198,44 @@ class _Fitter:
             delta_norms={p: d.norm() for p, d in self.deltas.items() if d.block == block.path},
             ranks={p: d.rank for p, d in self.deltas.items() if d.block == block.path and d.rank},
         )
+
+    def _start_from(self, block: MlpBlock, upto: str, only: set[str] | None = None) -> None:
+        """Put the previous pass's deltas of ``block`` (of ``only``) not yet put: a refit pass
+        starts from them. Recomputes up to ``upto`` (call after the advance: it loads the
+        params)."""
+        for param, before in self.start.items():
+            if before.block != block.path or param in self.deltas:
+                continue
+            if only is None or param in only:
+                base = self.runs.param(param)
+                self.runs.put(param, at_alignment_of(before.materialize(base), base), upto)
+
+    def _attention(self, block: MlpBlock) -> None:
+        """The attention output projection's move, then its post-norm scale's, fitted so the
+        residual after the attention ``v = x + g s_a norm(W_o a)`` reaches the full run's ``v_C``
+        (the ``lora`` rule's second surface, MATH.md 10, in the least-squares sense): a rank-r
+        move of ``W_o`` reads the attention output ``a``, which carries each query's own mix."""
+        att, v_c = block.attention, self.targets[block.path].v
+        assert att is not None
+        if v_c is None:
+            raise SolveError(block.path, "no full-run value of the residual after the attention")
+        self.runs.advance(att.add)
+        self._start_from(block, att.add, {att.site.weight, att.scale.param})
+        x = self.runs.values(att.residual).float()  # [N, d]
+        t = (v_c.float() - x) / att.gain  # [N, d]: what s_a * norm(o) must become
+        sc = att.scale
+        s = sc.alpha * self.runs.param(sc.param).float() + sc.offset  # [d]
+        a = self.runs.values(att.site.input).float()  # [N, d_attn]
+        o_now = self._outer_now(att.site, a)  # [N, d]
+        want = stable_targets(s, t, o_now)  # [N, d]
+        fit = fit_linear(self._fit_rows(a), self._fit_rows(want - o_now), self.opts, "attention a")
+        site = att.site
+        delta = Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout)
+        self._put(delta, att.add, fit.rel_residual)
+        f = self._fit_rows(self._normalized_at(att.norm))  # [N', d], recomputed (MATH.md 8)
+        found = fit_scale(s, f, self._fit_rows(t), self.opts.scale_ridge)
+        delta = Delta(sc.param, block.path, vector=found.ds / sc.alpha)
+        self._put(delta, att.add, found.rel_residual)
 
     def _output(self, block: MlpBlock) -> None:
         y_c = self.targets[block.path].y  # [N, d]
@@ -280,8 +317,13 @@ class _Fitter:
         return u_now
 
     def _normalized(self, block: MlpBlock) -> torch.Tensor:
-        norm, sc = block.norm, block.scale
-        assert norm is not None and sc is not None
+        assert block.norm is not None
+        return self._normalized_at(block.norm)
+
+    def _normalized_at(self, norm: NormSite) -> torch.Tensor:
+        """A post norm's normalised value ``f`` [N, d] its scale multiplies, as now computed."""
+        sc = norm.scale
+        assert sc is not None
         if sc.normalized:
             return self.runs.values(sc.normalized).float()
         x = self.runs.values(norm.input).float()  # [N, d]

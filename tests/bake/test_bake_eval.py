@@ -11,7 +11,6 @@ from ctxc.bake.data import FitData, record_fit_targets, special_prefix
 from ctxc.bake.evaluate import evaluate_against, greedy, position_figures, reference
 from ctxc.bake.fit import BakeOptions, bake
 from ctxc.bake.targets import cached_fit_targets
-from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from ctxc.passes.solver.fit_solve import effective_rank
 from ctxc.pipeline import traced_blocks
@@ -46,19 +45,19 @@ def _direct(model, patch, data: FitData, gen: int):
     return torch.cat(kls), torch.cat(agrees), matched
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
-def test_shared_reference_and_teacher_forced_count_match_direct_runs(family: str) -> None:
+@pytest.mark.parametrize(("family", "gen"), [("llama", 6), ("gemma3", 6), ("gemma3", 0)])
+def test_shared_reference_and_teacher_forced_count_match_direct_runs(family: str, gen: int):
     """Queries of three lengths in a batch of two (right padding; the reference batches the
-    equal lengths): the same KL, top-1 and free-generation count as running every input whole
-    and generating on both sides."""
+    equal lengths, or all of them right-padded without generation): the same KL, top-1 and
+    free-generation count as running every input whole and generating on both sides."""
     model = shared(family)
     data = _data(50, [3, 7, 5, 7, 3])
     patch = bake(
         model, data=data, options=BakeOptions(rank=2, ridge=1e-3, scale_ridge=1e-3, fit_prefix=True)
     ).patch
-    ref = reference(model, data, gen_tokens=6)
+    ref = reference(model, data, gen_tokens=gen)
     got = evaluate_against(model, patch, ref, batch=2)
-    kl, agree, matched = _direct(model, patch, data, 6)
+    kl, agree, matched = _direct(model, patch, data, gen)
     assert got.positions == kl.numel() == data.positions
     assert abs(got.kl - float(kl.mean())) <= 1e-5 * max(float(kl.mean()), 1.0), diff_msg(
         "mean KL", got.kl, kl.mean()
@@ -78,7 +77,7 @@ def test_reused_targets_of_a_longer_set_give_the_same_patch() -> None:
     targets = cached_fit_targets(model, traced, blocks, data)
     two = FitData(data.context_ids, data.prefix, data.queries[:2], data.kinds[:2])
     n = two.positions
-    sliced = {p: BlockTargets(z=t.z[:n], y=t.y[:n]) for p, t in targets.items()}
+    sliced = {p: t.leading(n) for p, t in targets.items()}
     opts = BakeOptions(rank=3)
     again = bake(model, data=two, targets=sliced, options=opts).patch
     fresh = bake(model, data=two, options=opts).patch
@@ -91,16 +90,23 @@ def test_reused_targets_of_a_longer_set_give_the_same_patch() -> None:
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_cached_targets_are_the_graph_s_up_to_rounding(family: str, monkeypatch) -> None:
     """One context run, its cache continued by batches of equal-length queries: every block's
-    z and y at every fit position as the graph records them query by query; a failed check on
-    the first query falls back to the graph's recording (bit for bit)."""
+    z, y (and Gemma's v, the residual after the attention) at every fit position as the graph
+    records them query by query; a failed check on the first query falls back to the graph's
+    recording (bit for bit)."""
     model = shared(family)
     data = _data(70, [4, 6, 4, 4, 6])
     traced, blocks = traced_blocks(model)
     want = record_fit_targets(traced, blocks, data)
     got = cached_fit_targets(model, traced, blocks, data)
     assert list(got) == list(want)
+    with_v = [p for p, tg in want.items() if tg.v is not None]
+    assert len(with_v) == (len(want) if family == "gemma3" else 0), with_v
     for path, tg in want.items():
-        for a, b in ((got[path].z, tg.z), (got[path].y, tg.y)):
+        pairs = [(got[path].z, tg.z), (got[path].y, tg.y)]
+        if tg.v is not None:
+            assert got[path].v is not None, path
+            pairs.append((got[path].v, tg.v))
+        for a, b in pairs:
             assert a.shape == b.shape, (path, a.shape, b.shape)
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), diff_msg(path, a, b)
     monkeypatch.setattr("ctxc.bake.targets.CHECK_TOL", -1.0)

@@ -53,6 +53,9 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     assert blocks, report.keys()
     for b in blocks:
         assert b["move_residuals"] and b["residual_rms"] >= 0 and b["effective_rank"] > 0, b
+        # Gemma's sandwich norms: the attention output projection is moved by default.
+        o_proj = b["path"].replace("mlp", "self_attn.o_proj.weight")
+        assert o_proj in b["move_residuals"] and o_proj in b["ranks"], b
     assert "KL" in proc.stdout
     again = run_cli(
         "eval-bake", str(out), "--model", str(tiny_model_dir), "--queries", str(held),
