@@ -183,9 +183,9 @@ def record_fit_targets(
 
 def stacked(rows: Sequence[BlockTargets]) -> BlockTargets:
     """Targets of several queries, rows stacked in order (``v`` where every query has it)."""
-    vs = [r.v for r in rows]
+    vs = [r.v for r in rows if r.v is not None]
     return BlockTargets(
         z=torch.cat([r.z for r in rows]),
         y=torch.cat([r.y for r in rows]),
-        v=torch.cat(vs) if all(v is not None for v in vs) else None,  # type: ignore[misc]
+        v=torch.cat(vs) if len(vs) == len(rows) else None,
     )
