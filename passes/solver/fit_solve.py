@@ -10,6 +10,10 @@ so the next block's input is what the patched model computes, and each block's t
 full run's block output (self-correcting). With one query, ridge 0 and no rank budget every
 fit is exact and the deltas are those of :func:`~ctxc.passes.solver.solve.solve` (stable rule).
 
+With ``attention_moves``, a block with an attention surface (sandwich norms) first fits its
+attention output projection and post-attention scale so the residual after the attention
+reaches the full run's ``v_C`` (:meth:`_Fitter._attention`), then its MLP moves as above.
+
 A refit pass (``passes > 1``) runs the queries again from the start with the previous pass's
 deltas in place and fits each block's remaining error on top of them (the earlier blocks now
 refitted, so each block sees what they produce after the refit); the two moves are summed and,
@@ -85,6 +89,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _sq_norms(x: torch.Tensor) -> torch.Tensor:
+    """[N, 1]: each row's squared norm (floored: a zero row divides nothing)."""
+    return x.pow(2).sum(1, keepdim=True).clamp_min(1e-30)
+
+
 def effective_rank(a: torch.Tensor, b: torch.Tensor) -> float:
     """Participation ratio of the rank-1 matrices ``a_j b_j^T`` (a [N, out], b [N, in]).
 
@@ -156,6 +165,7 @@ class _Fitter:
 
     def block(self, block: MlpBlock) -> FitBlock:
         self.resid = {}
+        self.opts = self.base_opts
         if self.opts.attention_moves and block.attention is not None:
             self._attention(block)
         z = torch.cat(self.runs.advance(block.mlp_in)).float()  # [N, d_in]
@@ -175,7 +185,7 @@ class _Fitter:
                 want = self._fit_rows((z_c - z) @ w.T)  # [N', out]: W (z_C - z) at each position
             zf = self._fit_rows(z)  # [N', d_in]
             if i == 0:
-                rank = effective_rank(want, zf / zf.pow(2).sum(1, keepdim=True).clamp_min(1e-30))
+                rank = effective_rank(want, zf / _sq_norms(zf))
                 self.opts = self._block_options(rank)
             if not self.opts.input_moves:
                 continue
@@ -227,8 +237,10 @@ class _Fitter:
         s = sc.alpha * self.runs.param(sc.param).float() + sc.offset  # [d]
         a = self.runs.values(att.site.input).float()  # [N, d_attn]
         o_now = self._outer_now(att.site, a)  # [N, d]
-        want = stable_targets(s, t, o_now)  # [N, d]
-        fit = fit_linear(self._fit_rows(a), self._fit_rows(want - o_now), self.opts, "attention a")
+        move, af = self._fit_rows(stable_targets(s, t, o_now) - o_now), self._fit_rows(a)
+        if self.base_opts.rank_per_block:  # its own measured effective rank, as the MLP's
+            self.opts = self._block_options(effective_rank(move, af / _sq_norms(af)))
+        fit = fit_linear(af, move, self.opts, "attention a")
         site = att.site
         delta = Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout)
         self._put(delta, att.add, fit.rel_residual)

@@ -171,10 +171,13 @@ def test_summed_delta_is_the_best_rank_r_sum() -> None:
     assert vec.vector is not None and vec.vector.tolist() == [2.0, 2.0, 2.0]
 
 
-def test_rank_auto_gives_each_block_its_effective_rank() -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_rank_auto_gives_each_block_its_effective_rank(family: str) -> None:
+    """Each MLP matrix at its block's effective rank; Gemma's attention output projection at
+    its own (measured the same way on its own moves), within its size."""
     import math
 
-    model, tok = shared("llama"), tiny_tokenizer()
+    model, tok = shared(family), tiny_tokenizer()
     queries = [random_ids(40 + i, 6) for i in range(4)]
     data = FitData([1, *random_ids(6, 24)], special_prefix(tok), queries, ["file"] * 4)
     baked = bake(model, data=data, options=BakeOptions(rank_per_block=True))
@@ -186,7 +189,11 @@ def test_rank_auto_gives_each_block_its_effective_rank() -> None:
             for name, d in baked.patch.deltas.items()
             if d.block == block["path"] and d.u is not None
         }
-        assert got and all(r == min(own, size) for r, size in got.values()), (own, got)
+        mlp = {k: v for k, v in got.items() if "o_proj" not in k}
+        assert mlp and all(r == min(own, size) for r, size in mlp.values()), (own, got)
+        attention = [v for k, v in got.items() if "o_proj" in k]
+        assert len(attention) == (family == "gemma3"), got
+        assert all(1 <= r <= size for r, size in attention), got
         assert block["ranks"] == {name: r for name, (r, _) in got.items()}, block["ranks"]
     with pytest.raises(CtxcError, match="a LoRA has one rank"):
         BakeOptions(rank_per_block=True, method="distill")
