@@ -50,14 +50,9 @@ def peak_gib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
-def leading(data: FitData, k: int) -> FitData:
-    """The first ``k`` queries of ``data``."""
-    return FitData(data.context_ids, data.prefix, data.queries[:k], data.kinds[:k])
-
-
 def leading_targets(targets: dict[str, BlockTargets], data: FitData, k: int) -> dict:
     """The rows of the first ``k`` queries (rows are stacked query by query)."""
-    n = leading(data, k).positions
+    n = data.part(0, k).positions
     return {p: t.leading(n) for p, t in targets.items()}
 
 
@@ -136,7 +131,7 @@ class Bench:
         have = len(self.teacher or [])
         if have < k:
             clock = time.perf_counter()
-            more = teacher_top(self.model, leading(self.data, k))[have:]
+            more = teacher_top(self.model, self.data.part(0, k))[have:]
             self.teacher = (self.teacher or []) + more
             self.note("distill teacher (full runs)", time.perf_counter() - clock, K=k)
         return self.teacher[:k]
@@ -150,7 +145,7 @@ class Bench:
         )  # fmt: skip
 
     def fit(self, k: int, r: str) -> float:
-        data = leading(self.data, k)
+        data = self.data.part(0, k)
         clock = time.perf_counter()
         result = bake(
             self.model, data=data, targets=leading_targets(self.targets, self.data, k),
@@ -168,7 +163,7 @@ class Bench:
         return seconds
 
     def distill(self, k: int, r: str, seconds: float, factor: float) -> None:
-        data = leading(self.data, k)
+        data = self.data.part(0, k)
         opts = self.options(r, "distill", distill_seconds=seconds * factor, seed=self.args.seed)
         result = bake(self.model, data=data, teacher=self.teacher_for(k), options=opts)
         d = result.report["distill"]
@@ -187,7 +182,7 @@ def run_context(args, model, tok, name: str, out: dict) -> None:
     if args.mean_exact:
         k = args.mean_exact_k or ks[0]
         clock = time.perf_counter()
-        patch = mean_exact_patch(model, leading(bench.data, k), args.mean_exact)
+        patch = mean_exact_patch(model, bench.data.part(0, k), args.mean_exact)
         bench.judge(patch, "mean-exact", k, "-", time.perf_counter() - clock,
                     exact_positions=args.mean_exact)  # fmt: skip
         del patch

@@ -58,6 +58,11 @@ class FitData:
         """What the original model is fed for query ``i``."""
         return self.context_ids + self.queries[i]
 
+    def part(self, start: int, stop: int | None = None) -> FitData:
+        """The same context and prefix with queries ``[start:stop]`` (their kinds too)."""
+        q, k = self.queries[start:stop], self.kinds[start:stop]
+        return FitData(self.context_ids, self.prefix, q, k)
+
     @property
     def positions(self) -> int:
         """N: the fit's constraints, every position of every reduced input."""

@@ -105,7 +105,7 @@ def distill(
     """
     from peft import LoraConfig, get_peft_model
 
-    targets = _lora_targets(blocks, options.attention is not False)
+    targets = _lora_targets(blocks, options.moves_attention)
     rank = options.rank or max(min(model.get_parameter(f"{m}.weight").shape) for m in targets)
     teacher = teacher if teacher is not None else teacher_top(model, data)
     vectors = {n: d for n, d in (start.deltas if start else {}).items() if d.vector is not None}

@@ -317,15 +317,7 @@ def evaluate_many(
 
 def chunks(data: FitData) -> list[FitData]:
     """``data`` in parts of ``_CHUNK`` queries (a part's reference logits held at a time)."""
-    return [
-        FitData(
-            data.context_ids,
-            data.prefix,
-            data.queries[start : start + _CHUNK],
-            data.kinds[start : start + _CHUNK],
-        )
-        for start in range(0, len(data.queries), _CHUNK)
-    ]
+    return [data.part(start, start + _CHUNK) for start in range(0, len(data.queries), _CHUNK)]
 
 
 def _summarise(found: list[_Figures], gen_tokens: int) -> BakeEval:

@@ -205,8 +205,9 @@ def bake(
 def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> FitSolution:
     """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
-    attention = o.attention is not False
-    opts = FitOptions(o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, attention)
+    opts = FitOptions(
+        o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention
+    )
     rows = None if o.fit_prefix else _query_rows(data)
     return fit_solve(traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes)
 

@@ -141,7 +141,7 @@ def cached_fit_targets(
     Returns:
         block path -> stacked :class:`BlockTargets` (rows query by query, as the graph's).
     """
-    first = FitData(data.context_ids, data.prefix, data.queries[:1], data.kinds[:1])
+    first = data.part(0, 1)
     want = record_fit_targets(traced, blocks, first)
     got = _cached_rows(model, blocks, data)
     if not _agrees(got, want):

@@ -170,7 +170,7 @@ def _figures(net, tokenizer, result, held: dict, eval_samples: int, seed: int) -
 
     data = result.data
     ids, prefix = data.context_ids, data.prefix
-    sets = {"fit": (leading(data, FIT_EVAL), 0)}
+    sets = {"fit": (data.part(0, FIT_EVAL), 0)}
     if eval_samples:
         d = bake_data(net, tokenizer, ids, None, eval_samples, EVAL_TOKENS, seed + 1, prefix)
         sets["held_out_samples"] = (d, EVAL_TOKENS)
@@ -187,13 +187,6 @@ def _figures(net, tokenizer, result, held: dict, eval_samples: int, seed: int) -
         patched, control = evaluate_many(net, [result.patch, None], d, gen, tokenizer=tok)
         figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
     return figures
-
-
-def leading(data, k: int):
-    """The first ``k`` queries of ``data``."""
-    from ctxc.bake.data import FitData
-
-    return FitData(data.context_ids, data.prefix, data.queries[:k], data.kinds[:k])
 
 
 def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:

@@ -190,6 +190,11 @@ class BakeOptions:
         return 0 if self.data == "self-study" else self.samples
 
     @property
+    def moves_attention(self) -> bool:
+        """Whether the attention output projections are moved where a block has them."""
+        return self.attention is not False
+
+    @property
     def lr(self) -> float:
         """``distill``'s learning rate (``distill_lr``, else by where it starts)."""
         if self.distill_lr is not None:

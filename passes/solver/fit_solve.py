@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ctxc.core.delta_math import at_alignment_of
 from ctxc.core.errors import SolveError
 from ctxc.frontend.trace import TracedModel
-from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock, NormSite
+from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock, NormSite, ScaleSite
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import BlockTargets
@@ -233,21 +233,17 @@ class _Fitter:
         self._start_from(block, att.add, {att.site.weight, att.scale.param})
         x = self.runs.values(att.residual).float()  # [N, d]
         t = (v_c.float() - x) / att.gain  # [N, d]: what s_a * norm(o) must become
-        sc = att.scale
-        s = sc.alpha * self.runs.param(sc.param).float() + sc.offset  # [d]
+        s = self._scale_of(att.scale)  # [d]
         a = self.runs.values(att.site.input).float()  # [N, d_attn]
         o_now = self._outer_now(att.site, a)  # [N, d]
-        move, af = self._fit_rows(stable_targets(s, t, o_now) - o_now), self._fit_rows(a)
+        move = stable_targets(s, t, o_now) - o_now  # [N, d]
         if self.base_opts.rank_per_block:  # its own measured effective rank, as the MLP's
-            self.opts = self._block_options(effective_rank(move, af / _sq_norms(af)))
-        fit = fit_linear(af, move, self.opts, "attention a")
-        site = att.site
-        delta = Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout)
-        self._put(delta, att.add, fit.rel_residual)
-        f = self._fit_rows(self._normalized_at(att.norm))  # [N', d], recomputed (MATH.md 8)
-        found = fit_scale(s, f, self._fit_rows(t), self.opts.scale_ridge)
-        delta = Delta(sc.param, block.path, vector=found.ds / sc.alpha)
-        self._put(delta, att.add, found.rel_residual)
+            af = self._fit_rows(a)
+            self.opts = self._block_options(
+                effective_rank(self._fit_rows(move), af / _sq_norms(af))
+            )
+        self._put_linear(block.path, att.site, a, move, att.add, "attention a")
+        self._put_scale(block.path, att.norm, s, t, att.add)
 
     def _output(self, block: MlpBlock) -> None:
         y_c = self.targets[block.path].y  # [N, d]
@@ -267,7 +263,7 @@ class _Fitter:
             assert sc is not None
             if not block.stable_ok:
                 raise SolveError(block.path, "ops between the down projection and the post norm")
-            s = sc.alpha * self.runs.param(sc.param).float() + sc.offset  # [d]
+            s = self._scale_of(sc)  # [d]
             h = self.runs.values(block.activation).float()  # [N, d_ff]
             u_now = self._outer_now(site, h)  # [N, d]
             assert block.norm is not None
@@ -282,10 +278,7 @@ class _Fitter:
             else:
                 want = stable_targets(s, t, u_now)  # [N, d]
             self._put_outer(block, want - u_now, h)
-            f = self._fit_rows(self._normalized(block))  # [N', d], recomputed (MATH.md 8)
-            found = fit_scale(s, f, self._fit_rows(t), self.opts.scale_ridge)
-            delta = Delta(sc.param, block.path, vector=found.ds / sc.alpha)
-            self._put(delta, block.residual_add, found.rel_residual)
+            self._put_scale(block.path, block.norm, s, t, block.residual_add)
         else:  # pragma: no cover - the locator makes only the kinds above
             raise SolveError(block.path, f"unknown output control {ctl!r}")
 
@@ -301,11 +294,32 @@ class _Fitter:
         return x if self.rows is None else x[self.rows]
 
     def _put_outer(self, block: MlpBlock, residual: torch.Tensor, h: torch.Tensor) -> None:
-        h, residual = self._fit_rows(h), self._fit_rows(residual)
-        fit = fit_linear(h, residual, self.opts, "MLP activation h")
-        site = block.outer
-        delta = Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout)
-        self._put(delta, block.residual_add, fit.rel_residual)
+        self._put_linear(
+            block.path, block.outer, h, residual, block.residual_add, "MLP activation h"
+        )
+
+    def _put_linear(
+        self, path: str, site: LinearSite, x: torch.Tensor, move: torch.Tensor, upto: str, what: str
+    ) -> None:
+        """Fit ``site``'s move (``x`` [N, in] -> ``move`` [N, out] at the fit rows) and put it."""
+        fit = fit_linear(self._fit_rows(x), self._fit_rows(move), self.opts, what)
+        delta = Delta(site.weight, path, u=fit.u, v=fit.v, layout=site.layout)
+        self._put(delta, upto, fit.rel_residual)
+
+    def _put_scale(
+        self, path: str, norm: NormSite, s: torch.Tensor, t: torch.Tensor, upto: str
+    ) -> None:
+        """Fit ``norm``'s scale so ``(s + ds) * f ~ t`` [N, d] over the fit rows, ``f`` the
+        normalised value recomputed after the linear move (MATH.md 8), and put it."""
+        sc = norm.scale
+        assert sc is not None
+        f = self._fit_rows(self._normalized_at(norm))  # [N', d]
+        found = fit_scale(s, f, self._fit_rows(t), self.opts.scale_ridge)
+        self._put(Delta(sc.param, path, vector=found.ds / sc.alpha), upto, found.rel_residual)
+
+    def _scale_of(self, sc: ScaleSite) -> torch.Tensor:
+        """A norm's effective scale ``alpha * w + offset`` [d], float32, as now put."""
+        return sc.alpha * self.runs.param(sc.param).float() + sc.offset
 
     def _put(self, delta: Delta, upto: str, rel: float) -> None:
         if delta.param in self.deltas:

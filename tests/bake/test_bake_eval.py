@@ -75,7 +75,7 @@ def test_reused_targets_of_a_longer_set_give_the_same_patch() -> None:
     data = _data(60, [4, 6, 5, 3])
     traced, blocks = traced_blocks(model)
     targets = cached_fit_targets(model, traced, blocks, data)
-    two = FitData(data.context_ids, data.prefix, data.queries[:2], data.kinds[:2])
+    two = data.part(0, 2)
     n = two.positions
     sliced = {p: t.leading(n) for p, t in targets.items()}
     opts = BakeOptions(rank=3)
