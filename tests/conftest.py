@@ -1,3 +1,5 @@
+"""The suite's shared fixtures; the tiers and the threads per worker: tests/fixtures/tiers.py."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -5,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from tests.fixtures.tiny_models import build, tiny_tokenizer
+
+pytest_plugins = ["pytester", "tests.fixtures.tiers"]
 
 
 @pytest.fixture(scope="session")

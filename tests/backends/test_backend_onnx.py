@@ -25,8 +25,6 @@ from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
 from tests.fixtures.helpers import diff_msg, full_logits, logits, max_diff, random_ids
 from tests.fixtures.tiny_models import MOE, build, build_any
 
-pytestmark = pytest.mark.tiny
-
 # family -> bound on max |onnxruntime - torch patched|, about ten times the measured figure (in
 # the comment; the largest over the query and two other lengths).
 BAKED_ATOL = {
@@ -101,6 +99,7 @@ def baked(llama, tmp_path_factory):
     return path, figures, before
 
 
+@pytest.mark.tiny
 def test_cli_rejects_patchable_without_onnx(tmp_path) -> None:
     args = ["export", "--patch", "p.safetensors", "--to", "peft", "--patchable"]
     proc = subprocess.run(

@@ -30,8 +30,6 @@ from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
 from tests.fixtures.tiny_models import build
 
-pytestmark = pytest.mark.tiny
-
 # bound on max |onnxruntime with the adapter, query alone - torch full context|
 FULL_CONTEXT_ATOL = 1e-5
 

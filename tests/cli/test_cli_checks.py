@@ -21,8 +21,6 @@ from safetensors.torch import load_file, save_file
 from tests.fixtures.helpers import random_ids, run_cli
 from tests.fixtures.tiny_models import bpe_tokenizer, shared
 
-pytestmark = pytest.mark.tiny
-
 # kind -> (update rule, the artefact named in the message, what it would have written)
 KINDS = {
     "torch": ("stable", "model/", ["model"]),
@@ -61,7 +59,8 @@ def _leftovers(folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    "kind", [pytest.param(k, marks=[pytest.mark.slow] if k in SLOW else []) for k in KINDS]
+    "kind",
+    [pytest.param(k, marks=pytest.mark.slow if k in SLOW else pytest.mark.tiny) for k in KINDS],
 )
 def test_a_forced_failure_of_each_artefact(kind, llama_dir, tmp_path, monkeypatch):
     update, artefact, writes = KINDS[kind]
@@ -85,6 +84,7 @@ def test_a_forced_failure_of_each_artefact(kind, llama_dir, tmp_path, monkeypatc
     assert not _leftovers(tmp_path)
 
 
+@pytest.mark.tiny
 def test_what_passed_is_kept_and_export_retries(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CTXC_TEST_FAIL_CHECK", "peft")
     run = _compile(llama_dir, tmp_path, "torch,peft", "stable")
@@ -136,6 +136,7 @@ def scaled(tiny_model_dir, tmp_path_factory):
     return work, tensors, meta
 
 
+@pytest.mark.tiny
 def test_a_scaled_value_is_refused_by_the_digest(scaled, tiny_model_dir):
     work, tensors, meta = scaled
     bad = work / "bad.safetensors"
@@ -152,6 +153,7 @@ def test_a_scaled_value_is_refused_by_the_digest(scaled, tiny_model_dir):
     assert not list(work.glob("x*"))
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize(("to", "artefact"), [("torch", "model folder"), ("peft", "adapter/")])
 def test_a_scaled_value_without_digest_fails_the_gate(scaled, tiny_model_dir, to, artefact):
     work, tensors, meta = scaled
@@ -169,6 +171,7 @@ def test_a_scaled_value_without_digest_fails_the_gate(scaled, tiny_model_dir, to
     assert not list(work.glob(f"y-{to}*"))
 
 
+@pytest.mark.tiny
 def test_a_patch_without_digest_still_loads(scaled):
     from ctxc.patch import Patch
 
@@ -182,6 +185,7 @@ def test_a_patch_without_digest_still_loads(scaled):
     assert patch.meta.solver_max_abs_logit_diff == float(meta["solver_max_abs_logit_diff"])
 
 
+@pytest.mark.tiny
 def test_a_kept_folder_never_replaces_anything(tiny_model_dir, tmp_path, monkeypatch):
     (tmp_path / "ctx.txt").write_text("w1 w2 w3 w4 w5")
     (tmp_path / "out.failed").mkdir()

@@ -15,8 +15,6 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from tests.fixtures.helpers import diff_msg, max_diff, run_cli
 from tests.fixtures.tiny_vlms import build_vlm, make_image
 
-pytestmark = pytest.mark.tiny
-
 TEXT = "w5 w6 w7 w8 w9 w10"
 QUERY = "w20 w21"
 
@@ -62,6 +60,7 @@ def _reference(folder: Path, image: Path, query_ids: list[int]) -> torch.Tensor:
         return model(**inputs).logits[0, -len(query_ids) :].float()
 
 
+@pytest.mark.tiny
 def test_compile_with_an_image_writes_the_whole_model(files, tmp_path) -> None:
     args = ["compile", "--model", str(files["gemma3"]), "--context", str(files["root"] / "ctx.txt")]
     run = run_cli(
@@ -97,6 +96,7 @@ def test_compile_with_an_image_writes_the_whole_model(files, tmp_path) -> None:
             assert torch.equal(param, tower[name]), name
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize("family", ["gemma3", "paligemma"])
 def test_a_failed_check_with_an_image_exits_2_and_writes_no_folder(family, tmp_path, monkeypatch):
     """An image context's model/ failing its check is exit 2, one line, no out/; the patch is
@@ -125,6 +125,7 @@ def test_compile_an_image_only_context_to_onnx(files, tmp_path) -> None:
     assert (tmp_path / "out" / "model.onnx").is_file()
 
 
+@pytest.mark.tiny
 def test_generate_with_an_image_matches_every_step(files, tmp_path) -> None:
     args = [
         "generate",
@@ -143,6 +144,7 @@ def test_generate_with_an_image_matches_every_step(files, tmp_path) -> None:
     assert data["summary"]["max_abs_logit_diff"] <= 1e-5, data["summary"]
 
 
+@pytest.mark.tiny
 def test_inspect_lists_the_language_blocks_and_says_the_tower_is_not_patched(files) -> None:
     run = run_cli("inspect", "--model", str(files["gemma3"]))
     assert run.returncode == 0, run.stderr
@@ -153,6 +155,7 @@ def test_inspect_lists_the_language_blocks_and_says_the_tower_is_not_patched(fil
     assert len(tower) == 1 and "never patched" in tower[0], run.stdout
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize(
     ("case", "message"),
     [

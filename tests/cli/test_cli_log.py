@@ -25,8 +25,6 @@ from ctxc.cli.progress import Counter, Trail, command_trail, finish, stage_progr
 from tests.fixtures.helpers import TRAIL_LINE, run_cli
 from tests.fixtures.tiny_models import VOCAB, build
 
-pytestmark = pytest.mark.tiny
-
 CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 # What a line of third-party noise looks like: torch's logging (W1201 17:00:54.835 ...), a tqdm
 # bar, Python's warnings, onnxruntime's log, Transformers' own lines.
@@ -61,6 +59,7 @@ def work(tmp_path: Path) -> Path:
     return tmp_path
 
 
+@pytest.mark.tiny
 def test_compile_into_a_log_prints_whole_lines_and_a_plain_trail(tiny_model_dir, work):
     proc = _ctxc(
         *("compile", "--model", str(tiny_model_dir), "--context", "context.txt"),
@@ -89,6 +88,7 @@ def test_compile_into_a_log_prints_whole_lines_and_a_plain_trail(tiny_model_dir,
     assert len(trail) <= 20, trail
 
 
+@pytest.mark.tiny
 def test_generate_table_keeps_its_width_in_a_log(tiny_model_dir, work):
     proc = _ctxc(
         *("generate", "--model", str(tiny_model_dir), "--context", "context.txt"),
@@ -135,6 +135,7 @@ def _merging_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", **special)
 
 
+@pytest.mark.tiny
 def test_gguf_conversion_draws_no_bars_unless_verbose(work):
     """A .gguf --model is converted once: Transformers draws its de-quantising and loading bars
     (plain tqdm) meanwhile. Off unless -v."""
@@ -157,6 +158,7 @@ def test_gguf_conversion_draws_no_bars_unless_verbose(work):
         assert bar in loud.stderr, loud.stderr[-2000:]
 
 
+@pytest.mark.tiny
 def test_plain_trail_is_a_line_per_stage_and_per_tenth() -> None:
     buf = io.StringIO()
     trail = Trail(Console(file=buf, width=40))
@@ -173,6 +175,7 @@ def test_plain_trail_is_a_line_per_stage_and_per_tenth() -> None:
     ], lines
 
 
+@pytest.mark.tiny
 def test_plain_trail_keeps_to_the_counter_inside_a_loop_and_no_done_after_a_failure(capsys):
     with command_trail(), Counter(rate="contexts/s") as bar:
         task = bar.add_task("contexts", total=3)
@@ -192,6 +195,7 @@ def test_plain_trail_keeps_to_the_counter_inside_a_loop_and_no_done_after_a_fail
     assert all(TRAIL_LINE.fullmatch(line) for line in lines), lines
 
 
+@pytest.mark.tiny
 def test_terminal_display_is_one_display_without_none_counters(monkeypatch) -> None:
     buf = io.StringIO()
     console = Console(file=buf, force_terminal=True, width=100, color_system=None)
@@ -219,6 +223,7 @@ def test_terminal_display_is_one_display_without_none_counters(monkeypatch) -> N
     assert "ctxc: done" not in buf.getvalue()  # the terminal display is transient
 
 
+@pytest.mark.tiny
 def test_report_json_names_the_model_folder_absolute(tiny_model_dir, work):
     rel = os.path.relpath(tiny_model_dir, work)
     run = run_cli("compile", "--model", rel, "--context", "context.txt", "--out", "out", cwd=work)

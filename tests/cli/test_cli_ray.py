@@ -141,8 +141,7 @@ def local(tiny_model_dir, tmp_path_factory) -> Path:
     return work / "out"
 
 
-@pytest.mark.slow
-@pytest.mark.tiny
+@pytest.mark.slow  # starts a local Ray
 def test_ray_run_is_byte_identical_to_the_local_run(cluster, local, tiny_model_dir, tmp_path):
     """From Python (the command's own run): 5 workers asked of 2 CPUs give 2; every folder and
     index.json byte for byte the local run's, the bad line an error of its own."""
@@ -180,8 +179,7 @@ def _kill_paused(pid_file: Path, seen: list[int]) -> threading.Thread:
     return thread
 
 
-@pytest.mark.slow
-@pytest.mark.tiny
+@pytest.mark.slow  # starts a local Ray
 def test_killed_worker_loses_no_line(cluster, local, tiny_model_dir, tmp_path, monkeypatch):
     """SIGKILL to the worker compiling line ``first`` (held there by the test hook): the line
     is retried by the worker that replaces it, every line once, the loss in index.json, the
@@ -220,8 +218,7 @@ def _interrupt_after(out: Path, name: str) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.slow
-@pytest.mark.tiny
+@pytest.mark.slow  # starts a local Ray
 def test_interrupted_ray_run_resumes(cluster, local, tiny_model_dir, tmp_path, monkeypatch):
     """Ctrl-C after two lines: the workers end, no staging folder is left, the finished lines
     stay; --resume compiles only the others, and the result is the uninterrupted run's."""

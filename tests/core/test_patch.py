@@ -9,6 +9,8 @@ import ctxc
 from ctxc.models.fingerprint import fingerprint
 from tests.fixtures.tiny_models import build
 
+pytestmark = pytest.mark.tiny  # a module fixture compiles a tiny model
+
 
 @pytest.fixture(scope="module")
 def compiled():

@@ -22,12 +22,11 @@ from ctxc.inspect.render_text import render_text
 from tests.fixtures.custom_decoder import ToyLM
 from tests.fixtures.tiny_models import shared, tiny_tokenizer
 
-pytestmark = pytest.mark.tiny
-
 GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["gpt2", "olmo2", "qwen2_moe"]
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize("name", GOLDEN_MODELS)
 def test_json_matches_the_golden_file(name: str) -> None:
     got = inspection_dict(inspect_model(shared(name)))
@@ -41,6 +40,7 @@ def test_json_matches_the_golden_file(name: str) -> None:
     assert '"linear_' not in text and '"add_' not in text and '"mul_' not in text
 
 
+@pytest.mark.tiny
 def test_text_names_shapes_roles_patches_and_rejections() -> None:
     text = render_text(inspect_model(ToyLM(post=["scaled", "plain"])))
     assert "trunk.0.ffn [shape A]" in text
@@ -50,6 +50,7 @@ def test_text_names_shapes_roles_patches_and_rejections() -> None:
     assert "trunk.1.ffn: REJECTED: post norm trunk.1.post_ffn (RMS norm) has no trainable" in text
 
 
+@pytest.mark.tiny
 def test_html_draws_each_shape_once_with_patched_parameters(tmp_path) -> None:
     page = render_html(inspect_model(shared("qwen2_moe")))
     assert page.count("<svg") == 1  # both blocks share one shape
@@ -78,6 +79,7 @@ def test_html_draws_each_shape_once_with_patched_parameters(tmp_path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.tiny
 def test_cli_formats(tmp_path, capsys) -> None:
     model = shared("gpt2")
     folder = tmp_path / "gpt2"

@@ -31,6 +31,8 @@ from ctxc.passes.locate.match_linears import (
 )
 from tests.fixtures.tiny_models import FAMILIES, build, build_any
 
+pytestmark = pytest.mark.tiny  # every test traces a tiny model
+
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_layer_has_one_gated_block(family: str) -> None:

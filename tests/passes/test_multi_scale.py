@@ -154,6 +154,7 @@ def _ids(seed: int, n: int) -> list[int]:
     return torch.randint(4, VOCAB, (n,), generator=g).tolist()
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize("update", ["stable", "standard", "output"])
 @pytest.mark.parametrize("family", ["gemma3", "olmo2"])
 def test_three_token_query_through_post_norm_scales(family: str, update: str) -> None:

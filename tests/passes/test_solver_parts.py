@@ -26,6 +26,7 @@ def _names(params: tuple[str, ...]) -> list[str]:
     return [p.split(".mlp.")[-1].split("layers.0.")[-1] for p in params]
 
 
+@pytest.mark.tiny
 def test_plan_per_rule_on_a_scaled_post_norm() -> None:
     _, blocks = traced_blocks(shared("gemma3"))
     b = blocks.blocks[0]
@@ -40,6 +41,7 @@ def test_plan_per_rule_on_a_scaled_post_norm() -> None:
     assert {m.kind for m in plan(b, "stable").moves} == {"matrix", "vector"}
 
 
+@pytest.mark.tiny
 @pytest.mark.parametrize("name", ["llama", "gemma3", "mixtral", "stablelm"])
 def test_classify_marks_what_the_default_plan_moves(name: str) -> None:
     _, blocks = traced_blocks(shared(name))
@@ -50,6 +52,7 @@ def test_classify_marks_what_the_default_plan_moves(name: str) -> None:
         assert used == moved, (b.path, used ^ moved)
 
 
+@pytest.mark.tiny
 def test_reduced_run_without_changes_is_the_plain_run() -> None:
     traced, blocks = traced_blocks(shared("gemma3"))
     query = torch.tensor([IDS[-2:]])
@@ -76,6 +79,7 @@ def test_one_delta_arithmetic_matches_delta_materialize() -> None:
     assert torch.equal(add_in_float32(wt, lowrank_dense(u, v, "in_out")), conv.materialize(wt))
 
 
+@pytest.mark.tiny
 def test_figures_that_do_not_apply_are_none_and_null() -> None:
     rep = ctxc.compile(shared("llama"), context_ids=IDS).report
     for b in rep.blocks:

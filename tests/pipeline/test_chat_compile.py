@@ -20,7 +20,6 @@ pytestmark = pytest.mark.tiny
 
 TEMPLATES = ("llama3", "gemma3", "qwen3")
 BOUND = 2e-5
-slow = pytest.mark.slow
 
 
 @functools.cache
@@ -67,7 +66,7 @@ _REFUSED = {("gemma3", "document", 1)}
 
 
 def _marks(name: str, kind: str, i: int) -> list:
-    marks = [slow] if i else []
+    marks = []
     if (name, kind, i) in _REFUSED:
         marks.append(pytest.mark.xfail(raises=SolveError, strict=True, reason="solver"))
     return marks

@@ -12,7 +12,7 @@ import pytest
 
 from tests.fixtures.helpers import compile_then_check
 
-pytestmark = [pytest.mark.tiny, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 SHORT = ROOT / "examples" / "short.txt"

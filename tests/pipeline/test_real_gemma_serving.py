@@ -15,7 +15,7 @@ import ctxc
 from ctxc.backends.gguf.lora import emit_gguf_lora
 from ctxc.backends.peft.lora_adapter import emit_lora
 
-pytestmark = [pytest.mark.tiny, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.txt"
 
