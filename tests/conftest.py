@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.tiny_models import build, tiny_tokenizer
+from testbed.tiny_models import build, tiny_tokenizer
 
 pytest_plugins = ["pytester", "tests.fixtures.tiers"]
 

@@ -17,9 +17,9 @@ model runs in its own forked process with a timeout. Writes the records to
 ``tests/pipeline/test_coverage.py`` runs the ``ci`` subset.
 
 This file is the driver: the command line and one forked process per entry. The entries and
-their classification: ``benchmarks/coverage/entries.py``; the tiny configs and the override
-table: ``benchmarks/coverage/configs.py``; one entry's run and record:
-``benchmarks/coverage/run_entry.py``; the reports: ``benchmarks/coverage/render.py``.
+their classification: ``testbed/coverage/entries.py``; the tiny configs and the override
+table: ``testbed/coverage/configs.py``; one entry's run and record:
+``testbed/coverage/run_entry.py``; the reports: ``benchmarks/coverage/render.py``.
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.coverage.configs import OVERRIDES, build_model, tiny_config
-from benchmarks.coverage.entries import CI_SUBSET, Entry, entries
-from benchmarks.coverage.render import FAINT, cell, summarise, write_reports
 from benchmarks.coverage.render import main as render_main
-from benchmarks.coverage.run_entry import ROOT, TOL, run_entry
-from benchmarks.tables import commit, invocation
+from benchmarks.coverage.render import summarise, write_reports
+from testbed.coverage.configs import OVERRIDES, build_model, tiny_config
+from testbed.coverage.entries import CI_SUBSET, Entry, entries
+from testbed.coverage.run_entry import FAINT, ROOT, TOL, cell, run_entry
+from testbed.tables import commit, invocation
 
 __all__ = [
     "CI_SUBSET",

@@ -4,7 +4,7 @@
 with paths and numbers blanked; :func:`write_reports` writes the JSON (data the benchmarks read
 back, ``benchmarks/results/coverage.json``) and, when asked, the Markdown page
 (``docs/results/coverage.md``), stamped with the commit, the date and the command
-(``benchmarks/tables.py``). Run as a module it renders the page from an existing JSON:
+(``testbed/tables.py``). Run as a module it renders the page from an existing JSON:
 
     python -m benchmarks.coverage.render [--json benchmarks/results/coverage.json]
         [--results docs/results/coverage.md]
@@ -21,16 +21,13 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from benchmarks.coverage.run_entry import ROOT, TOL
-from benchmarks.tables import invocation, stamp
+from testbed.coverage.run_entry import FAINT, ROOT, TOL, cell, faint
+from testbed.tables import invocation, stamp
 
-__all__ = ["DEFAULT_JSON", "FAINT", "cell", "main", "markdown", "summarise", "write_reports"]
+__all__ = ["DEFAULT_JSON", "main", "markdown", "summarise", "write_reports"]
 
 # Where the matrix keeps its records (``--out`` of ``benchmarks/coverage/matrix.py``).
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "coverage.json"
-
-# A control figure below this: the random model hardly sees the context (a vacuous "exact").
-FAINT = 1e-2
 
 
 def _group_key(text: str) -> str:
@@ -64,7 +61,7 @@ def summarise(results: list[dict]) -> dict:
     before = [r["family"] for r in results if r.get("stage") in ("config", "build", "forward")]
     return {
         "failed_before_ctxc": sorted(before),
-        "exact_faint": sorted(r["family"] for r in results if r["status"] == "exact" and _faint(r)),
+        "exact_faint": sorted(r["family"] for r in results if r["status"] == "exact" and faint(r)),
         "classes": len({r["cls"] for r in results}),
         "entries": len(results),
         "counts": dict(counts),
@@ -72,35 +69,6 @@ def summarise(results: list[dict]) -> dict:
         "failed": {k: sorted(v) for k, v in sorted(failed.items(), key=lambda kv: -len(kv[1]))},
         "inexact": inexact,
     }
-
-
-def _faint(r: dict) -> bool:
-    """The unpatched control is already close: exactness says little about this model."""
-    return r.get("control_max_abs_logit_diff", 1.0) <= FAINT
-
-
-def _fmt(x) -> str:
-    return "" if x is None else f"{x:.2g}"
-
-
-def cell(r: dict) -> str:
-    """The matrix's result cell of record ``r`` (also the progress line of a run)."""
-    status = r["status"]
-    if status in ("exact", "inexact"):
-        control = _fmt(r["control_max_abs_logit_diff"])
-        faint = ", the context hardly matters" if _faint(r) else ""
-        return f"{status}: {_fmt(r['max_abs_logit_diff'])} (control {control}{faint})"
-    if status == "refused":
-        text = "; ".join(r.get("reasons", []))
-        if r.get("rungs"):  # every export rung failed: each one's reason, after the branch
-            text += f" [rungs: {'; '.join(r['rungs'])}]"
-        skip = r.get("skip_unpatchable", {})
-        if "max_abs_logit_diff" in skip:
-            text += f" [rest patched: {_fmt(skip['max_abs_logit_diff'])}]"
-        return f"refused: {text}"
-    if status == "failed":
-        return f"failed ({r.get('stage', '')}): {r['error']}: {r.get('message', '')}"
-    return f"out of scope: {r.get('reason', '')}"
 
 
 def _blocks_cell(r: dict) -> str:
@@ -146,7 +114,7 @@ def markdown(results: list[dict], meta: dict, stamped: str = "") -> str:
     Args:
         results: the records.
         meta: versions, settings and run time (``coverage.json``'s ``meta``).
-        stamped: the stamp put under the title (:func:`benchmarks.tables.stamp`).
+        stamped: the stamp put under the title (:func:`testbed.tables.stamp`).
     """
     summary = summarise(results)
     v = meta["versions"]

@@ -1,5 +1,5 @@
 """Chat contexts (issue 24) on tiny random models carrying the real Llama 3, Gemma 3 and Qwen 3
-chat templates (``tests/fixtures/chat.py``).
+chat templates (``testbed/chat.py``).
 
 For each template: three system prompts, three documents (each with its query), and a
 three-turn conversation whose fourth turn is the query. Each is compiled with
@@ -44,7 +44,7 @@ HEADER = (
 
 
 def _cases() -> list[tuple[str, list[dict], str | None]]:
-    from tests.fixtures.chat import DOCUMENTS, QUERIES, SYSTEMS
+    from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS
 
     cases: list[tuple[str, list[dict], str | None]] = []
     for i in range(3):
@@ -98,7 +98,7 @@ def measure(
 
 def generate_check(model, tok) -> tuple[int, int, float]:
     """(tokens matching greedy, steps, max abs logit diff) of the protocol over a document."""
-    from tests.fixtures.chat import DOCUMENTS, QUERIES
+    from testbed.chat import DOCUMENTS, QUERIES
 
     split = split_chat(tok, [{"role": "user", "content": DOCUMENTS[0]}], QUERIES[0])
     ids = split.context_ids + split.query_ids
@@ -120,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
-    from tests.fixtures.chat import chat_model, chat_tokenizer
+    from testbed.chat import chat_model, chat_tokenizer
 
     rows, gen_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,7 +150,7 @@ def main() -> None:
             gen_rows.append((name, f"{same}/{steps}", f"{worst:.2e}"))
             print(f"{name} generate: {same}/{steps} tokens match greedy, max {worst:.2e}")
     if args.results is not None:
-        from benchmarks.tables import invocation, table, write_table
+        from testbed.tables import invocation, table, write_table
 
         notes = (
             "Each row: `ctxc.compile(messages=...)`, `model/` reloaded by plain Transformers fed "

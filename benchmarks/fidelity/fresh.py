@@ -35,7 +35,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.tables import invocation, write_table
+from testbed.tables import invocation, write_table
 
 ROOT = Path(__file__).resolve().parents[2]
 TEXTS = [ROOT / "examples" / f"{n}.txt" for n in ("short", "medium", "long")] + sorted(

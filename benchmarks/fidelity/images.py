@@ -68,7 +68,7 @@ def _row(name: str, m: dict) -> str:
 
 
 def _tiny_cases(work: Path) -> list[tuple[str, object, object, Path, str, str | None]]:
-    from tests.fixtures.tiny_vlms import build_vlm, make_image
+    from testbed.tiny_vlms import build_vlm, make_image
 
     image = make_image(work / "a.png", 1)
     cases = []

@@ -33,7 +33,6 @@ import torch
 from transformers.utils import logging as hf_logging
 
 import ctxc
-from benchmarks.tables import invocation, table, write_table
 from ctxc.backends.gguf.llama_cpp.run import (
     LLAMA_CPP_FACTOR,
     LLAMA_CPP_MIN_FLOOR,
@@ -48,6 +47,7 @@ from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.torch.verify import reference_logits, torch_logits
 from ctxc.core.metrics import fidelity
 from ctxc.models.load import source_gguf
+from testbed.tables import invocation, table, write_table
 
 ROOT = Path(__file__).resolve().parents[2]
 QUERY = "\nQuestion: What is this text about?\nAnswer:"

@@ -20,7 +20,7 @@ alone to
 Prints max |logit diff| against the full-context model and top-1 agreement, the unpatched control
 beside, the largest rounding gain and output magnitude over blocks (MATH.md 12), and the worst of
 each column; ``--json FILE`` writes the rows, ``--results FILE.md`` the table (stamped with the
-commit and the date: ``benchmarks/tables.py``).
+commit and the date: ``testbed/tables.py``).
 
     python -m benchmarks.fidelity.onnx [--update stable] [--baked 13] [--json out.json]
         [--results docs/results/fidelity-onnx.md]
@@ -37,7 +37,6 @@ import numpy as np
 import torch
 
 import ctxc
-from benchmarks.tables import invocation, write_table
 from ctxc.backends.onnx.check import ort_session
 from ctxc.backends.onnx.export import patched_logits
 from ctxc.backends.onnx.model import emit_onnx
@@ -48,6 +47,7 @@ from ctxc.backends.onnx.ort_adapter import (
     write_adapter,
 )
 from ctxc.core.metrics import fidelity
+from testbed.tables import invocation, write_table
 
 TEXTS = Path(__file__).resolve().parents[1] / "texts"
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -15,8 +15,8 @@ from ctxc.backends.gguf.model import emit_gguf
 from ctxc.backends.peft.lora_adapter import emit_lora
 from ctxc.backends.peft.lora_rules import check_vllm_adapter
 from ctxc.core.errors import CtxcError
+from testbed.tiny_models import bpe_tokenizer, shared
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids, run_cli
-from tests.fixtures.tiny_models import bpe_tokenizer, shared
 
 pytestmark = pytest.mark.tiny
 

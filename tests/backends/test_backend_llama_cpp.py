@@ -16,9 +16,9 @@ from ctxc.backends.gguf.llama_cpp import run as llama_cpp_run
 from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures, llama_cpp_unavailable
 from ctxc.backends.gguf.lora import emit_gguf_lora
 from ctxc.backends.gguf.model import emit_gguf
+from testbed.tiny_models import shared
 from tests.backends.test_backend_gguf import _model_dir, bpe_tokenizer
 from tests.fixtures.helpers import random_ids, run_cli
-from tests.fixtures.tiny_models import shared
 
 pytestmark = pytest.mark.tiny
 

@@ -22,8 +22,8 @@ import ctxc
 from ctxc.backends.onnx.check import ONNX_ATOL, check_lengths
 from ctxc.backends.onnx.model import ONNX_FILE, emit_onnx
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
+from testbed.tiny_models import MOE, build, build_any
 from tests.fixtures.helpers import diff_msg, full_logits, logits, max_diff, random_ids
-from tests.fixtures.tiny_models import MOE, build, build_any
 
 # family -> bound on max |onnxruntime - torch patched|, about ten times the measured figure (in
 # the comment; the largest over the query and two other lengths).

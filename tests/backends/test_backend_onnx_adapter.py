@@ -27,8 +27,8 @@ from ctxc.backends.onnx.ort_adapter import (
     write_adapter,
 )
 from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
+from testbed.tiny_models import build
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
-from tests.fixtures.tiny_models import build
 
 # bound on max |onnxruntime with the adapter, query alone - torch full context|
 FULL_CONTEXT_ATOL = 1e-5

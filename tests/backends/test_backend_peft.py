@@ -12,8 +12,8 @@ from peft import PeftModel
 import ctxc
 from ctxc.backends.peft.adapter import ADAPTER_DIR, emit_peft, plan_adapter
 from ctxc.patch import Delta, Patch
+from testbed.tiny_models import build, build_any
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
-from tests.fixtures.tiny_models import build, build_any
 
 pytestmark = pytest.mark.tiny
 

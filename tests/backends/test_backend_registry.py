@@ -13,8 +13,8 @@ import ctxc
 from ctxc.backends import BACKENDS, emit_checked
 from ctxc.core.checks import ArtefactError
 from ctxc.patch import Patch
+from testbed.tiny_models import build, tiny_tokenizer
 from tests.fixtures.helpers import random_ids
-from tests.fixtures.tiny_models import build, tiny_tokenizer
 
 
 @pytest.mark.parametrize("name", list(BACKENDS))

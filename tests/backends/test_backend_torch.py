@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 import ctxc
 from ctxc.backends.torch.model import emit_torch
 from ctxc.runs.patched_forward import patched_values
+from testbed.tiny_models import build
 from tests.fixtures.helpers import random_ids
-from tests.fixtures.tiny_models import build
 
 pytestmark = pytest.mark.tiny
 
@@ -73,7 +73,7 @@ def test_a_marked_tokenizer_is_copied_and_any_other_is_saved(tmp_path) -> None:
     from transformers import AutoTokenizer
 
     from ctxc.backends.torch.model import save_tokenizer
-    from tests.fixtures.tiny_models import tiny_tokenizer
+    from testbed.tiny_models import tiny_tokenizer
 
     source = tmp_path / "source"
     tiny_tokenizer().save_pretrained(str(source))

@@ -18,8 +18,8 @@ from ctxc.backends.gguf.llama_cpp.run import (
 from ctxc.backends.gguf.lora import write_gguf_lora
 from ctxc.backends.gguf.write import write_gguf
 from ctxc.core.errors import CtxcError
+from testbed.tiny_models import bpe_tokenizer, shared
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids
-from tests.fixtures.tiny_models import bpe_tokenizer, shared
 
 pytestmark = pytest.mark.tiny
 

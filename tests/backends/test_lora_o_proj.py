@@ -16,8 +16,8 @@ from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.peft.lora_adapter import emit_lora
 from ctxc.backends.torch.verify import torch_logits
 from ctxc.patch import Delta, Patch
+from testbed.tiny_models import bpe_tokenizer, shared
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids
-from tests.fixtures.tiny_models import bpe_tokenizer, shared
 
 pytestmark = pytest.mark.tiny
 

@@ -12,8 +12,8 @@ from ctxc.bake.evaluate import evaluate
 from ctxc.bake.fit import BakeOptions, bake
 from ctxc.core.errors import CtxcError
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
+from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.helpers import assert_gives_full, diff_msg, random_ids
-from tests.fixtures.tiny_models import shared, tiny_tokenizer
 
 pytestmark = pytest.mark.tiny
 

@@ -14,8 +14,8 @@ from ctxc.bake.data import FitData, special_prefix
 from ctxc.bake.evaluate import evaluate
 from ctxc.bake.fit import BakeOptions, bake
 from ctxc.core.errors import CtxcError
+from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.helpers import assert_gives_full, diff_msg, random_ids
-from tests.fixtures.tiny_models import shared, tiny_tokenizer
 
 pytestmark = pytest.mark.tiny
 

@@ -14,8 +14,8 @@ from ctxc.bake.targets import cached_fit_targets
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from ctxc.passes.solver.fit_solve import effective_rank
 from ctxc.pipeline import traced_blocks
+from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.helpers import diff_msg, random_ids
-from tests.fixtures.tiny_models import shared, tiny_tokenizer
 
 pytestmark = pytest.mark.tiny
 

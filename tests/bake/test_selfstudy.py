@@ -11,8 +11,8 @@ import torch
 from ctxc.bake.evaluate import answer_lengths, evaluate_against, greedy, reference
 from ctxc.bake.fit import BakeOptions, bake, bake_data
 from ctxc.bake.selfstudy import SEED_PROMPTS, as_question, continue_rows, self_study
+from testbed.tiny_models import VOCAB, shared
 from tests.fixtures.helpers import random_ids
-from tests.fixtures.tiny_models import VOCAB, shared
 
 pytestmark = pytest.mark.tiny
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.fixtures.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model_dir, chat_tokenizer
+from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model_dir, chat_tokenizer
 from tests.fixtures.helpers import diff_msg, max_diff, run_cli
 
 pytestmark = pytest.mark.tiny

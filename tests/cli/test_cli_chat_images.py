@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from testbed.tiny_vlms import build_vlm, make_image
 from tests.fixtures.helpers import diff_msg, max_diff, run_cli
-from tests.fixtures.tiny_vlms import build_vlm, make_image
 
 pytestmark = pytest.mark.tiny
 

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from testbed.tiny_models import bpe_tokenizer, shared
 from tests.fixtures.helpers import random_ids, run_cli
-from tests.fixtures.tiny_models import bpe_tokenizer, shared
 
 # kind -> (update rule, the artefact named in the message, what it would have written)
 KINDS = {

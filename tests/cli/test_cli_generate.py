@@ -11,8 +11,8 @@ import torch
 
 import ctxc
 from ctxc.cli.app import main
+from testbed.tiny_models import VOCAB, build_any, tiny_tokenizer
 from tests.fixtures.helpers import without_trail
-from tests.fixtures.tiny_models import VOCAB, build_any, tiny_tokenizer
 
 pytestmark = pytest.mark.tiny
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
+from testbed.tiny_vlms import build_vlm, make_image
 from tests.fixtures.helpers import diff_msg, max_diff, run_cli
-from tests.fixtures.tiny_vlms import build_vlm, make_image
 
 TEXT = "w5 w6 w7 w8 w9 w10"
 QUERY = "w20 w21"

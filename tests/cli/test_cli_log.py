@@ -22,8 +22,8 @@ from transformers import PreTrainedTokenizerFast
 
 from ctxc.cli import progress as cli_progress
 from ctxc.cli.progress import Counter, Trail, command_trail, finish, stage_progress
+from testbed.tiny_models import VOCAB, build
 from tests.fixtures.helpers import TRAIL_LINE, run_cli
-from tests.fixtures.tiny_models import VOCAB, build
 
 CONTEXT = "w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12"
 # What a line of third-party noise looks like: torch's logging (W1201 17:00:54.835 ...), a tqdm

@@ -15,8 +15,8 @@ import torch
 from safetensors.torch import save_file
 
 from ctxc.core.errors import missing_package
+from testbed.tiny_vlms import _tokenizer, build_qwen2_vl, build_vlm, make_image
 from tests.fixtures.helpers import without_trail
-from tests.fixtures.tiny_vlms import _tokenizer, build_qwen2_vl, build_vlm, make_image
 
 pytestmark = pytest.mark.tiny
 
@@ -79,7 +79,7 @@ def test_model_without_timm(tmp_path) -> None:
     # FastVLM's vision tower is a timm model: the model itself cannot be built without timm.
     import transformers as tf
 
-    from tests.fixtures.tiny_vlms import _TEXT
+    from testbed.tiny_vlms import _TEXT
 
     folder = tmp_path / "fast-vlm"
     tf.FastVlmConfig(text_config=dict(model_type="qwen2", **_TEXT)).save_pretrained(str(folder))

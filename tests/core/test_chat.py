@@ -9,7 +9,7 @@ import pytest
 
 from ctxc.core.chat import chat_messages, check_messages, read_messages, split_chat
 from ctxc.core.errors import CtxcError
-from tests.fixtures.chat import CHAT_FAMILIES, DOCUMENTS, QUERIES, SYSTEMS, chat_tokenizer
+from testbed.chat import CHAT_FAMILIES, DOCUMENTS, QUERIES, SYSTEMS, chat_tokenizer
 
 pytestmark = pytest.mark.tiny
 

@@ -108,7 +108,7 @@ def test_library_errors_name_no_cli_flag() -> None:
 @pytest.mark.tiny
 def test_compile_takes_options_or_keywords_not_both() -> None:
     import ctxc
-    from tests.fixtures.tiny_models import shared
+    from testbed.tiny_models import shared
 
     model = shared("llama")
     with pytest.raises(CtxcError, match="not both"):

@@ -7,7 +7,7 @@ import torch
 
 import ctxc
 from ctxc.models.fingerprint import fingerprint
-from tests.fixtures.tiny_models import build
+from testbed.tiny_models import build
 
 pytestmark = pytest.mark.tiny  # a module fixture compiles a tiny model
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from ctxc.generate.steps import generate
+from testbed.tiny_models import VOCAB, build, build_any
 from tests.fixtures.helpers import CliRun, run_cli
-from tests.fixtures.tiny_models import VOCAB, build, build_any
 
 pytestmark = pytest.mark.tiny
 

@@ -19,8 +19,8 @@ from ctxc.inspect.model import inspect_model
 from ctxc.inspect.render_html import render_html
 from ctxc.inspect.render_json import inspection_dict
 from ctxc.inspect.render_text import render_text
+from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.custom_decoder import ToyLM
-from tests.fixtures.tiny_models import shared, tiny_tokenizer
 
 GOLDEN = Path(__file__).parents[1] / "golden"
 GOLDEN_MODELS = ["gpt2", "olmo2", "qwen2_moe"]

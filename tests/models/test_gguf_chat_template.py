@@ -7,7 +7,7 @@ import pytest
 
 from ctxc.core.errors import CtxcError
 from ctxc.models.load import gguf_chat_template
-from tests.fixtures.chat import template
+from testbed.chat import template
 
 pytestmark = pytest.mark.tiny
 

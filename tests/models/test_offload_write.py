@@ -17,8 +17,8 @@ import ctxc.backends.torch.shards as shards
 from ctxc.backends.torch.model import emit_torch, shard_kwargs
 from ctxc.backends.torch.shards import copy_range, saved_tensors, shard_header, write_shards
 from ctxc.models.offload import read_param, safetensors_header, stored_range
+from testbed.tiny_models import build_any, tiny_tokenizer
 from tests.fixtures.helpers import diff_msg, full_logits, logits, max_diff, random_ids
-from tests.fixtures.tiny_models import build_any, tiny_tokenizer
 
 pytestmark = pytest.mark.tiny
 

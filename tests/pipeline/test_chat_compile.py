@@ -13,7 +13,7 @@ import torch
 import ctxc
 from ctxc.core.errors import SolveError
 from ctxc.generate.steps import generate
-from tests.fixtures.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer
+from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer
 from tests.fixtures.helpers import diff_msg, logits, max_diff
 
 pytestmark = pytest.mark.tiny

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ctxc
-from tests.fixtures.tiny_models import FAMILIES, VOCAB, build
+from testbed.tiny_models import FAMILIES, VOCAB, build
 
 pytestmark = pytest.mark.tiny
 

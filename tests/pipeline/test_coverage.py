@@ -7,9 +7,10 @@ import pytest
 
 pytestmark = pytest.mark.tiny
 
-from benchmarks.coverage import matrix as coverage  # noqa: E402
+from testbed.coverage import run_entry as coverage  # noqa: E402
+from testbed.coverage.entries import CI_SUBSET, entries  # noqa: E402
 
-_ENTRIES = {e.family: e for e in coverage.entries(set(coverage.CI_SUBSET))}
+_ENTRIES = {e.family: e for e in entries(set(CI_SUBSET))}
 
 
 def _fig(rec: dict) -> str:
@@ -24,12 +25,12 @@ def _fig(rec: dict) -> str:
 
 
 def test_ci_subset_is_known() -> None:
-    missing = [f for f in coverage.CI_SUBSET if f not in _ENTRIES]
+    missing = [f for f in CI_SUBSET if f not in _ENTRIES]
     assert not missing, f"the installed Transformers has no {missing}"
-    assert not [f for f in coverage.CI_SUBSET if _ENTRIES[f].scope]
+    assert not [f for f in CI_SUBSET if _ENTRIES[f].scope]
 
 
-@pytest.mark.parametrize("family", coverage.CI_SUBSET)
+@pytest.mark.parametrize("family", CI_SUBSET)
 def test_ci_family_compiles_exactly(family: str) -> None:
     rec = coverage.run_entry(_ENTRIES[family])
     assert rec["status"] == "exact", _fig(rec)
@@ -44,7 +45,7 @@ def test_ci_family_compiles_exactly(family: str) -> None:
 def test_every_rung_failing_shows_each_rung() -> None:
     """DBRX's eager expert loop defeats every export rung: the record keeps the branch as its
     reason (the refusal groups are unchanged) and each rung's own reason, which the cell shows."""
-    (entry,) = coverage.entries({"dbrx"})
+    (entry,) = entries({"dbrx"})
     rec = coverage.run_entry(entry)
     assert rec["status"] == "refused" and rec["error"] == "UntraceableError", rec
     assert rec["reasons"][0].startswith("export: the forward pass branches on tensor values"), rec

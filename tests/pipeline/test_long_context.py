@@ -10,8 +10,8 @@ from ctxc.passes.runtime import run_graph
 from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.pipeline import traced_blocks
 from ctxc.runs.patched_forward import patched_logits
+from testbed.tiny_models import build
 from tests.fixtures.helpers import diff_msg, random_ids
-from tests.fixtures.tiny_models import build
 
 pytestmark = pytest.mark.tiny
 

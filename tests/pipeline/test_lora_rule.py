@@ -15,8 +15,8 @@ import torch
 
 import ctxc
 from ctxc.backends.peft.lora_adapter import emit_lora
+from testbed.tiny_models import shared
 from tests.fixtures.helpers import random_ids
-from tests.fixtures.tiny_models import shared
 
 pytestmark = pytest.mark.tiny
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.tables import MARKER, table, write_table
+from testbed.tables import MARKER, table, write_table
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

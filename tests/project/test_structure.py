@@ -171,3 +171,42 @@ def test_no_import_cycle() -> None:
                     graph.add_edge(module, target)
     cycles = [sorted(c) for c in nx.strongly_connected_components(graph) if len(c) > 1]
     assert not cycles, f"import cycles: {cycles}"
+
+
+# Folders of tests/ that are no stage of the package: shared helpers, golden files, the
+# project's own checks (docs, packaging, structure, tiers).
+_NOT_STAGES = {"fixtures", "golden", "project"}
+
+
+def test_tests_mirror_the_stages() -> None:
+    """Every folder of tests/ is a stage of the package (``tests/passes/solver`` for
+    ``ctxc.passes.solver``; ``tests/pipeline`` for ``ctxc.pipeline``), and a folder with stages
+    below it holds its tests in them."""
+    stages = {m.removeprefix("ctxc.").replace(".", "/") for m, _ in SOURCES}
+    tests = ROOT / "tests"
+    folders = sorted(
+        p.relative_to(tests).as_posix()
+        for p in tests.rglob("*")
+        if p.is_dir() and p.name != "__pycache__"
+    )
+    strays = [f for f in folders if f.split("/")[0] not in _NOT_STAGES and f not in stages]
+    assert not strays, f"test folders that name no stage: {strays}"
+    loose = [
+        p.relative_to(tests).as_posix()
+        for p in tests.rglob("test_*.py")
+        if any(q.is_dir() and q.name != "__pycache__" for q in p.parent.iterdir())
+        and p.parent != tests
+    ]
+    assert not loose, f"tests beside stage folders (put them in one): {loose}"
+
+
+def test_tests_and_benchmarks_import_nothing_of_each_other() -> None:
+    """What both need lives in ``testbed/``: a test never imports ``benchmarks``, a benchmark
+    never imports ``tests``, so either can change without breaking the other."""
+    bad = []
+    for folder, other in (("tests", "benchmarks"), ("benchmarks", "tests")):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for name, _ in _imports(ast.parse(path.read_text())):
+                if name == other or name.startswith(other + "."):
+                    bad.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not bad, "\n".join(bad)

@@ -19,8 +19,8 @@ import ctxc
 from ctxc.backends.torch.model import emit_torch
 from ctxc.generate.steps import generate
 from ctxc.models.images import encode_image_context, prefill_inputs
+from testbed.tiny_vlms import build_vlm, make_image
 from tests.fixtures.helpers import diff_msg, max_diff
-from tests.fixtures.tiny_vlms import build_vlm, make_image
 
 pytestmark = pytest.mark.tiny
 

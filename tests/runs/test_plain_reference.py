@@ -20,9 +20,9 @@ import transformers as tf
 import ctxc
 from ctxc.passes.runtime import plain_head
 from ctxc.passes.runtime.plain_head import PROBE_COLUMNS, default_forward_rows
+from testbed.tiny_models import build, tiny_tokenizer
+from testbed.tiny_vlms import build_vlm, make_image
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids, run_cli
-from tests.fixtures.tiny_models import build, tiny_tokenizer
-from tests.fixtures.tiny_vlms import build_vlm, make_image
 
 pytestmark = pytest.mark.tiny
 

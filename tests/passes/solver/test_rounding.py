@@ -36,7 +36,7 @@ def _flex_olmo(seed: int, hidden: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     cls = transformers.FlexOlmoForCausalLM
     model = cls._from_config(config, experts_implementation="batched_mm", dtype=torch.float32)
-    with torch.no_grad():  # unit norm weights hide bugs (tests/fixtures/tiny_models.py)
+    with torch.no_grad():  # unit norm weights hide bugs (testbed/tiny_models.py)
         for param in model.parameters():
             if param.ndim == 1:
                 param.normal_(0.0, 0.5)

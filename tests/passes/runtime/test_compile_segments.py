@@ -11,8 +11,8 @@ from ctxc.passes.runtime.compile_segments import compile_segments, compiled
 from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.passes.solver.solve import solve
 from ctxc.pipeline import traced_blocks
+from testbed.tiny_models import shared
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids
-from tests.fixtures.tiny_models import shared
 
 pytestmark = pytest.mark.tiny
 

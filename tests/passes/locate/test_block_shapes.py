@@ -17,8 +17,8 @@ from ctxc.cli.app import main
 from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.passes.solver.solve import UPDATE_RULES, solve
 from ctxc.pipeline import traced_blocks
+from testbed.tiny_models import ALL, MOE, VOCAB, build_any, shared, tiny_tokenizer
 from tests.fixtures.custom_decoder import ToyLM
-from tests.fixtures.tiny_models import ALL, MOE, VOCAB, build_any, shared, tiny_tokenizer
 
 pytestmark = pytest.mark.tiny
 

@@ -14,11 +14,11 @@ import traceback
 from collections import Counter
 from pathlib import Path
 
-from benchmarks.coverage.configs import SEED, VOCAB, build_model
-from benchmarks.coverage.entries import Entry
 from ctxc.core.thresholds import EXACT_ATOL
+from testbed.coverage.configs import SEED, VOCAB, build_model
+from testbed.coverage.entries import Entry
 
-__all__ = ["N_IDS", "ROOT", "TOL", "first_line", "run_entry"]
+__all__ = ["FAINT", "N_IDS", "ROOT", "TOL", "cell", "faint", "first_line", "run_entry"]
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = EXACT_ATOL  # what exact means: compiler/core/thresholds.py
@@ -195,3 +195,36 @@ def _where(exc: BaseException) -> str:
         if marker in path:
             path = path.split(marker, 1)[1]
     return f"{path}:{frame.lineno}"
+
+
+# A control figure below this: the random model hardly sees the context (a vacuous "exact").
+FAINT = 1e-2
+
+
+def faint(r: dict) -> bool:
+    """The unpatched control is already close: exactness says little about this model."""
+    return r.get("control_max_abs_logit_diff", 1.0) <= FAINT
+
+
+def _fmt(x) -> str:
+    return "" if x is None else f"{x:.2g}"
+
+
+def cell(r: dict) -> str:
+    """The matrix's result cell of record ``r`` (also the progress line of a run)."""
+    status = r["status"]
+    if status in ("exact", "inexact"):
+        control = _fmt(r["control_max_abs_logit_diff"])
+        note = ", the context hardly matters" if faint(r) else ""
+        return f"{status}: {_fmt(r['max_abs_logit_diff'])} (control {control}{note})"
+    if status == "refused":
+        text = "; ".join(r.get("reasons", []))
+        if r.get("rungs"):  # every export rung failed: each one's reason, after the branch
+            text += f" [rungs: {'; '.join(r['rungs'])}]"
+        skip = r.get("skip_unpatchable", {})
+        if "max_abs_logit_diff" in skip:
+            text += f" [rest patched: {_fmt(skip['max_abs_logit_diff'])}]"
+        return f"refused: {text}"
+    if status == "failed":
+        return f"failed ({r.get('stage', '')}): {r['error']}: {r.get('message', '')}"
+    return f"out of scope: {r.get('reason', '')}"

@@ -2,7 +2,7 @@
 
 Which classes the matrix lists (the causal-LM auto mapping plus every exported ``*ForCausalLM``
 name), what kind of model each is, and why a class is out of scope.
-``benchmarks/coverage/matrix.py`` runs them; ``benchmarks/coverage/configs.py`` builds each one's
+``benchmarks/coverage/matrix.py`` runs them; ``testbed/coverage/configs.py`` builds each one's
 tiny model.
 """
 

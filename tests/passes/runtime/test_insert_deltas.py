@@ -26,7 +26,7 @@ from ctxc.frontend.trace import TracedModel
 from ctxc.passes.runtime.insert_deltas import DELTA_PREFIX, delta_attr_name, insert_deltas
 from ctxc.patch import Delta, Patch
 from ctxc.pipeline import traced_blocks
-from tests.fixtures.tiny_models import build_any
+from testbed.tiny_models import build_any
 
 pytestmark = pytest.mark.tiny
 

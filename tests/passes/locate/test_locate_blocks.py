@@ -29,7 +29,7 @@ from ctxc.passes.locate.match_linears import (
     match_transposed_matmul,
     routing_nodes,
 )
-from tests.fixtures.tiny_models import FAMILIES, build, build_any
+from testbed.tiny_models import FAMILIES, build, build_any
 
 pytestmark = pytest.mark.tiny  # every test traces a tiny model
 
@@ -54,7 +54,7 @@ def test_every_layer_has_one_gated_block(family: str) -> None:
             assert b.output_control == "linear" and b.scale is None
 
 
-GOLDEN = Path(__file__).parents[1] / "golden"
+GOLDEN = Path(__file__).parents[3] / "golden"
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt2", "mixtral", "qwen2_moe", "falcon"])

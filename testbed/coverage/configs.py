@@ -7,7 +7,7 @@ off); :data:`OVERRIDES` adds what a family needs on top. :func:`build_model` see
 
 from __future__ import annotations
 
-from benchmarks.coverage.entries import Entry
+from testbed.coverage.entries import Entry
 
 __all__ = ["OVERRIDES", "SEED", "VOCAB", "build_model", "tiny_config"]
 
@@ -295,7 +295,7 @@ def build_model(entry: Entry, seed: int = SEED):
         experts = "default"
         model = cls._from_config(config, dtype=torch.float32)
     model = model.float().eval()
-    with torch.no_grad():  # zero or unit norm weights hide bugs (tests/fixtures/tiny_models.py)
+    with torch.no_grad():  # zero or unit norm weights hide bugs (testbed/tiny_models.py)
         for param in model.parameters():
             if param.ndim == 1:
                 param.normal_(0.0, 0.5)
