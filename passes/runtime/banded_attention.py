@@ -8,7 +8,7 @@ linears of Gemma 3 270M). :func:`banded_sdpa` splits the queries into chunks and
 chunk the keys its rows can see, widened to whole kernel blocks of ``KEY_BLOCK`` keys.
 
 It computes the same numbers as the whole call, bit for bit, on the CPU flash kernel (measured:
-``tests/passes/test_banded_attention.py``): the kernel handles each query row on its own, over key
+``tests/passes/runtime/test_banded_attention.py``): the kernel handles each query row on its own, over key
 blocks of 512 in order with an online softmax, and a key block that is masked for every row of
 a chunk adds exactly nothing (its scores are ``-inf``: probabilities 0, running maximum and sum
 unchanged, rescale factor ``exp(0) = 1``). The key ranges start and end on the kernel's block

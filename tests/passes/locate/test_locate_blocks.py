@@ -54,7 +54,7 @@ def test_every_layer_has_one_gated_block(family: str) -> None:
             assert b.output_control == "linear" and b.scale is None
 
 
-GOLDEN = Path(__file__).parents[3] / "golden"
+GOLDEN = Path(__file__).parents[2] / "golden"
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt2", "mixtral", "qwen2_moe", "falcon"])
