@@ -26,7 +26,7 @@ from ctxc.core.textfile import read_text
 if TYPE_CHECKING:
     from ctxc.cli.ray_engine import RayEngine
 
-__all__ = ["compile_batch", "compile_many", "read_lines", "run_batch"]
+__all__ = ["compile_batch", "compile_many", "read_lines", "refuse_bad_lines", "run_batch"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -44,18 +44,39 @@ def read_lines(path: Path | list[str]) -> list[tuple[int, dict | None, str | Non
         raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
     numbered = [(n, line) for n, line in enumerate(raw, 1) if line.strip()]
     width = max(4, len(str(numbered[-1][0])))
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
     lines = []
     for n, line in numbered:
         entry, problem = _parse(line, n, width)
         if entry is not None:
             if entry["name"] in seen:
-                problem = f"duplicate name {entry['name']!r}"
+                problem = f"duplicate name {entry['name']!r} (line {seen[entry['name']]} has it)"
                 entry = None
             else:
-                seen.add(entry["name"])
+                seen[entry["name"]] = n
         lines.append((n, entry, problem))
     return lines
+
+
+def refuse_bad_lines(lines: list[tuple[int, dict | None, str | None]], source) -> None:
+    """Refuse the whole file, before the model loads, when a line is bad as written (not JSON,
+    a missing context, a bad or duplicate name): every such line in one message, so one edit
+    fixes them all. What only the model can tell (a context past its positions) stays an
+    error of its own line in index.json.
+
+    Args:
+        lines: :func:`read_lines`' answer.
+        source: the file, or a list of lines (``ctxc.compile_many``).
+
+    Raises:
+        CtxcError: ``FILE: 2 bad lines (nothing was run): line 2: ...; line 5: ...``.
+    """
+    bad = [(n, problem) for n, entry, problem in lines if entry is None]
+    if bad:
+        where = source if isinstance(source, Path) else "contexts"
+        listed = "; ".join(f"line {n}: {problem}" for n, problem in bad)
+        many = "line" if len(bad) == 1 else "lines"
+        raise CtxcError(f"{where}: {len(bad)} bad {many} (nothing was run): {listed}")
 
 
 def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
@@ -165,6 +186,7 @@ def run_batch(
     from ctxc.cli.batch_out import batch_folder
 
     lines = read_lines(contexts)
+    refuse_bad_lines(lines, contexts)  # before the output folder and the model
     rows = [
         {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
         for n, entry, _ in lines
@@ -298,8 +320,11 @@ def compile_many(
 
         require_ray()
         on = RayEngine(address=address, workers=workers, gpus_per_worker=gpus_per_worker)
+    from ctxc.backends import check_rules
+
     kinds = parse_emit(",".join(emit))
     compiling = CompileOptions(update, start_layer, skip_unpatchable)
+    check_rules(kinds, compiling.update)
     job = CompileJob(compiling, kinds, gguf_type, placement=placement_for(device, None, None))
     source = Path(contexts) if isinstance(contexts, (str, Path)) else _as_lines(contexts)
     return run_batch(source, Path(out), model, dtype, force, job, resume, on)

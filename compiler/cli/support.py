@@ -13,6 +13,7 @@ from ctxc.core.textfile import read_text
 
 __all__ = [
     "chat_input",
+    "check_chat",
     "err",
     "load",
     "out",
@@ -63,6 +64,28 @@ def chat_input(
         document=None if document is None else read_text(document, "document file").rstrip("\r\n"),
         query=query,
     )
+
+
+def check_chat(model: str | None, turns: list[dict], query: str) -> None:
+    """Split a text conversation by the model's chat template with its tokenizer alone, before
+    the model loads: a tokenizer without a template, or a template that refuses the
+    conversation, is one line in a second or two, not after the model's load (issue 34).
+
+    Raises:
+        CtxcError: no chat template, the template refuses the conversation or cannot be split.
+    """
+    from ctxc.core.chat import NO_TEMPLATE
+    from ctxc.core.errors import CtxcError
+
+    stage(f"reading the tokenizer of {model or 'the bundled model'}")
+    quiet_libraries()
+    from ctxc.core.chat import split_chat
+    from ctxc.models.load import declares_chat_template, load_tokenizer, model_directory
+
+    on_stage = lambda line: stage(line, keep=True)  # noqa: E731  (a first-run conversion)
+    if not declares_chat_template(model_directory(model, on_stage)):
+        raise CtxcError(NO_TEMPLATE)
+    split_chat(load_tokenizer(model, on_stage), turns, query)
 
 
 def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
