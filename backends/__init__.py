@@ -84,6 +84,7 @@ class Backend:
             CtxcError for a model the backend cannot write (an unknown GGUF architecture).
         alone: ``(artefact name, status)`` when the artefact is the output folder itself
             (``folder=""``: ``ctxc export --to torch``), for a backend that can be.
+        also: the other files it writes beside ``writes``, for the closing ``wrote`` line.
         rules: the update rules whose patch it can hold (``None``: every rule), checked with
             the options before anything loads (:func:`check_rules`).
     """
@@ -99,6 +100,7 @@ class Backend:
     precheck: str | None = None
     alone: tuple[str, str] | None = None
     rules: tuple[str, ...] | None = None
+    also: tuple[str, ...] = ()
 
     def require(self, flag: str = "--emit") -> None:
         """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
@@ -144,6 +146,7 @@ BACKENDS: dict[str, Backend] = {
             emitter="ctxc.backends.onnx.ort_adapter:emit_ort_adapter",
             extra="onnx",
             requires=("onnx", "onnxruntime", "onnxscript"),
+            also=("context.onnx_adapter.json", "patchable.onnx"),  # its record, its graph
         ),
         Backend(
             "peft",

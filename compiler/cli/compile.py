@@ -36,7 +36,15 @@ from ctxc.cli.options import (
 )
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage_progress
-from ctxc.cli.support import chat_input, check_chat, load, parse_emit, read_context, written
+from ctxc.cli.support import (
+    chat_input,
+    check_chat,
+    load,
+    parse_emit,
+    read_context,
+    summaries,
+    written,
+)
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import CompileOptions
 
@@ -133,8 +141,8 @@ def compile_cmd(
                 net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
             )
     say(report.summary(tokenizer.decode if hasattr(tokenizer, "decode") else None))
-    for f in figures.values():
-        say(f.summary())
+    for line in summaries(figures.values()):
+        say(line)
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
 
 
@@ -208,6 +216,6 @@ def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, convers
                 on_block=on_block,
             )
     say(report.summary(getattr(tokenizer, "decode", None)))
-    for f in figures.values():
-        say(f.summary())
+    for line in summaries(figures.values()):
+        say(line)
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")

@@ -22,7 +22,7 @@ from ctxc.cli.options import (
 )
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage
-from ctxc.cli.support import load, parse_emit
+from ctxc.cli.support import load, parse_emit, summaries
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
@@ -83,8 +83,8 @@ def export_cmd(
                 write_report(tmp, report, exc.passed, exc)
             raise
         write_report(tmp, report, figures)
-    for f in figures.values():
-        say(f.summary())
+    for line in summaries(figures.values()):
+        say(line)
     say(f"wrote {out_dir}/")
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "out",
     "parse_emit",
     "read_context",
+    "summaries",
     "written",
 ]
 
@@ -131,8 +132,27 @@ def load(model: str | None, dtype: str, placement=None):
     return net, tokenizer
 
 
+def summaries(figures) -> list[str]:
+    """Each artefact's summary line; a reason llama.cpp did not run, given by an earlier line
+    already (``model.gguf`` and ``lora.gguf`` share it), is said once: later lines say
+    ``as above``."""
+    lines, said = [], set()
+    for f in figures:
+        line, why = f.summary(), getattr(f, "llama_cpp_skipped", None)
+        if why:
+            if why in said:
+                line = line.replace(why, "as above")
+            said.add(why)
+        lines.append(line)
+    return lines
+
+
 def written(kinds: list[str]) -> list[str]:
     """What a ``ctxc compile`` with ``kinds`` writes, for its closing line."""
     from ctxc.backends import backend
 
-    return ["patch.safetensors", "report.json", *(backend(k).writes for k in kinds)]
+    return [
+        "patch.safetensors",
+        "report.json",
+        *(name for k in kinds for name in (backend(k).writes, *backend(k).also)),
+    ]

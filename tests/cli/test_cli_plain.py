@@ -1,0 +1,92 @@
+"""What the commands say, said plainly (issue 34): a runtime that cannot load in one short line
+naming the cause and the fix, said once; the closing ``wrote`` line listing every file. Quick
+tier: no model is built."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# cffi's message on a glibc 2.36 system for the wheel's libllama (386 characters; measured).
+GLIBC_ERROR = (
+    "Failed to load llama.cpp library from /v/llama_cpp_py_sync/libllama.so: cannot load library "
+    "'/v/llama_cpp_py_sync/libllama.so': /lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.38' "
+    "not found (required by /v/llama_cpp_py_sync/libllama.so).  Additionally, "
+    "ctypes.util.find_library() did not manage to locate a library called "
+    "'/v/llama_cpp_py_sync/libllama.so'"
+)
+
+
+def test_an_old_glibc_is_named_with_its_fix() -> None:
+    from ctxc.backends.gguf.llama_cpp.run import SHIM, load_failure
+
+    line = load_failure(GLIBC_ERROR, have="2.36")
+    assert line == (
+        f"llama.cpp's prebuilt library needs glibc >= 2.38 and this system has 2.36: run {SHIM} "
+        "to shim it, or use a newer system"
+    )
+    assert "tools/llamacpp/install.sh" in SHIM and len(line) < 200, line
+
+
+def test_another_load_error_is_its_first_clause_only() -> None:
+    from ctxc.backends.gguf.llama_cpp.run import load_failure
+
+    other = GLIBC_ERROR.replace("version `GLIBC_2.38' not found", "undefined symbol: x" * 20)
+    line = load_failure(other)
+    assert line.startswith("llama.cpp's library does not load: Failed to load"), line
+    assert len(line) <= 200 and "Additionally" not in line, line
+
+
+def test_the_shim_script_is_in_the_repository() -> None:
+    """docs/backends.md, the README and .ci/run name tools/llamacpp/install.sh: it is here,
+    with the two files it uses, and nothing names the path outside the repository."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    for name in ("install.sh", "c23shim.c", "elf_weaken.py"):
+        assert (root / "tools" / "llamacpp" / name).is_file(), name
+    for doc in ("README.md", "docs/backends.md", ".ci/run", "pyproject.toml"):
+        text = (root / doc).read_text()
+        assert "tools/llamacpp/install.sh" in text, doc
+        assert "../shared/" not in text, f"{doc} names a path outside the repository"
+
+
+@dataclass
+class _Figures:
+    line: str
+    llama_cpp_skipped: str | None = None
+
+    def summary(self) -> str:
+        return self.line
+
+
+def test_a_shared_reason_is_said_once() -> None:
+    from ctxc.cli.support import summaries
+
+    why = "llama.cpp's prebuilt library needs glibc >= 2.38"
+    lines = summaries(
+        [
+            _Figures("torch: fine"),
+            _Figures(f"gguf: model.gguf ...; not run in llama.cpp: {why}", why),
+            _Figures(f"gguf-lora: lora.gguf ...; not run in llama.cpp: {why}", why),
+        ]
+    )
+    assert lines == [
+        "torch: fine",
+        f"gguf: model.gguf ...; not run in llama.cpp: {why}",
+        "gguf-lora: lora.gguf ...; not run in llama.cpp: as above",
+    ]
+
+
+def test_wrote_line_lists_every_file_of_the_adapter() -> None:
+    """``--emit ort-adapter`` writes its record and the 1 GB patchable.onnx beside the adapter:
+    the closing line lists them (tests/cli/test_cli_checks.py holds the files written)."""
+    from ctxc.cli.support import written
+
+    assert written(["torch", "ort-adapter"]) == [
+        "patch.safetensors",
+        "report.json",
+        "model/",
+        "context.onnx_adapter",
+        "context.onnx_adapter.json",
+        "patchable.onnx",
+    ]
