@@ -90,3 +90,34 @@ def test_wrote_line_lists_every_file_of_the_adapter() -> None:
         "context.onnx_adapter.json",
         "patchable.onnx",
     ]
+
+
+def _pair(kl: float, top1: float, matched: float, answers=None) -> dict:
+    return {"kl": kl, "top1": top1, "matched": matched, "gen_tokens": 16, "answers": answers}
+
+
+def test_bake_summary_names_each_side_and_warns_when_the_patch_is_worse() -> None:
+    """``free generation 3.5 vs 4.6`` said which was which nowhere (issue 34): each figure is
+    the patch's beside ``(unpatched ...)``, and a worse patch gets a warning line."""
+    from ctxc.cli.bake import _summary
+
+    lines = _summary(
+        {
+            "held_out_samples": {
+                "patched": _pair(0.31, 0.625, 3.5),
+                "control": _pair(1.02, 0.5, 4.6),
+            },
+            "held_out_questions": {
+                "patched": _pair(0.2, 0.9, 9.0, answers=0.5),
+                "control": _pair(0.8, 0.6, 2.0, answers=0.25),
+            },
+        }
+    )
+    assert lines == [
+        "held_out_samples: KL 0.31 (unpatched 1.02), top-1 62.5% (unpatched 50.0%), free "
+        "generation 3.5 tokens matched (unpatched 4.6)",
+        "warning: held_out_samples: the patch did worse than no patch on free generation "
+        "(3.5 < 4.6 tokens)",
+        "held_out_questions: KL 0.2 (unpatched 0.8), top-1 90.0% (unpatched 60.0%), free "
+        "generation 9.0 tokens matched (unpatched 2.0), answers 50% (unpatched 25%)",
+    ]
