@@ -159,3 +159,25 @@ def test_compile_many_refuses_bad_lines_before_the_load(tmp_path, no_load) -> No
     with pytest.raises(ctxc.CtxcError, match=r"^contexts: 1 bad line \(nothing was run\): "):
         ctxc.compile_many([{"context": "w1"}, {"context": ""}], tmp_path / "out")
     assert no_load == [] and not (tmp_path / "out").exists()
+
+
+def test_export_to_lora_of_a_patch_with_a_norm_delta_is_refused_before_the_load(
+    tmp_path, no_load
+) -> None:
+    """``ctxc export --to lora`` reads the patch first: a norm-scale delta cannot go into a
+    serving LoRA, said before the model loads."""
+    import torch
+
+    from ctxc.patch import Delta, Patch, PatchMeta
+
+    scale = Delta(param="model.layers.0.post_feedforward_layernorm.weight",
+                  block="model.layers.0.mlp", vector=torch.ones(4))  # fmt: skip
+    meta = PatchMeta({"arch": "a" * 64, "weights": "b" * 64}, [1, 5], [6], "stable", "float32", "0")
+    Patch({scale.param: scale}, meta).save(tmp_path / "patch.safetensors")
+    args = ["export", "--patch", "patch.safetensors", "--to", "lora", "--out", "x"]
+    line = _refused(args, tmp_path, no_load)
+    assert line == (
+        "ctxc: error: --to lora holds linear weights only; this patch changes "
+        "model.layers.0.post_feedforward_layernorm.weight (a norm scale or bias, from --update "
+        "stable): compile with --update lora"
+    )
