@@ -220,12 +220,12 @@ def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: CompileJob
     with batch_progress() as bar:
         task = bar.add_task("contexts", total=len(lines))
         for i, (n, entry, problem) in enumerate(lines):
-            figures = None
+            figures, kept = None, False
             if entry is not None:
-                problem, figures = _one(net, tokenizer, folder, entry, opts)
+                problem, figures, kept = _one(net, tokenizer, folder, entry, opts)
             record(rows, i, (n, entry), problem, figures)
             folder.write_index(rows)
-            bar.update(task, advance=1)
+            bar.update(task, advance=1, kept=kept)  # a kept line is not in the rate
             pause_point(f"line {n} done")
 
 
@@ -247,23 +247,22 @@ def _options(opts: CompileJob, dtype: str) -> dict:
 
 
 def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
-    """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
-
-    A line already written by an earlier run (``--resume``) is kept (:meth:`finished`).
+    """(error or None, headline figures, kept) for one context, moved into DIR/<name>/ when
+    done; ``kept``: a line already written by an earlier run (``--resume``, :meth:`finished`).
     """
     from ctxc.cli.batch_out import input_digest
 
     digest = input_digest(entry)
     kept = folder.finished(entry["name"], digest)
     if kept is not None:
-        return None, kept
+        return None, kept, True
     staging = folder.staging(entry["name"])
     try:
         outcome = compile_line(net, tokenizer, staging, entry, opts)
     except BaseException:
         folder.discard(staging)
         raise
-    return settle(folder, staging, entry, digest, outcome)
+    return (*settle(folder, staging, entry, digest, outcome), False)
 
 
 def compile_many(

@@ -153,7 +153,7 @@ def run_on_ray(engine: RayEngine, model: tuple, folder, lines, rows: list[dict],
                 queue.append(i)
                 continue
             record(rows, i, (n, entry), problem, kept)
-            bar.update(task, advance=1)
+            bar.update(task, advance=1, kept=True)  # kept (--resume): not in the rate
         if not queue:
             folder.write_index(rows)
             return

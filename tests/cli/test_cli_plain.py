@@ -121,3 +121,24 @@ def test_bake_summary_names_each_side_and_warns_when_the_patch_is_worse() -> Non
         "held_out_questions: KL 0.2 (unpatched 0.8), top-1 90.0% (unpatched 60.0%), free "
         "generation 9.0 tokens matched (unpatched 2.0), answers 50% (unpatched 25%)",
     ]
+
+
+def test_resume_rate_counts_only_the_lines_compiled(capsys) -> None:
+    """Nine lines kept by ``--resume`` (no work) and one compiled in 0.2 s: the rate is at
+    most 1 / 0.2 = 5 contexts/s (counting the kept lines it was 10 / 0.2 = 50); with only
+    kept lines there is no rate to show."""
+    import re
+    import time
+
+    from ctxc.cli.batch_line import batch_progress
+    from ctxc.cli.progress import command_trail
+
+    with command_trail(), batch_progress() as bar:
+        task = bar.add_task("contexts", total=10)
+        bar.update(task, advance=9, kept=True)
+        time.sleep(0.2)
+        bar.update(task, advance=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert re.fullmatch(r"ctxc: contexts 9/10 \(\d+\.\d s\)", lines[1]), lines
+    rate = float(re.fullmatch(r"ctxc: contexts 10/10, ([0-9.]+) contexts/s .*", lines[2])[1])
+    assert 0 < rate <= 5.0, lines
