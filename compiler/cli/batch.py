@@ -20,7 +20,7 @@ from ctxc.cli.job import CompileJob
 from ctxc.cli.output import MARKER
 from ctxc.cli.support import err, out, written
 from ctxc.core.errors import CtxcError
-from ctxc.core.interrupts import pause_point
+from ctxc.core.interrupts import note_interrupt, pause_point
 from ctxc.core.textfile import read_text
 
 if TYPE_CHECKING:
@@ -191,16 +191,25 @@ def run_batch(
         {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
         for n, entry, _ in lines
     ]
-    with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
-        try:
-            if engine is not None:
-                from ctxc.cli.ray_engine import run_on_ray
+    try:
+        with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
+            try:
+                if engine is not None:
+                    from ctxc.cli.ray_engine import run_on_ray
 
-                run_on_ray(engine, (model, dtype), folder, lines, rows, opts)
-            else:
-                _run_here(model, dtype, folder, lines, rows, opts)
-        finally:  # an interrupt too: the finished lines are listed, the rest "not run"
-            folder.write_index(rows)
+                    run_on_ray(engine, (model, dtype), folder, lines, rows, opts)
+                else:
+                    _run_here(model, dtype, folder, lines, rows, opts)
+            finally:  # an interrupt too: the finished lines are listed, the rest "not run"
+                folder.write_index(rows)
+    except KeyboardInterrupt:
+        kept = sum(row["status"] == "ok" for row in rows)
+        if kept:  # else DIR was removed: nothing to resume from
+            note_interrupt(
+                f"{kept} of {len(rows)} contexts kept in {out_dir}/; rerun with --resume to "
+                "compile the rest"
+            )
+        raise
     return rows
 
 
