@@ -142,3 +142,20 @@ def test_resume_rate_counts_only_the_lines_compiled(capsys) -> None:
     assert re.fullmatch(r"ctxc: contexts 9/10 \(\d+\.\d s\)", lines[1]), lines
     rate = float(re.fullmatch(r"ctxc: contexts 10/10, ([0-9.]+) contexts/s .*", lines[2])[1])
     assert 0 < rate <= 5.0, lines
+
+
+def test_ray_token_notice_is_dropped_and_its_security_warning_kept(caplog) -> None:
+    """Ray's 'Token authentication is enabled' notice is dropped; its warning that
+    authentication is disabled still shows (no ray import needed: the logger's name)."""
+    import logging
+
+    from ctxc.cli.ray_engine import quiet_ray_notices
+
+    quiet_ray_notices()
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        logger.warning("Token authentication is enabled for this Ray cluster. Set X to opt out.")
+        logger.warning("Token authentication is disabled for this Ray cluster. Anyone ...")
+    assert [r.getMessage()[:40] for r in caplog.records] == [
+        "Token authentication is disabled for thi"
+    ]
