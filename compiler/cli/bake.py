@@ -231,9 +231,9 @@ def _worse(p: dict, c: dict) -> str:
         worse.append(f"top-1 ({p['top1']:.1%} < {c['top1']:.1%})")
     if p["gen_tokens"] and p["matched"] < c["matched"]:
         worse.append(f"free generation ({p['matched']:.1f} < {c['matched']:.1f} tokens)")
-    answers = (p.get("answers"), c.get("answers"))
-    if None not in answers and answers[0] < answers[1]:
-        worse.append(f"answers ({answers[0]:.0%} < {answers[1]:.0%})")
+    mine, theirs = p.get("answers"), c.get("answers")
+    if mine is not None and theirs is not None and mine < theirs:
+        worse.append(f"answers ({mine:.0%} < {theirs:.0%})")
     return ", ".join(worse)
 
 
