@@ -213,7 +213,9 @@ def output_folder(path: Path, force: bool, command: str) -> Iterator[Path]:
             kept = _keep_failed(staging, final, command, exc, created)
         raise CtxcError(_failed_message(exc, path, kept)) from None
     except BaseException as exc:
-        refused = environment_oserror(exc) if isinstance(exc, Exception) else None
+        # A CtxcError says its own line already (an unwritable DIR, above).
+        plain = isinstance(exc, Exception) and not isinstance(exc, CtxcError)
+        refused = environment_oserror(exc) if plain else None
         with deferred_signals():
             kept = None if refused is None else _keep_patch(staging, final, command)
             if kept is None:
