@@ -79,13 +79,17 @@ def check_chat(model: str | None, turns: list[dict], query: str) -> None:
     from ctxc.core.errors import CtxcError
 
     stage(f"reading the tokenizer of {model or 'the bundled model'}")
-    quiet_libraries()
     from ctxc.core.chat import split_chat
     from ctxc.models.load import declares_chat_template, load_tokenizer, model_directory
 
-    on_stage = lambda line: stage(line, keep=True)  # noqa: E731  (a first-run conversion)
+    def on_stage(line: str) -> None:  # a first-run GGUF conversion: torch, Transformers
+        quiet_libraries()
+        stage(line, keep=True)
+
+    # The files first (no torch import: about half a second), then the tokenizer itself.
     if not declares_chat_template(model_directory(model, on_stage)):
         raise CtxcError(NO_TEMPLATE)
+    quiet_libraries()
     split_chat(load_tokenizer(model, on_stage), turns, query)
 
 

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ctxc.core.cache import cache_dir, partial_entry
 from ctxc.core.errors import CtxcError, missing_package_error
 from ctxc.core.interrupts import pause_point
@@ -21,7 +19,11 @@ from ctxc.core.vocabulary import DTYPES, check_choice
 from ctxc.models.devices import Placement, block_device_map, fix_mmap_threshold
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
+
+# torch is imported where a model is built or loaded, not here: what only finds a model's
+# folder or reads its tokenizer files (a chat template, before the model loads) stays fast.
 
 __all__ = [
     "ALIASES",
@@ -63,6 +65,8 @@ def resolve_dtype(name: str) -> torch.dtype:
     Raises:
         OptionError: another name (naming the ``dtype`` parameter).
     """
+    import torch
+
     return getattr(torch, check_choice("dtype", name, DTYPES, "dtype"))
 
 
@@ -172,6 +176,8 @@ def load_model(
     Raises:
         CtxcError: the model cannot be found or read; the message says how to get it.
     """
+    import torch
+
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     placement = Placement.parse(device, device_map, max_memory)  # before the (long) load
     spec = spec or DEFAULT_MODEL
@@ -393,6 +399,7 @@ def converted_dir(gguf: Path) -> Path:
 def _convert_gguf(gguf: Path, out: Path, stage: Callable[[str], None]) -> None:
     # A GGUF-loaded model refuses save_pretrained: drop the quantization config and load its
     # de-quantised state into a model built from the config (DESIGN.md, CLI contract).
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     stage("conversion 1/3: reading and de-quantising the GGUF tensors")
