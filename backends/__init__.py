@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ctxc.core.errors import CtxcError
+from ctxc.core.vocabulary import LORA_RULE
 
 if TYPE_CHECKING:
     import torch
@@ -29,6 +30,7 @@ __all__ = [
     "Emitter",
     "Figures",
     "backend",
+    "check_rules",
     "emit_checked",
     "parse_backends",
     "precheck",
@@ -82,6 +84,9 @@ class Backend:
             CtxcError for a model the backend cannot write (an unknown GGUF architecture).
         alone: ``(artefact name, status)`` when the artefact is the output folder itself
             (``folder=""``: ``ctxc export --to torch``), for a backend that can be.
+        also: the other files it writes beside ``writes``, for the closing ``wrote`` line.
+        rules: the update rules whose patch it can hold (``None``: every rule), checked with
+            the options before anything loads (:func:`check_rules`).
     """
 
     name: str
@@ -94,6 +99,8 @@ class Backend:
     takes: tuple[str, ...] = ()
     precheck: str | None = None
     alone: tuple[str, str] | None = None
+    rules: tuple[str, ...] | None = None
+    also: tuple[str, ...] = ()
 
     def require(self, flag: str = "--emit") -> None:
         """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
@@ -139,6 +146,7 @@ BACKENDS: dict[str, Backend] = {
             emitter="ctxc.backends.onnx.ort_adapter:emit_ort_adapter",
             extra="onnx",
             requires=("onnx", "onnxruntime", "onnxscript"),
+            also=("context.onnx_adapter.json", "patchable.onnx"),  # its record, its graph
         ),
         Backend(
             "peft",
@@ -157,6 +165,7 @@ BACKENDS: dict[str, Backend] = {
             extra="peft",
             requires=("peft",),
             takes=("baked",),
+            rules=(LORA_RULE,),  # linear weights only: no norm scale, bias or expert bank
         ),
         Backend(
             "gguf",
@@ -173,6 +182,7 @@ BACKENDS: dict[str, Backend] = {
             emitter="ctxc.backends.gguf.lora:emit_gguf_lora",
             takes=("tokenizer", "gguf_type"),
             precheck="ctxc.backends.gguf.names:gguf_arch",
+            rules=(LORA_RULE,),
         ),
     )
 }
@@ -205,6 +215,27 @@ def parse_backends(spec: str, flag: str = "--emit") -> list[str]:
     for name in names:
         BACKENDS[name].require(flag)
     return names
+
+
+def check_rules(names: list[str], update: str, flag: str = "--emit") -> None:
+    """Refuse, before anything loads, an artefact the update rule's patch cannot go into.
+
+    ``lora`` and ``gguf-lora`` hold linear weights only, as serving engines' LoRA adapters do;
+    every other rule may change a norm scale (Gemma's post norms), so only ``--update lora``
+    is admitted there (it admits every kind). Known from the options alone: refused in a
+    second, not after the compile (issue 34).
+
+    Raises:
+        CtxcError: one line naming the artefact, the rule and the rule to use.
+    """
+    for name in names:
+        admits = BACKENDS[name].rules
+        if admits is not None and update not in admits:
+            raise CtxcError(
+                f"{flag} {name} holds linear weights only, and --update {update} may change "
+                f"norm scales: compile with --update {' or '.join(admits)} (it admits every "
+                f"{flag} kind)"
+            )
 
 
 def precheck(model, names: list[str]) -> None:

@@ -27,7 +27,15 @@ from ctxc.core.errors import CtxcError
 from ctxc.models.fingerprint import fingerprint
 from ctxc.models.offload import ParamToken, put_param, read_param, restore_param
 
-__all__ = ["FORMAT_VERSION", "Delta", "Patch", "PatchMeta", "stored_digest", "tensors_digest"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Delta",
+    "Patch",
+    "PatchMeta",
+    "metadata_digest",
+    "stored_digest",
+    "tensors_digest",
+]
 
 FORMAT_VERSION = "1"
 
@@ -117,6 +125,18 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
         h.update(json.dumps(head).encode() + b"\0")
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+def metadata_digest(metadata: dict[str, str]) -> str:
+    """SHA-256 of a patch file's metadata but ``metadata_sha256`` itself, keys sorted.
+
+    The metadata holds ``tensors_sha256``, so this digest covers the whole patch: the token ids,
+    the rule, the fingerprint and the solver's figure as well as the factors. Stored as
+    ``metadata_sha256`` and checked on load (issue 34: an edited ``query_ids`` was found only as
+    a failed artefact check a minute later).
+    """
+    rest = {k: v for k, v in metadata.items() if k != "metadata_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True).encode()).hexdigest()
 
 
 def stored_digest(path) -> str | None:
@@ -350,6 +370,7 @@ class Patch:
         }
         if m.solver_max_abs_logit_diff is not None:
             metadata["solver_max_abs_logit_diff"] = repr(float(m.solver_max_abs_logit_diff))
+        metadata["metadata_sha256"] = metadata_digest(metadata)
         # Written by Python, not safetensors' save_file: that creates the file 0600, ignoring the
         # umask, and writes the metadata in hash-map order, which differs between runs.
         path.write_bytes(canonical(save(tensors, metadata=metadata)))
@@ -366,8 +387,9 @@ class Patch:
         Raises:
             CtxcError: the file is missing, is not a ctxc patch, or fails a check: a
                 non-finite value, inconsistent factor shapes, a rank out of bounds, a malformed
-                fingerprint (the one-line message names the tensor), or tensors that differ
-                from the digest stored with them (the message names the file).
+                fingerprint (the one-line message names the tensor), or tensors or metadata
+                that differ from the digests stored with them (the message names the file).
+                A patch written before a digest existed loads without that check.
         """
         path = Path(path)
         if path.is_dir():
@@ -400,6 +422,12 @@ class Patch:
             raise CtxcError(
                 f"patch {path}: its tensors do not match the digest ctxc stored "
                 "(the file was changed after it was written)"
+            )
+        whole = md.get("metadata_sha256")  # absent in patches written before it existed
+        if whole is not None and whole != metadata_digest(md):
+            raise CtxcError(
+                f"patch {path}: its metadata (token ids, rule, fingerprint, ...) do not match "
+                "the digest ctxc stored (the file was changed after it was written)"
             )
         if model is not None:
             patch.check(model)

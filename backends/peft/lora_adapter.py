@@ -19,7 +19,7 @@ from ctxc.backends.peft.lora_rules import VllmCheck, check_vllm_adapter
 from ctxc.core.errors import CtxcError
 from ctxc.patch import Delta, Patch
 
-__all__ = ["LORA_DIR", "LoraFigures", "emit_lora", "servable_deltas"]
+__all__ = ["LORA_DIR", "LoraFigures", "emit_lora", "refuse_unservable", "servable_deltas"]
 
 LORA_DIR = "lora"
 
@@ -46,6 +46,22 @@ class LoraFigures:
         )
 
 
+def refuse_unservable(patch: Patch, what: str) -> None:
+    """Refuse a patch with a norm-scale, bias or expert-bank delta, from the patch alone (no
+    model: ``ctxc export`` says so before the model loads).
+
+    Raises:
+        CtxcError: one line naming the first such parameter and the rule to use.
+    """
+    for name, delta in patch.deltas.items():
+        if delta.vector is not None or delta.experts or not name.endswith(".weight"):
+            kind = "an expert bank" if delta.experts else "a norm scale or bias"
+            raise CtxcError(
+                f"{what} holds linear weights only; this patch changes {name} ({kind}, from "
+                f"--update {patch.meta.update}): compile with --update lora"
+            )
+
+
 def servable_deltas(model: torch.nn.Module, patch: Patch, what: str) -> dict[str, Delta]:
     """The patch's deltas by module, when every one is a serving engine's LoRA pair.
 
@@ -61,16 +77,11 @@ def servable_deltas(model: torch.nn.Module, patch: Patch, what: str) -> dict[str
         CtxcError: a norm scale, bias or expert-bank delta, a delta of a module that is not a
             ``nn.Linear``, or mixed ranks: one line that names the rule to use.
     """
+    refuse_unservable(patch, what)
     found: dict[str, Delta] = {}
     for name, delta in patch.deltas.items():
-        module, _, attr = name.rpartition(".")
+        module = name.rpartition(".")[0]
         layer = model.get_submodule(module)
-        if delta.vector is not None or delta.experts or attr != "weight":
-            kind = "an expert bank" if delta.experts else "a norm scale or bias"
-            raise CtxcError(
-                f"{what} holds linear weights only; this patch changes {name} ({kind}, from "
-                f"--update {patch.meta.update}): compile with --update lora"
-            )
         if not isinstance(layer, torch.nn.Linear) or delta.layout != "out_in":
             raise CtxcError(f"{what} holds nn.Linear weights only; {name} is not one")
         found[module] = delta

@@ -14,7 +14,7 @@ control (the unpatched GGUF fed the query alone vs the full-context run).
 ``model.gguf`` is written with ``write_gguf`` directly: the Transformers-side GGUF check
 (``GGUF_ATOL``) is not applied here, so texts it refuses are measured too.
 
-    ../shared/tools/llamacpp/install.sh .venv/bin/python   # or pip install 'ctxc[llamacpp]'
+    pip install ".[llamacpp]" && bash tools/llamacpp/install.sh .venv/bin/python  # glibc < 2.38
     python -m benchmarks.fidelity.llama_cpp [--model M] [--texts short 01_greeting ...]
         [--update stable] [--no-lora] [--json FILE] [--results docs/results/fidelity-llama-cpp.md]
 """

@@ -14,7 +14,7 @@ context's full-context run (should be far), top-1. Then the switch cost: a reque
 switches adapter (set + decode) against one that keeps it (decode), the query alone without an
 adapter, a request on a fresh context, loading an adapter.
 
-    ../shared/tools/llamacpp/install.sh .venv/bin/python   # or pip install 'ctxc[llamacpp]'
+    pip install ".[llamacpp]" && bash tools/llamacpp/install.sh .venv/bin/python  # glibc < 2.38
     python -m benchmarks.fidelity.llama_cpp_adapters [--contexts 10] [--texts short 01_greeting ...]
         [--query TEXT] [--update lora] [--threads 1] [--no-q4] [--json FILE] [--results FILE.md]
 

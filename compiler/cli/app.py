@@ -29,7 +29,7 @@ from ctxc.cli.inspect import inspect_cmd
 from ctxc.cli.options import cli_message
 from ctxc.cli.progress import VERBOSE, command_trail, err, finish, quiet_defaults, say
 from ctxc.core.errors import CtxcError, environment_error, missing_package_error
-from ctxc.core.interrupts import install_handlers, received
+from ctxc.core.interrupts import install_handlers, interrupt_note, received
 
 __all__ = [
     "app",
@@ -125,7 +125,9 @@ def _run(argv: list[str] | None) -> int:
         )
         return 1
     if rc == 130:  # typer turns KeyboardInterrupt into Exit(130) and returns the code
-        err.print("ctxc: interrupted", highlight=False)
+        note = interrupt_note()  # a batch's finished lines: where, and how to go on
+        line = f"ctxc: interrupted{'; ' + note if note else ''}"
+        err.print(line, highlight=False, soft_wrap=True, markup=False)  # one line, any width
         return 128 + received()
     return int(rc or 0) if isinstance(rc, int) else 0
 

@@ -198,19 +198,43 @@ def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
 
 
 def _summary(figures: dict) -> list[str]:
+    """A line per measured set, each figure of the patch beside the unpatched model's (named:
+    ``free generation 3.5 tokens (unpatched 4.6)``), then a warning line for a set where the
+    patch did worse than no patch (issue 34)."""
     lines = []
     for name, pair in figures.items():
         p, c = pair["patched"], pair["control"]
         gen = (
-            f", free generation {p['matched']:.1f} vs {c['matched']:.1f}" if p["gen_tokens"] else ""
+            f", free generation {p['matched']:.1f} tokens matched (unpatched {c['matched']:.1f})"
+            if p["gen_tokens"]
+            else ""
         )
         if p.get("answers") is not None:
-            gen += f", answers {p['answers']:.0%} vs {c['answers']:.0%}"
+            gen += f", answers {p['answers']:.0%} (unpatched {c['answers']:.0%})"
         lines.append(
             f"{name}: KL {p['kl']:.3g} (unpatched {c['kl']:.3g}), top-1 {p['top1']:.1%} "
             f"(unpatched {c['top1']:.1%}){gen}"
         )
+        worse = _worse(p, c)
+        if worse:
+            lines.append(f"warning: {name}: the patch did worse than no patch on {worse}")
     return lines
+
+
+def _worse(p: dict, c: dict) -> str:
+    """The figures where the patch ``p`` did worse than the unpatched control ``c``, as text
+    (empty when none): a higher KL, a lower top-1, fewer tokens matched, fewer answers."""
+    worse = []
+    if p["kl"] > c["kl"]:
+        worse.append(f"KL ({p['kl']:.3g} > {c['kl']:.3g})")
+    if p["top1"] < c["top1"]:
+        worse.append(f"top-1 ({p['top1']:.1%} < {c['top1']:.1%})")
+    if p["gen_tokens"] and p["matched"] < c["matched"]:
+        worse.append(f"free generation ({p['matched']:.1f} < {c['matched']:.1f} tokens)")
+    mine, theirs = p.get("answers"), c.get("answers")
+    if mine is not None and theirs is not None and mine < theirs:
+        worse.append(f"answers ({mine:.0%} < {theirs:.0%})")
+    return ", ".join(worse)
 
 
 def eval_bake_cmd(

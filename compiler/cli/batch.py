@@ -20,13 +20,13 @@ from ctxc.cli.job import CompileJob
 from ctxc.cli.output import MARKER
 from ctxc.cli.support import err, out, written
 from ctxc.core.errors import CtxcError
-from ctxc.core.interrupts import pause_point
+from ctxc.core.interrupts import note_interrupt, pause_point
 from ctxc.core.textfile import read_text
 
 if TYPE_CHECKING:
     from ctxc.cli.ray_engine import RayEngine
 
-__all__ = ["compile_batch", "compile_many", "read_lines", "run_batch"]
+__all__ = ["compile_batch", "compile_many", "read_lines", "refuse_bad_lines", "run_batch"]
 
 _NAME = re.compile(r"[A-Za-z0-9._-]+")
 
@@ -44,18 +44,39 @@ def read_lines(path: Path | list[str]) -> list[tuple[int, dict | None, str | Non
         raw = read_text(path, "contexts file").splitlines()  # not blank: a line is left
     numbered = [(n, line) for n, line in enumerate(raw, 1) if line.strip()]
     width = max(4, len(str(numbered[-1][0])))
-    seen: set[str] = set()
+    seen: dict[str, int] = {}
     lines = []
     for n, line in numbered:
         entry, problem = _parse(line, n, width)
         if entry is not None:
             if entry["name"] in seen:
-                problem = f"duplicate name {entry['name']!r}"
+                problem = f"duplicate name {entry['name']!r} (line {seen[entry['name']]} has it)"
                 entry = None
             else:
-                seen.add(entry["name"])
+                seen[entry["name"]] = n
         lines.append((n, entry, problem))
     return lines
+
+
+def refuse_bad_lines(lines: list[tuple[int, dict | None, str | None]], source) -> None:
+    """Refuse the whole file, before the model loads, when a line is bad as written (not JSON,
+    a missing context, a bad or duplicate name): every such line in one message, so one edit
+    fixes them all. What only the model can tell (a context past its positions) stays an
+    error of its own line in index.json.
+
+    Args:
+        lines: :func:`read_lines`' answer.
+        source: the file, or a list of lines (``ctxc.compile_many``).
+
+    Raises:
+        CtxcError: ``FILE: 2 bad lines (nothing was run): line 2: ...; line 5: ...``.
+    """
+    bad = [(n, problem) for n, entry, problem in lines if entry is None]
+    if bad:
+        where = source if isinstance(source, Path) else "contexts"
+        listed = "; ".join(f"line {n}: {problem}" for n, problem in bad)
+        many = "line" if len(bad) == 1 else "lines"
+        raise CtxcError(f"{where}: {len(bad)} bad {many} (nothing was run): {listed}")
 
 
 def _parse(line: str, n: int, width: int) -> tuple[dict | None, str | None]:
@@ -165,20 +186,30 @@ def run_batch(
     from ctxc.cli.batch_out import batch_folder
 
     lines = read_lines(contexts)
+    refuse_bad_lines(lines, contexts)  # before the output folder and the model
     rows = [
         {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
         for n, entry, _ in lines
     ]
-    with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
-        try:
-            if engine is not None:
-                from ctxc.cli.ray_engine import run_on_ray
+    try:
+        with batch_folder(out_dir, force, resume, _options(opts, dtype)) as folder:
+            try:
+                if engine is not None:
+                    from ctxc.cli.ray_engine import run_on_ray
 
-                run_on_ray(engine, (model, dtype), folder, lines, rows, opts)
-            else:
-                _run_here(model, dtype, folder, lines, rows, opts)
-        finally:  # an interrupt too: the finished lines are listed, the rest "not run"
-            folder.write_index(rows)
+                    run_on_ray(engine, (model, dtype), folder, lines, rows, opts)
+                else:
+                    _run_here(model, dtype, folder, lines, rows, opts)
+            finally:  # an interrupt too: the finished lines are listed, the rest "not run"
+                folder.write_index(rows)
+    except KeyboardInterrupt:
+        kept = sum(row["status"] == "ok" for row in rows)
+        if kept:  # else DIR was removed: nothing to resume from
+            note_interrupt(
+                f"{kept} of {len(rows)} contexts kept in {out_dir}/; rerun with --resume to "
+                "compile the rest"
+            )
+        raise
     return rows
 
 
@@ -198,12 +229,12 @@ def _run_lines(net, tokenizer, folder, lines, rows: list[dict], opts: CompileJob
     with batch_progress() as bar:
         task = bar.add_task("contexts", total=len(lines))
         for i, (n, entry, problem) in enumerate(lines):
-            figures = None
+            figures, kept = None, False
             if entry is not None:
-                problem, figures = _one(net, tokenizer, folder, entry, opts)
+                problem, figures, kept = _one(net, tokenizer, folder, entry, opts)
             record(rows, i, (n, entry), problem, figures)
             folder.write_index(rows)
-            bar.update(task, advance=1)
+            bar.update(task, advance=1, kept=kept)  # a kept line is not in the rate
             pause_point(f"line {n} done")
 
 
@@ -225,23 +256,22 @@ def _options(opts: CompileJob, dtype: str) -> dict:
 
 
 def _one(net, tokenizer, folder, entry: dict, opts: CompileJob):
-    """(error or None, headline figures) for one context, moved into DIR/<name>/ when done.
-
-    A line already written by an earlier run (``--resume``) is kept (:meth:`finished`).
+    """(error or None, headline figures, kept) for one context, moved into DIR/<name>/ when
+    done; ``kept``: a line already written by an earlier run (``--resume``, :meth:`finished`).
     """
     from ctxc.cli.batch_out import input_digest
 
     digest = input_digest(entry)
     kept = folder.finished(entry["name"], digest)
     if kept is not None:
-        return None, kept
+        return None, kept, True
     staging = folder.staging(entry["name"])
     try:
         outcome = compile_line(net, tokenizer, staging, entry, opts)
     except BaseException:
         folder.discard(staging)
         raise
-    return settle(folder, staging, entry, digest, outcome)
+    return (*settle(folder, staging, entry, digest, outcome), False)
 
 
 def compile_many(
@@ -298,8 +328,11 @@ def compile_many(
 
         require_ray()
         on = RayEngine(address=address, workers=workers, gpus_per_worker=gpus_per_worker)
+    from ctxc.backends import check_rules
+
     kinds = parse_emit(",".join(emit))
     compiling = CompileOptions(update, start_layer, skip_unpatchable)
+    check_rules(kinds, compiling.update)
     job = CompileJob(compiling, kinds, gguf_type, placement=placement_for(device, None, None))
     source = Path(contexts) if isinstance(contexts, (str, Path)) else _as_lines(contexts)
     return run_batch(source, Path(out), model, dtype, force, job, resume, on)

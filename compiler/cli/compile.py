@@ -11,6 +11,7 @@ from pathlib import Path
 
 import typer
 
+from ctxc.backends import check_rules
 from ctxc.cli.images import image_options, processor_of
 from ctxc.cli.job import CompileJob, compile_into
 from ctxc.cli.options import (
@@ -35,7 +36,15 @@ from ctxc.cli.options import (
 )
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage_progress
-from ctxc.cli.support import chat_input, load, parse_emit, read_context, written
+from ctxc.cli.support import (
+    chat_input,
+    check_chat,
+    load,
+    parse_emit,
+    read_context,
+    summaries,
+    written,
+)
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import CompileOptions
 
@@ -109,6 +118,7 @@ def compile_cmd(
     kinds = parse_emit(emit)
     where = placement_for(device, device_map, max_memory, kinds)
     compiling = CompileOptions(update, start_layer, skip_unpatchable)  # validated here, once
+    check_rules(kinds, compiling.update)  # lora/gguf-lora need --update lora: known now
     opts = CompileJob(compiling, kinds, gguf_type, placement=where)
     on = _engine(contexts, resume, engine, address, workers, gpus_per_worker)
     if contexts is not None:
@@ -131,8 +141,8 @@ def compile_cmd(
                 net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
             )
     say(report.summary(tokenizer.decode if hasattr(tokenizer, "decode") else None))
-    for f in figures.values():
-        say(f.summary())
+    for line in summaries(figures.values()):
+        say(line)
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")
 
 
@@ -187,6 +197,8 @@ def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, convers
         inside the staging folder, which is removed).
     """
     turns, query = conversation
+    if not opts.images:  # an image conversation is rendered by the processor, with the model
+        check_chat(model, turns, query)
     with output_folder(out_dir, force, "compile") as tmp:
         net, tokenizer = load(model, dtype, where)
         if opts.images:  # the processor renders and tokenises an image conversation
@@ -204,6 +216,6 @@ def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, convers
                 on_block=on_block,
             )
     say(report.summary(getattr(tokenizer, "decode", None)))
-    for f in figures.values():
-        say(f.summary())
+    for line in summaries(figures.values()):
+        say(line)
     say(f"wrote {out_dir}/ ({', '.join(written(opts.kinds))})")

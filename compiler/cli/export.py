@@ -22,7 +22,7 @@ from ctxc.cli.options import (
 )
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage
-from ctxc.cli.support import load, parse_emit
+from ctxc.cli.support import load, parse_emit, summaries
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
@@ -55,6 +55,7 @@ def export_cmd(
         raise CtxcError("--patchable applies to --to onnx")
     where = placement_for(device, device_map, max_memory, kinds)
     patch = Patch.load(patch_file)  # validated: finite values, factor shapes, ranks
+    _refuse_before_load(patch, kinds)
     with output_folder(out_dir, force, "export") as tmp:
         net, tokenizer = load(model, patch.meta.dtype, where)
         patch.check(net)  # fingerprint and shapes, without applying
@@ -82,6 +83,19 @@ def export_cmd(
                 write_report(tmp, report, exc.passed, exc)
             raise
         write_report(tmp, report, figures)
-    for f in figures.values():
-        say(f.summary())
+    for line in summaries(figures.values()):
+        say(line)
     say(f"wrote {out_dir}/")
+
+
+def _refuse_before_load(patch, kinds: list[str]) -> None:
+    """What the patch alone tells: a LoRA kind (``lora``, ``gguf-lora``: linear weights only)
+    of a patch with a norm-scale, bias or expert-bank delta is refused before the model loads.
+    """
+    from ctxc.backends import backend
+
+    for kind in kinds:
+        if backend(kind).rules is not None:
+            from ctxc.backends.peft.lora_adapter import refuse_unservable
+
+            refuse_unservable(patch, f"--to {kind}")

@@ -29,7 +29,7 @@ from ctxc.cli.options import (
 )
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, err, progress, say
-from ctxc.cli.support import chat_input, load, read_context
+from ctxc.cli.support import chat_input, check_chat, load, read_context
 from ctxc.core.errors import CtxcError
 
 __all__ = ["generate_cmd"]
@@ -71,6 +71,8 @@ def generate_cmd(
 
     options = GenerateOptions(max_new_tokens, update)  # validated here, once
     where = placement_for(device, device_map, max_memory)
+    if conversation is not None:
+        check_chat(model, *conversation)  # the template, with the tokenizer alone: now
     with output_folder(out_dir, force, "generate") as tmp:
         from ctxc.generate.report import chat_answers, plot_steps, steps_table, write_json
         from ctxc.generate.steps import generate

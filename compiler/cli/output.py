@@ -31,7 +31,7 @@ from pathlib import Path
 from ctxc._version import __version__
 from ctxc.core.cache import cache_dir
 from ctxc.core.checks import ArtefactError
-from ctxc.core.errors import CtxcError
+from ctxc.core.errors import CtxcError, environment_cause, environment_oserror
 from ctxc.core.interrupts import deferred_signals, pause_point
 
 __all__ = [
@@ -212,10 +212,17 @@ def output_folder(path: Path, force: bool, command: str) -> Iterator[Path]:
         with deferred_signals():
             kept = _keep_failed(staging, final, command, exc, created)
         raise CtxcError(_failed_message(exc, path, kept)) from None
-    except BaseException:
+    except BaseException as exc:
+        # A CtxcError says its own line already (an unwritable DIR, above).
+        plain = isinstance(exc, Exception) and not isinstance(exc, CtxcError)
+        refused = environment_oserror(exc) if plain else None
         with deferred_signals():
-            shutil.rmtree(staging, ignore_errors=True)
-            remove_parents(created)
+            kept = None if refused is None else _keep_patch(staging, final, command)
+            if kept is None:
+                shutil.rmtree(staging, ignore_errors=True)
+                remove_parents(created)
+        if refused is not None:  # the disk full, ...: the user's to fix, said in one line
+            raise CtxcError(_refused_message(refused, staging, path, kept)) from None
         raise
     if kept is not None:
         shown = path.expanduser().parent / kept.name
@@ -349,6 +356,50 @@ def _keep_failed(staging: Path, final: Path, command: str, exc: ArtefactError, c
     write_marker(staging, command, failed=exc.artefact)
     follow_umask(staging)
     return keep_as(staging, final, "failed")
+
+
+def _keep_patch(staging: Path, final: Path, command: str) -> Path | None:
+    """After the machine refused a write (disk full, ...): keep the run's patch, when it was
+    written whole (it loads, its digests match), alone in ``DIR.failed`` (a rename: no space
+    needed), so ``ctxc export`` can emit the artefacts once there is room; None otherwise.
+    Whatever else the run wrote is removed first, freeing its space."""
+    from ctxc.patch import Patch
+
+    patch = staging / "patch.safetensors"
+    try:
+        Patch.load(patch)
+    except (CtxcError, OSError):
+        return None
+    try:
+        for entry in staging.iterdir():
+            if entry != patch:
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        try:
+            write_marker(staging, command, failed="the disk")
+        except OSError:  # the marker is a courtesy; the patch alone is what export reads
+            (staging / MARKER).unlink(missing_ok=True)
+        return keep_as(staging, final, "failed")
+    except OSError:
+        return None
+
+
+def _refused_message(refused: OSError, staging: Path, path: Path, kept: Path | None) -> str:
+    """``no space left on the device writing out/model/; ...``: the path as the user named the
+    output (not the staging folder), and what was kept."""
+    where = str(refused.filename2 or refused.filename or path)
+    if where.startswith(str(staging)):
+        where = str(path) + where[len(str(staging)) :]
+    head = f"{environment_cause(refused)} writing {where}"
+    if kept is None:
+        return f"{head}; nothing of this run was kept"
+    shown = path.expanduser().parent / kept.name
+    return (
+        f"{head}; the patch is kept in {shown}/ (ctxc export --patch {shown} writes the "
+        "artefacts once there is room)"
+    )
 
 
 def _failed_message(exc: ArtefactError, path: Path, kept: Path | None) -> str:

@@ -89,7 +89,7 @@ class _Rate(ProgressColumn):
     """Items per second of a counter given a ``rate`` unit (``0.25 contexts/s``)."""
 
     def render(self, task) -> Text:
-        unit, speed = task.fields.get("rate"), task.finished_speed or task.speed
+        unit, speed = task.fields.get("rate"), task.fields.get("speed")
         return Text(f"{speed:.2f} {unit}" if unit and speed else "")
 
 
@@ -142,13 +142,18 @@ class Trail:
 
         Args:
             more: ``detail`` (a block's path, on a terminal) and ``rate``: the unit of a rate
-                shown beside the count (``contexts/s``), with ``since`` (when counting began).
+                shown beside the count (``contexts/s``), with ``since`` (when counting began)
+                and ``skipped`` (items of ``done`` that took no work, such as the lines a
+                ``--resume`` keeps: not counted in the rate).
         """
         if self.closed:
             return
+        seconds = time.perf_counter() - more.get("since", self.start)
+        worked = done - more.get("skipped", 0)
+        speed = worked / seconds if more.get("rate") and worked > 0 and seconds > 0 else None
         if self.live:
             text = f"{text} {more.get('detail', '')}".rstrip()
-            self._show(key, text, done, total, unit, more.get("rate"))
+            self._show(key, text, done, total, unit, more.get("rate"), speed)
             return
         if key == "activity" and self.counters:
             return
@@ -156,9 +161,8 @@ class Trail:
         if tenth > self._tenths.get(key, -1):  # done == total is tenth 10: always shown once
             self._tenths[key] = tenth
             line = f"{text} {done}/{total}{' ' + unit if unit else ''}"
-            seconds = time.perf_counter() - more.get("since", self.start)
-            if more.get("rate") and done and seconds > 0:
-                line += f", {done / seconds:.2f} {more['rate']}"
+            if speed is not None:
+                line += f", {speed:.2f} {more['rate']}"
             self._line(line)
 
     def drop(self, key: str) -> None:
@@ -185,7 +189,9 @@ class Trail:
         self.console.print(f"ctxc: {text} ({elapsed:.1f} s)", **PLAIN)
         self._lines += 1
 
-    def _show(self, key: str, text: str, done=0, total=None, unit="", rate=None) -> None:
+    def _show(
+        self, key: str, text: str, done=0, total=None, unit="", rate=None, speed=None
+    ) -> None:
         if self._display is None:
             self._display = Progress(
                 SpinnerColumn(),
@@ -204,10 +210,14 @@ class Trail:
             self._display.remove_task(row)  # a new stage: its own row, without the old count
             row = None
         if row is None:
-            row = self._display.add_task(text, total=total, completed=done, unit=unit, rate=rate)
+            row = self._display.add_task(
+                text, total=total, completed=done, unit=unit, rate=rate, speed=speed
+            )
             self._rows[key] = row
         else:
-            self._display.update(row, description=text, completed=done, total=total, unit=unit)
+            self._display.update(
+                row, description=text, completed=done, total=total, unit=unit, speed=speed
+            )
 
 
 def current() -> Trail:
@@ -288,13 +298,19 @@ class Counter:
         """A new counted row; returns its key."""
         key = f"counter-{id(self)}-{len(self._tasks)}"
         self._tasks[key] = {"text": description, "total": total, "done": 0, "unit": unit}
-        self._tasks[key]["since"] = time.perf_counter()
+        self._tasks[key].update(since=time.perf_counter(), skipped=0)
         self._show(key)
         return key
 
-    def update(self, task: str, *, completed=None, advance=None, total=None, description=None):
-        """Set or advance the count of ``task`` (keywords as rich's ``Progress.update``)."""
+    def update(
+        self, task: str, *, completed=None, advance=None, total=None, description=None, kept=False
+    ):
+        """Set or advance the count of ``task`` (keywords as rich's ``Progress.update``);
+        ``kept``: the items advanced took no work (lines a ``--resume`` keeps): counted, not
+        in the rate."""
         row = self._tasks[task]
+        if kept and advance is not None:
+            row["skipped"] += int(advance)
         if total is not None:
             row["total"] = total
         if description is not None:
@@ -310,7 +326,7 @@ class Counter:
         if row["total"] is None:
             self.trail.stage(row["text"])
         else:
-            more = {"rate": self.rate, "since": row["since"]}
+            more = {"rate": self.rate, "since": row["since"], "skipped": row["skipped"]}
             self.trail.count(key, row["done"], row["total"], row["text"], row["unit"], **more)
 
 

@@ -28,7 +28,42 @@ from pathlib import Path
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import TEST_HOOKS, deferred_signals, pause_point
 
-__all__ = ["KILL_WAIT_S", "MAX_ATTEMPTS", "LineWorker", "RayEngine", "require_ray", "run_on_ray"]
+__all__ = [
+    "KILL_WAIT_S",
+    "MAX_ATTEMPTS",
+    "LineWorker",
+    "RayEngine",
+    "quiet_ray_notices",
+    "require_ray",
+    "run_on_ray",
+]
+
+# Ray's own notice when the local cluster it starts uses token authentication (a warning that
+# says nothing wrong, on every run; issue 34). ``-v`` lets it through.
+_RAY_NOTICES = ("Token authentication is enabled for this Ray cluster",)
+
+
+class _DropNotices:
+    """A logging filter that drops Ray's :data:`_RAY_NOTICES` (every other record passes)."""
+
+    def filter(self, record) -> bool:
+        return not str(record.getMessage()).startswith(_RAY_NOTICES)
+
+
+def quiet_ray_notices() -> None:
+    """Drop Ray's token-authentication notice from its logger, unless ``--verbose``; its
+    warning that authentication is *disabled* still shows. Side effects: a filter on Ray's
+    authentication logger, installed once."""
+    import logging
+
+    from ctxc.cli.progress import is_verbose
+
+    if is_verbose():
+        return
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _DropNotices) for f in logger.filters):
+        logger.addFilter(_DropNotices())
+
 
 MAX_ATTEMPTS = 3  # a line whose worker dies this often is that line's error, not a retry loop
 KILL_WAIT_S = 30.0  # how long an interrupted run waits for its killed workers to be gone
@@ -153,7 +188,7 @@ def run_on_ray(engine: RayEngine, model: tuple, folder, lines, rows: list[dict],
                 queue.append(i)
                 continue
             record(rows, i, (n, entry), problem, kept)
-            bar.update(task, advance=1)
+            bar.update(task, advance=1, kept=True)  # kept (--resume): not in the rate
         if not queue:
             folder.write_index(rows)
             return
@@ -176,6 +211,7 @@ def _connect(ray, engine: RayEngine) -> bool:
     if ray.is_initialized():
         return False
     env = {k: os.environ[k] for k in ("CTXC_CACHE", "HF_HOME") if k in os.environ}
+    quiet_ray_notices()
     try:
         ray.init(
             address=engine.address,

@@ -13,11 +13,13 @@ from ctxc.core.textfile import read_text
 
 __all__ = [
     "chat_input",
+    "check_chat",
     "err",
     "load",
     "out",
     "parse_emit",
     "read_context",
+    "summaries",
     "written",
 ]
 
@@ -65,6 +67,32 @@ def chat_input(
     )
 
 
+def check_chat(model: str | None, turns: list[dict], query: str) -> None:
+    """Split a text conversation by the model's chat template with its tokenizer alone, before
+    the model loads: a tokenizer without a template, or a template that refuses the
+    conversation, is one line in a second or two, not after the model's load (issue 34).
+
+    Raises:
+        CtxcError: no chat template, the template refuses the conversation or cannot be split.
+    """
+    from ctxc.core.chat import NO_TEMPLATE
+    from ctxc.core.errors import CtxcError
+
+    stage(f"reading the tokenizer of {model or 'the bundled model'}")
+    from ctxc.core.chat import split_chat
+    from ctxc.models.load import declares_chat_template, load_tokenizer, model_directory
+
+    def on_stage(line: str) -> None:  # a first-run GGUF conversion: torch, Transformers
+        quiet_libraries()
+        stage(line, keep=True)
+
+    # The files first (no torch import: about half a second), then the tokenizer itself.
+    if not declares_chat_template(model_directory(model, on_stage)):
+        raise CtxcError(NO_TEMPLATE)
+    quiet_libraries()
+    split_chat(load_tokenizer(model, on_stage), turns, query)
+
+
 def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
     """The backend names of a comma list; a CtxcError for an unknown one or a missing extra."""
     from ctxc.backends import parse_backends
@@ -108,8 +136,27 @@ def load(model: str | None, dtype: str, placement=None):
     return net, tokenizer
 
 
+def summaries(figures) -> list[str]:
+    """Each artefact's summary line; a reason llama.cpp did not run, given by an earlier line
+    already (``model.gguf`` and ``lora.gguf`` share it), is said once: later lines say
+    ``as above``."""
+    lines, said = [], set()
+    for f in figures:
+        line, why = f.summary(), getattr(f, "llama_cpp_skipped", None)
+        if why:
+            if why in said:
+                line = line.replace(why, "as above")
+            said.add(why)
+        lines.append(line)
+    return lines
+
+
 def written(kinds: list[str]) -> list[str]:
     """What a ``ctxc compile`` with ``kinds`` writes, for its closing line."""
     from ctxc.backends import backend
 
-    return ["patch.safetensors", "report.json", *(backend(k).writes for k in kinds)]
+    return [
+        "patch.safetensors",
+        "report.json",
+        *(name for k in kinds for name in (backend(k).writes, *backend(k).also)),
+    ]

@@ -18,6 +18,7 @@ from pathlib import Path
 from ctxc.core.errors import CtxcError
 
 __all__ = [
+    "NO_TEMPLATE",
     "ChatSplit",
     "chat_messages",
     "check_messages",
@@ -27,6 +28,11 @@ __all__ = [
 ]
 
 _ROLES = ("system", "user", "assistant")
+
+NO_TEMPLATE = (
+    "the model's tokenizer has no chat template (tokenizer.chat_template): a chat context needs "
+    "one; give the context and the query as plain text instead"
+)
 
 
 @dataclass(frozen=True)
@@ -242,10 +248,7 @@ def split_chat(
             separates context and query (the message says why).
     """
     if getattr(tokenizer, "chat_template", None) in (None, ""):
-        raise CtxcError(
-            "the model's tokenizer has no chat template (tokenizer.chat_template): a chat "
-            "context needs one; give the context and the query as plain text instead"
-        )
+        raise CtxcError(NO_TEMPLATE)
     context = list(context)
     if len(images or ()) != images_in(context):
         raise CtxcError(

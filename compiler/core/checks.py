@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ctxc.core.errors import CtxcError
+from ctxc.core.errors import CtxcError, environment_oserror
 from ctxc.core.thresholds import RUNTIME_SLACK
 from ctxc.core.vocabulary import EXACT_RULES
 
@@ -188,6 +188,13 @@ def staged(tmp: Path, kind: str, artefact: str, passed: dict | None = None) -> I
             exc.passed = dict(passed or {})
             raise
         raise ArtefactError(artefact, f"{artefact}: {exc}", passed) from None
+    except OSError as exc:
+        shutil.rmtree(sub, ignore_errors=True)  # the space a partial artefact held, freed
+        if exc.filename is None and environment_oserror(exc) is exc:
+            # A write deep in a library (a shard's pwrite) names no file: name the artefact.
+            named = str(tmp / artefact) + ("/" if artefact.endswith("/") else "")
+            raise OSError(exc.errno, exc.strerror, named) from exc
+        raise
     except BaseException:
         shutil.rmtree(sub, ignore_errors=True)
         raise

@@ -17,7 +17,9 @@ __all__ = [
     "SolveError",
     "UnpatchableError",
     "UntraceableError",
+    "environment_cause",
     "environment_error",
+    "environment_oserror",
     "missing_package",
     "missing_package_error",
 ]
@@ -153,6 +155,24 @@ _ENVIRONMENT = {
 }
 
 
+def environment_oserror(exc: BaseException) -> OSError | None:
+    """The OSError in ``exc``'s cause and context chain (``exc`` included) that is the machine
+    refusing a file operation (disk full, quota, read-only, permissions), else None."""
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, OSError) and link.errno in _ENVIRONMENT:
+            return link
+        link = link.__cause__ or link.__context__
+    return None
+
+
+def environment_cause(error: OSError) -> str:
+    """What the machine refused, in words (``no space left on the device``)."""
+    return _ENVIRONMENT.get(error.errno or 0, error.strerror or "the machine refused a write")
+
+
 def environment_error(exc: BaseException) -> CtxcError | None:
     """A one-line :class:`CtxcError` when ``exc`` (or what caused it) is the machine refusing a
     file operation (disk full, quota, read-only, permissions), else None.
@@ -160,13 +180,9 @@ def environment_error(exc: BaseException) -> CtxcError | None:
     Args:
         exc: an exception; its ``__cause__`` and ``__context__`` chain is searched too.
     """
-    seen: set[int] = set()
-    link: BaseException | None = exc
-    while link is not None and id(link) not in seen:
-        seen.add(id(link))
-        if isinstance(link, OSError) and link.errno in _ENVIRONMENT:
-            where = link.filename2 or link.filename
-            at = f" writing {where}" if where else ""
-            return CtxcError(f"{_ENVIRONMENT[link.errno]}{at}; nothing of this run was kept")
-        link = link.__cause__ or link.__context__
-    return None
+    link = environment_oserror(exc)
+    if link is None:
+        return None
+    where = link.filename2 or link.filename
+    at = f" writing {where}" if where else ""
+    return CtxcError(f"{environment_cause(link)}{at}; nothing of this run was kept")

@@ -12,12 +12,22 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-__all__ = ["TEST_HOOKS", "deferred_signals", "install_handlers", "pause_point", "received"]
+__all__ = [
+    "TEST_HOOKS",
+    "deferred_signals",
+    "install_handlers",
+    "interrupt_note",
+    "note_interrupt",
+    "pause_point",
+    "received",
+]
 
 # The test hooks' variables: a Ray worker (compiler/cli/ray_engine.py) is given them too.
 TEST_HOOKS = ("CTXC_TEST_PAUSE_AT", "CTXC_TEST_PAUSE_ONCE")
 
 _RECEIVED: list[int] = []
+# What an interrupted command kept, said after ``ctxc: interrupted`` (a batch's finished lines).
+_NOTE: list[str] = []
 
 
 def install_handlers() -> Callable[[], None]:
@@ -27,6 +37,7 @@ def install_handlers() -> Callable[[], None]:
         a function that restores the previous handlers (``main`` may run inside a test).
     """
     _RECEIVED.clear()
+    _NOTE.clear()
     old = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
 
     def on_signal(signum: int, _frame) -> None:
@@ -41,6 +52,16 @@ def install_handlers() -> Callable[[], None]:
             signal.signal(sig, handler)
 
     return restore
+
+
+def note_interrupt(note: str) -> None:
+    """Say ``note`` with the interrupt's line: ``ctxc: interrupted; NOTE``."""
+    _NOTE[:] = [note]
+
+
+def interrupt_note() -> str | None:
+    """The note of :func:`note_interrupt`, or None."""
+    return _NOTE[0] if _NOTE else None
 
 
 def received() -> int:

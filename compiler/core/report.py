@@ -73,7 +73,8 @@ class CompileReport:
         placement: parameters per device (``disk``: offloaded), ``compiler/models/devices.py``.
         floor: the reference's own runtime with the head over the query rows alone (as
             ``logits_to_keep=k`` and ``generate`` compute them) against ``reference``: what the
-            runtime differs from itself by, the floor of any model fed the query alone.
+            runtime differs from itself by: the rounding scale of any model fed the query alone,
+            not a bound (an artefact's rounding can land closer).
         reference: what ``emitted``, ``control`` and ``floor`` are measured against
             (:func:`reference_name`).
         chat: for a chat context, how the chat template split the conversation

@@ -12,8 +12,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from ctxc.core.cache import cache_dir, partial_entry
 from ctxc.core.errors import CtxcError, missing_package_error
 from ctxc.core.interrupts import pause_point
@@ -21,7 +19,11 @@ from ctxc.core.vocabulary import DTYPES, check_choice
 from ctxc.models.devices import Placement, block_device_map, fix_mmap_threshold
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel
+
+# torch is imported where a model is built or loaded, not here: what only finds a model's
+# folder or reads its tokenizer files (a chat template, before the model loads) stays fast.
 
 __all__ = [
     "ALIASES",
@@ -30,9 +32,12 @@ __all__ = [
     "cache_dir",
     "check_length",
     "converted_dir",
+    "declares_chat_template",
     "gguf_chat_template",
     "load_model",
+    "load_tokenizer",
     "max_positions",
+    "model_directory",
     "resolve_dtype",
     "source_gguf",
 ]
@@ -60,6 +65,8 @@ def resolve_dtype(name: str) -> torch.dtype:
     Raises:
         OptionError: another name (naming the ``dtype`` parameter).
     """
+    import torch
+
     return getattr(torch, check_choice("dtype", name, DTYPES, "dtype"))
 
 
@@ -169,30 +176,13 @@ def load_model(
     Raises:
         CtxcError: the model cannot be found or read; the message says how to get it.
     """
+    import torch
+
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     placement = Placement.parse(device, device_map, max_memory)  # before the (long) load
     spec = spec or DEFAULT_MODEL
     path = Path(spec).expanduser()
-    stage = on_stage or _silent
-    if spec == DEFAULT_MODEL:
-        directory = _converted(_bundled_gguf(stage), stage)
-    elif path.suffix == ".gguf":
-        if not path.is_file():
-            raise CtxcError(f"GGUF file not found: {spec}")
-        directory = _converted(path.resolve(), stage)
-    elif path.exists():
-        if not path.is_dir():
-            raise CtxcError(f"{spec} is neither a model directory nor a .gguf file")
-        if not (path / "config.json").is_file():
-            raise CtxcError(f"{spec} is not a Transformers model directory (no config.json)")
-        directory = path
-    elif spec in ALIASES or spec.count("/") == 1:
-        directory = _from_hf_cache(ALIASES.get(spec, spec), spec)
-    else:
-        known = ", ".join([DEFAULT_MODEL, *ALIASES])
-        raise CtxcError(
-            f"unknown model {spec!r}: not an alias ({known}), a directory or a .gguf file"
-        )
+    directory = model_directory(spec, on_stage)
     model, tokenizer = _load_directory(directory, torch_dtype, spec, placement)
     if spec != DEFAULT_MODEL and (path.suffix == ".gguf" or path.exists()):
         # The name reports and adapters keep: a folder or a .gguf file absolute, since a path
@@ -200,6 +190,68 @@ def load_model(
         # module's attributes as tensors or modules, its __getattr__; this one is a str.)
         model.ctxc_name = str(path.resolve())  # type: ignore[assignment]
     return model, tokenizer
+
+
+def model_directory(spec: str | None, on_stage: Callable[[str], None] | None = None) -> Path:
+    """The Transformers folder ``spec`` loads from (:func:`load_model`'s ``spec``), without
+    loading anything: a GGUF file (the bundled one included) is converted first, once.
+
+    Raises:
+        CtxcError: the model cannot be found; the message says how to get it.
+    """
+    spec = spec or DEFAULT_MODEL
+    path = Path(spec).expanduser()
+    stage = on_stage or _silent
+    if spec == DEFAULT_MODEL:
+        return _converted(_bundled_gguf(stage), stage)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise CtxcError(f"GGUF file not found: {spec}")
+        return _converted(path.resolve(), stage)
+    if path.exists():
+        if not path.is_dir():
+            raise CtxcError(f"{spec} is neither a model directory nor a .gguf file")
+        if not (path / "config.json").is_file():
+            raise CtxcError(f"{spec} is not a Transformers model directory (no config.json)")
+        return path
+    if spec in ALIASES or spec.count("/") == 1:
+        return _from_hf_cache(ALIASES.get(spec, spec), spec)
+    known = ", ".join([DEFAULT_MODEL, *ALIASES])
+    raise CtxcError(f"unknown model {spec!r}: not an alias ({known}), a directory or a .gguf file")
+
+
+def declares_chat_template(directory: Path) -> bool:
+    """Whether the model folder's tokenizer files hold a chat template, read from the files
+    (milliseconds; a tokenizer of Gemma's 262k vocabulary takes 3 s to load). True when unsure
+    (no ``tokenizer_config.json``, or one that cannot be read): the tokenizer then says.
+    """
+    import json
+
+    names = ("chat_template.jinja", "chat_template.json", "additional_chat_templates")
+    if any((directory / name).exists() for name in names):
+        return True
+    try:
+        config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or bool(config.get("chat_template"))
+
+
+def load_tokenizer(spec: str | None, on_stage: Callable[[str], None] | None = None):
+    """The tokenizer of the model ``spec`` alone (a second or so; no weights are read): what a
+    command checks before the model loads (a chat template).
+
+    Raises:
+        CtxcError: the model cannot be found, or its tokenizer cannot be read.
+    """
+    from transformers import AutoTokenizer
+
+    directory = model_directory(spec, on_stage)
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except (OSError, ValueError) as exc:
+        first = str(exc).splitlines()[0]
+        raise CtxcError(f"cannot load the tokenizer of {spec!r}: {first}") from exc
 
 
 def gguf_chat_template(path: Path) -> str | None:
@@ -347,6 +399,7 @@ def converted_dir(gguf: Path) -> Path:
 def _convert_gguf(gguf: Path, out: Path, stage: Callable[[str], None]) -> None:
     # A GGUF-loaded model refuses save_pretrained: drop the quantization config and load its
     # de-quantised state into a model built from the config (DESIGN.md, CLI contract).
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     stage("conversion 1/3: reading and de-quantising the GGUF tensors")

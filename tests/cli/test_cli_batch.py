@@ -37,10 +37,12 @@ def _single(tiny_model_dir: Path, tmp: Path, row: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def mixed(tiny_model_dir, tmp_path_factory):
-    """3 good lines and 2 bad ones (not JSON; a context past the model's 256 positions)."""
+    """3 good lines and 2 the model refuses (contexts past its 256 positions; a line bad as
+    written refuses the whole file: test_bad_lines_refuse_the_file_before_the_model_loads)."""
     tmp = tmp_path_factory.mktemp("batch")
-    long = " ".join(f"w{i % 90 + 4}" for i in range(300))
-    rows = [GOOD[0], "{not json", GOOD[1], {"context": long, "name": "long"}, GOOD[2]]
+    long = [f"w{i % 90 + 4}" for i in range(300)]
+    first, second = {"context": " ".join(long[:-1])}, {"context": " ".join(long), "name": "long"}
+    rows = [GOOD[0], first, GOOD[1], second, GOOD[2]]
     out = tmp / "out"
     run = run_cli(
         "compile",
@@ -54,11 +56,11 @@ def mixed(tiny_model_dir, tmp_path_factory):
     return tmp, out, run
 
 
-def test_bad_lines_are_reported_and_the_others_run(mixed) -> None:
+def test_lines_the_model_refuses_are_reported_and_the_others_run(mixed) -> None:
     _, out, run = mixed
     assert run.returncode == 1, run.stderr
     lines = run.stderr.splitlines()
-    assert lines[0].startswith("ctxc: error: line 2: not JSON:")
+    assert lines[0].startswith("ctxc: error: line 2: context + query is 300 tokens;"), lines
     assert lines[1].startswith("ctxc: error: line 4: context + query is 301 tokens;")
     assert lines[-1] == f"compiled 3 of 5 contexts; 2 failed (see {out / 'index.json'})"
     assert sorted(p.name for p in out.iterdir()) == [
@@ -76,7 +78,7 @@ def test_index_lists_every_line(mixed) -> None:
     index = json.loads((out / "index.json").read_text())
     assert [(r["line"], r["name"], r["status"]) for r in index] == [
         (1, "first", "ok"),
-        (2, None, "error"),
+        (2, "0002", "error"),
         (3, "0003", "ok"),
         (4, "long", "error"),
         (5, "third.v1", "ok"),

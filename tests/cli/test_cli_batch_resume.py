@@ -56,7 +56,13 @@ def test_interrupted_after_k_lines_then_resumed_is_byte_identical(whole, tiny_mo
     _wait_paused(proc, "line 2 done")
     proc.send_signal(signal.SIGINT)
     rc, lines = _finish(proc)
-    assert (rc, lines) == (130, ["ctxc: interrupted"])
+    assert (rc, lines) == (
+        130,
+        [
+            "ctxc: interrupted; 2 of 4 contexts kept in out/; rerun with --resume to compile "
+            "the rest"
+        ],
+    )  # what is kept, where, and how to go on (issue 34)
     out = tmp_path / "out"
     assert sorted(p.name for p in out.iterdir()) == [".ctxc", "0002", "first", "index.json"]
     index = json.loads((out / "index.json").read_text())

@@ -201,16 +201,20 @@ def test_contexts_chat_lines(models, tmp_path) -> None:
         {"name": "bad", "messages": {"role": "user"}},
         {"name": "both", "context": "x", "system": "y", "query": "z"},
     ]  # fmt: skip
+    args = ["compile", "--contexts", "c.jsonl", "--model", str(models["gemma3"]), "--out", "b"]
     (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
-    run = run_cli(
-        "compile", "--contexts", "c.jsonl", "--model", str(models["gemma3"]), "--out", "b",
-        cwd=tmp_path,
-    )  # fmt: skip
-    assert run.returncode == 1
+    run = run_cli(*args, cwd=tmp_path)
+    assert run.returncode == 2 and not (tmp_path / "b").exists(), run.stderr
+    assert run.stderr.splitlines() == [
+        "ctxc: error: c.jsonl: 2 bad lines (nothing was run): line 3: messages must be a "
+        "non-empty JSON list of {role, content} objects (got dict); line 4: 'context' and a "
+        "chat line's messages/system/document: give one"
+    ]
+    (tmp_path / "c.jsonl").write_text("\n".join(json.dumps(x) for x in lines[:2]) + "\n")
+    run = run_cli(*args, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
     rows = json.loads((tmp_path / "b" / "index.json").read_text())
-    assert [r["status"] for r in rows] == ["ok", "ok", "error", "error"]
-    assert rows[2]["error"].startswith("messages must be a non-empty JSON list")
-    assert rows[3]["error"] == "'context' and a chat line's messages/system/document: give one"
+    assert [r["status"] for r in rows] == ["ok", "ok"]
     for name in ("sys", "conv"):
         report = json.loads((tmp_path / "b" / name / "report.json").read_text())
         assert report["max_abs_logit_diff"] <= BOUND and report["chat"]["query_text"]

@@ -32,6 +32,8 @@ KINDS = {
     "gguf-lora": ("lora", "lora.gguf", ["lora.gguf"]),
 }
 SLOW = {"onnx", "ort-adapter"}
+# The digests a patch file holds; a patch written before them has neither.
+DIGESTS = ("tensors_sha256", "metadata_sha256")
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +159,7 @@ def test_a_scaled_value_is_refused_by_the_digest(scaled, tiny_model_dir):
 @pytest.mark.parametrize(("to", "artefact"), [("torch", "model folder"), ("peft", "adapter/")])
 def test_a_scaled_value_without_digest_fails_the_gate(scaled, tiny_model_dir, to, artefact):
     work, tensors, meta = scaled
-    old = {k: v for k, v in meta.items() if k != "tensors_sha256"}  # as an older patch
+    old = {k: v for k, v in meta.items() if k not in DIGESTS}  # as an older patch
     bad = work / f"old-{to}.safetensors"
     save_file(tensors, str(bad), metadata=old)
     args = ["export", "--patch", str(bad), "--model", str(tiny_model_dir), "--to", to]
@@ -179,7 +181,7 @@ def test_a_patch_without_digest_still_loads(scaled):
     tensors = load_file(str(work / "out" / "patch.safetensors"))
     assert len(meta["tensors_sha256"]) == 64
     old = work / "older.safetensors"
-    save_file(tensors, str(old), metadata={k: v for k, v in meta.items() if k != "tensors_sha256"})
+    save_file(tensors, str(old), metadata={k: v for k, v in meta.items() if k not in DIGESTS})
     patch = Patch.load(old)
     assert set(patch.deltas) == set(Patch.load(work / "out").deltas)
     assert patch.meta.solver_max_abs_logit_diff == float(meta["solver_max_abs_logit_diff"])

@@ -269,6 +269,33 @@ def test_a_full_disk_is_one_line_exit_2_and_nothing_kept(cwd, tiny_model_dir, ca
     assert _snapshot(cwd) == before
 
 
+def test_a_full_disk_while_writing_model_keeps_the_patch(cwd, tiny_model_dir, capsys, monkeypatch):
+    """The disk full while model/ is written, by a write that names no file (a shard's pwrite,
+    as measured on a full tmpfs): the message names the artefact's path under --out, and the
+    patch, already written whole, is kept alone in out.failed/ for ctxc export (issue 34)."""
+    import errno
+
+    import ctxc.backends.torch.check as torch_check
+    from ctxc.patch import Patch
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch_check, "emit_torch_checked", full)
+    rc = main([*_compile(tiny_model_dir), "--out", "out"])
+    lines = without_trail(capsys.readouterr().err).strip().splitlines()
+    assert (rc, lines) == (
+        2,
+        [
+            "ctxc: error: no space left on the device writing out/model/; the patch is kept in "
+            "out.failed/ (ctxc export --patch out.failed writes the artefacts once there is room)"
+        ],
+    )
+    assert not (cwd / "out").exists() and not _no_staging(cwd), sorted(os.listdir(cwd))
+    assert sorted(p.name for p in (cwd / "out.failed").iterdir()) == [".ctxc", "patch.safetensors"]
+    assert Patch.load(cwd / "out.failed").deltas, "the kept patch does not load"
+
+
 def test_environment_errors_are_found_through_the_cause_chain():
     import errno
 

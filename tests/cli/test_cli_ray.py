@@ -31,6 +31,9 @@ ROWS = [
     {"context": "w50 w51 w52", "name": "sixth"},
 ]
 NAMES = ["first", "0002", "third.v1", "fourth", "fifth", "sixth"]
+# A line only the model refuses (past the tiny model's 256 positions): an error of its own line
+# (a line bad as written refuses the whole file before anything runs: test_cli_batch.py).
+LONG = {"context": " ".join(f"w{i % 90 + 4}" for i in range(300)), "name": "long"}
 
 
 def _jsonl(folder: Path, rows: list) -> Path:
@@ -133,9 +136,9 @@ def cluster():
 
 @pytest.fixture(scope="module")
 def local(tiny_model_dir, tmp_path_factory) -> Path:
-    """The local run of the six lines (and a bad one), for comparison."""
+    """The local run of the six lines (and one the model refuses), for comparison."""
     work = tmp_path_factory.mktemp("local")
-    _jsonl(work, [*ROWS[:3], "{not json", *ROWS[3:]])
+    _jsonl(work, [*ROWS[:3], LONG, *ROWS[3:]])
     run = run_cli(*_args(tiny_model_dir, work, str(work / "out")))
     assert run.returncode == 1, run.stderr
     return work / "out"
@@ -147,11 +150,11 @@ def test_ray_run_is_byte_identical_to_the_local_run(cluster, local, tiny_model_d
     index.json byte for byte the local run's, the bad line an error of its own."""
     import ctxc
 
-    path = _jsonl(tmp_path, [*ROWS[:3], "{not json", *ROWS[3:]])
+    path = _jsonl(tmp_path, [*ROWS[:3], LONG, *ROWS[3:]])
     out = tmp_path / "out"
     rows = ctxc.compile_many(path, out, model=str(tiny_model_dir), engine="ray", workers=5)
     assert [r["status"] for r in rows] == ["ok"] * 3 + ["error"] + ["ok"] * 3, rows
-    assert rows[3]["error"].startswith("not JSON:"), rows[3]
+    assert rows[3]["error"].startswith("context + query is 301 tokens"), rows[3]
     _same_folders(out, local, NAMES)
     assert (out / "index.json").read_bytes() == (local / "index.json").read_bytes()
     assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in local.iterdir())
@@ -184,7 +187,7 @@ def test_killed_worker_loses_no_line(cluster, local, tiny_model_dir, tmp_path, m
     """SIGKILL to the worker compiling line ``first`` (held there by the test hook): the line
     is retried by the worker that replaces it, every line once, the loss in index.json, the
     folders the local run's."""
-    _jsonl(tmp_path, [*ROWS[:3], "{not json", *ROWS[3:]])
+    _jsonl(tmp_path, [*ROWS[:3], LONG, *ROWS[3:]])
     out, killed, pid_file = tmp_path / "out", [], tmp_path / "paused.pid"
     monkeypatch.setenv("CTXC_TEST_PAUSE_AT", "compiling first")  # the workers are given it
     monkeypatch.setenv("CTXC_TEST_PAUSE_ONCE", str(pid_file))  # the retry goes on
@@ -194,7 +197,7 @@ def test_killed_worker_loses_no_line(cluster, local, tiny_model_dir, tmp_path, m
     assert killed, "no worker paused in line first"
     assert run.returncode == 1, run.stderr
     index = json.loads((out / "index.json").read_text())
-    assert [r["name"] for r in index] == ["first", "0002", "third.v1", None, *NAMES[3:]]
+    assert [r["name"] for r in index] == ["first", "0002", "third.v1", "long", *NAMES[3:]]
     assert [r["status"] for r in index] == ["ok"] * 3 + ["error"] + ["ok"] * 3
     assert [r["name"] for r in index if r.get("attempts")] == ["first"], index
     assert index[0]["attempts"] == 2, index[0]
@@ -222,7 +225,7 @@ def _interrupt_after(out: Path, name: str) -> None:
 def test_interrupted_ray_run_resumes(cluster, local, tiny_model_dir, tmp_path, monkeypatch):
     """Ctrl-C after two lines: the workers end, no staging folder is left, the finished lines
     stay; --resume compiles only the others, and the result is the uninterrupted run's."""
-    _jsonl(tmp_path, [*ROWS[:3], "{not json", *ROWS[3:]])
+    _jsonl(tmp_path, [*ROWS[:3], LONG, *ROWS[3:]])
     out = tmp_path / "out"
     monkeypatch.setenv("CTXC_TEST_PAUSE_AT", "line 2 done")  # the driver's stage
     watcher = threading.Thread(target=_interrupt_after, args=(out, "0002"), daemon=True)

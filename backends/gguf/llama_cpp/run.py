@@ -28,6 +28,7 @@ import functools
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -46,6 +47,7 @@ from ctxc.core.thresholds import LLAMA_CPP_FACTOR, LLAMA_CPP_MIN_FLOOR
 __all__ = [
     "LLAMA_CPP_FACTOR",
     "LLAMA_CPP_MIN_FLOOR",
+    "SHIM",
     "LlamaCppFigures",
     "LlamaCppSwitching",
     "llama_cpp_check",
@@ -53,12 +55,14 @@ __all__ = [
     "llama_cpp_switching",
     "llama_cpp_unavailable",
     "llama_cpp_version",
+    "load_failure",
 ]
 
 
 @functools.cache
 def llama_cpp_unavailable() -> str | None:
-    """Why llama.cpp cannot run here, or None when its library loads.
+    """Why llama.cpp cannot run here, or None when its library loads: one short line naming
+    the cause and the fix (:func:`load_failure`), never the loader's whole message.
 
     Side effects: loads libllama into this process once (the check's runs use a child).
     """
@@ -69,9 +73,35 @@ def llama_cpp_unavailable() -> str | None:
 
         get_lib()
     except (OSError, RuntimeError, ImportError) as exc:
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"llama.cpp's library does not load: {first}"
+        return load_failure(str(exc) or type(exc).__name__)
     return None
+
+
+# What a user runs after ``pip install 'ctxc[llamacpp]'`` on a glibc older than 2.38 (issue 34).
+SHIM = "bash tools/llamacpp/install.sh .venv/bin/python (in a ctxc clone)"
+_GLIBC = re.compile(r"version `GLIBC_([0-9.]+)' not found")
+
+
+def load_failure(message: str, have: str | None = None) -> str:
+    """The loader's error as one short line: a glibc too old for the prebuilt library names
+    both versions and the shim; another error its first clause, at most 160 characters.
+
+    Args:
+        message: the loader's message (cffi's runs to ~400-700 characters).
+        have: this system's glibc version (default: ``os.confstr``), for the tests.
+    """
+    found = _GLIBC.search(message)
+    if found is not None:
+        if have is None:
+            have = (os.confstr("CS_GNU_LIBC_VERSION") or "glibc ?").split()[-1]
+        return (
+            f"llama.cpp's prebuilt library needs glibc >= {found.group(1)} and this system has "
+            f"{have}: run {SHIM} to shim it, or use a newer system"
+        )
+    first = message.splitlines()[0].split("  Additionally,")[0].strip() if message else ""
+    if len(first) > 160:
+        first = first[:157] + "..."
+    return f"llama.cpp's library does not load: {first}"
 
 
 def llama_cpp_version() -> str:
