@@ -8,12 +8,12 @@ linears of Gemma 3 270M). :func:`banded_sdpa` splits the queries into chunks and
 chunk the keys its rows can see, widened to whole kernel blocks of ``KEY_BLOCK`` keys.
 
 It computes the same numbers as the whole call, bit for bit, on the CPU flash kernel (measured:
-``tests/passes/runtime/test_banded_attention.py``): the kernel handles each query row on its own, over key
-blocks of 512 in order with an online softmax, and a key block that is masked for every row of
-a chunk adds exactly nothing (its scores are ``-inf``: probabilities 0, running maximum and sum
+``tests/passes/runtime/test_banded_attention.py``): the kernel handles each query row on its own,
+over key blocks of 512 in order with an online softmax, and a key block that is masked for every row
+of a chunk adds exactly nothing (its scores are ``-inf``: probabilities 0, running maximum and sum
 unchanged, rescale factor ``exp(0) = 1``). The key ranges start and end on the kernel's block
-boundaries, so the blocks that remain are the same blocks, and chunks are whole 256-row query
-blocks of at least 768 rows (the kernel's split heuristics keep the same block sizes there).
+boundaries, so the blocks that remain are the same blocks, and chunks are whole 256-row query blocks
+of at least 768 rows (the kernel's split heuristics keep the same block sizes there).
 On other devices the kernels differ: :func:`banded_sdpa` is used on the CPU only.
 """
 

@@ -95,7 +95,7 @@ def test_lora_rule_clash_in_a_batch_is_refused_before_the_load(tmp_path, no_load
 
 def _no_template_model(folder: Path) -> Path:
     """A model folder whose tokenizer has no chat template (a config, no weights)."""
-    from tests.fixtures.tiny_models import tiny_tokenizer
+    from testbed.tiny_models import tiny_tokenizer
 
     folder.mkdir()
     tiny_tokenizer().save_pretrained(str(folder))
@@ -117,7 +117,7 @@ def test_a_template_is_seen_in_the_tokenizer_files(tmp_path) -> None:
     """The fast look at the files (no tokenizer load) finds a template a tokenizer saves, so it
     never refuses a chat model; without one it answers False."""
     from ctxc.models.load import declares_chat_template
-    from tests.fixtures.chat import chat_tokenizer
+    from testbed.chat import chat_tokenizer
 
     for with_template in (True, False):
         folder = tmp_path / str(with_template)

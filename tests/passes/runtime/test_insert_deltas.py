@@ -35,8 +35,8 @@ FULL_CONTEXT_ATOL = 1e-5
 
 
 # name -> (family, dtype, query ids). Gemma keeps a single-token query (the one-position scale
-# move; k > 1 shares one scale: tests/passes/solver/test_multi_scale.py); bfloat16 checks .to(W.dtype)
-# rounding.
+# move; k > 1 shares one scale: tests/passes/solver/test_multi_scale.py); bfloat16 checks
+# .to(W.dtype) rounding.
 ARCHS: dict[str, tuple[str, torch.dtype, list[int]]] = {
     "gemma3": ("gemma3", torch.float32, [20]),
     "gpt2": ("gpt2", torch.float32, [20, 21, 22]),
