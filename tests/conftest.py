@@ -20,3 +20,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     model.save_pretrained(str(path))
     tiny_tokenizer().save_pretrained(str(path))
     return path
+
+
+@pytest.fixture(scope="session")
+def real_gemma():
+    """The bundled Gemma 3 270M and its tokenizer, loaded once per worker (``slow`` tests only;
+    ``ctxc.compile`` leaves the model as it was)."""
+    import ctxc
+    from ctxc.models.load import DEFAULT_MODEL
+
+    return ctxc.load_model(DEFAULT_MODEL)

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 SHORT = Path(__file__).resolve().parents[2] / "examples" / "short.txt"
 
 
-def test_lora_rule_keeps_top1_and_its_adapters_hold_the_patch(tmp_path) -> None:
-    model, tokenizer = ctxc.load_model("gemma-3-270m")
+def test_lora_rule_keeps_top1_and_its_adapters_hold_the_patch(real_gemma, tmp_path) -> None:
+    model, tokenizer = real_gemma
     result = ctxc.compile(model, tokenizer, context=SHORT.read_text(), update="lora")
     rep = result.report
     msg = (
