@@ -23,7 +23,15 @@ from ctxc.backends.onnx.check import ONNX_ATOL, check_lengths
 from ctxc.backends.onnx.model import ONNX_FILE, emit_onnx
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
 from testbed.tiny_models import MOE, build, build_any
-from tests.fixtures.helpers import diff_msg, full_logits, logits, max_diff, random_ids
+from tests.fixtures.helpers import (
+    NOISE,
+    TRAIL_LINE,
+    diff_msg,
+    full_logits,
+    logits,
+    max_diff,
+    random_ids,
+)
 
 # family -> bound on max |onnxruntime - torch patched|, about ten times the measured figure (in
 # the comment; the largest over the query and two other lengths).
@@ -281,6 +289,11 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
 
     proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", "onnx,peft")
     assert proc.returncode == 0, proc.stderr
+    # Into a log (stderr no terminal): the progress trail alone, no third-party lines (torch.onnx
+    # warnings, onnxruntime, bars); -v below lets them through, so this can fail.
+    odd = [line for line in proc.stderr.splitlines() if not TRAIL_LINE.fullmatch(line)]
+    assert not odd, f"stderr holds more than the progress trail: {odd[:5]}"
+    assert "ctxc: exporting model.onnx and checking it with onnxruntime" in proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
         ".ctxc",
         "adapter",
@@ -312,8 +325,11 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
         "--patchable",
         "--out",
         str(exported),
+        "-v",
     )
     assert proc.returncode == 0, proc.stderr
+    noise = [line for line in proc.stderr.splitlines() if NOISE.search(line)]
+    assert any("torchvision" in line for line in noise), proc.stderr[-2000:]
     assert json.loads((exported / "report.json").read_text())["onnx"]["patchable"] is True
     path = exported / "model.onnx"
     got = _run(_session(path), query, patch_feeds(out / "patch.safetensors", path))
