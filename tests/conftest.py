@@ -30,3 +30,29 @@ def real_gemma():
     from ctxc.models.load import DEFAULT_MODEL
 
     return ctxc.load_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="session")
+def quick_start(tmp_path_factory):
+    """The README's quick start, ``ctxc compile --context examples/medium.txt --out DIR`` on
+    the bundled model at the README's thread count, run once per worker: (the run, DIR).
+    tests/project/test_readme.py reads its figures; tests/pipeline/test_real_gemma.py checks its
+    ``model/`` in a fresh process."""
+    import re
+
+    import torch
+
+    from tests.fixtures.helpers import run_cli
+
+    root = Path(__file__).resolve().parents[1]
+    threads = int(re.search(r"(\d+) CPU threads", (root / "README.md").read_text()).group(1))
+    out = tmp_path_factory.mktemp("quick-start") / "out"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        run = run_cli(
+            "compile", "--context", str(root / "examples" / "medium.txt"), "--out", str(out)
+        )
+    finally:
+        torch.set_num_threads(before)
+    return run, out

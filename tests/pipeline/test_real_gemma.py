@@ -1,18 +1,21 @@
-"""The real Gemma 3 270M (bundled GGUF, float32): each emitted model, reloaded by plain
-Transformers in a fresh process without ctxc, reproduces the model fed context + query.
+"""The real Gemma 3 270M (bundled GGUF, float32): the README's quick start prints what the
+README and docs/cli.md say (issue 34), and each emitted model, reloaded by plain Transformers in
+a fresh process without ctxc, reproduces the model fed context + query.
 
-Three compiles of ``examples/short.txt`` on one loaded model: the ``standard`` and ``stable``
-rules with the context's last token as the query, and a 9-token query (issue 15, item 8: every
-block of this model ends in a scaled post norm, so the query's 9 positions share one scale per
-block, passes/solver/multi_scale.py), checked at every query position. One fresh process loads
-the original model once and each ``model/`` folder, as a user would
-(``AutoModelForCausalLM.from_pretrained``). The CLI's own run of the bundled model is checked by
-tests/project/test_readme.py.
+Two models: the README's quick start (``ctxc compile`` of ``examples/medium.txt``, the default
+rule, its last token as the query: the ``quick_start`` fixture, whose printed figures
+the test below checks), and ``examples/short.txt`` with a 9-token query compiled
+here (issue 15, item 8: every block of this model ends in a scaled post norm, so the query's 9
+positions share one scale per block, passes/solver/multi_scale.py), checked at every query
+position. One fresh process loads the original model once and each ``model/`` folder, as a user
+would (``AutoModelForCausalLM.from_pretrained``). The ``standard`` rule and the other texts on
+this model: ``python -m benchmarks.fidelity.fresh --update standard --texts short medium long``.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,10 +25,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
 SHORT = ROOT / "examples" / "short.txt"
 QUERY = " The name of the keeper's cat was"
-# case -> (update rule, query text or None for the context's last token)
-CASES = {"standard": ("standard", None), "stable": ("stable", None), "query9": ("stable", QUERY)}
+# The cases: the README's quick start, and a 9-token query (the stable rule).
+CASES = ("quick_start", "query9")
 
 _CHECK = """
 import json, sys, torch
@@ -52,21 +56,21 @@ print(json.dumps(got))
 
 
 @pytest.fixture(scope="module")
-def checked(real_gemma, tmp_path_factory) -> dict[str, dict]:
-    """Each case compiled and its model/ written here, then all checked in one fresh process."""
+def checked(real_gemma, quick_start, tmp_path_factory) -> dict[str, dict]:
+    """The 9-token query compiled and its model/ written here, then both cases checked in one
+    fresh process."""
     import ctxc
     from ctxc.backends.torch.model import emit_torch
     from ctxc.models.load import bundled_model_dir
 
     model, tokenizer = real_gemma
-    context = SHORT.read_text()
-    outs = {}
-    for case, (update, query) in CASES.items():
-        out = tmp_path_factory.mktemp(case)
-        result = ctxc.compile(model, tokenizer, context=context, query=query, update=update)
-        emit_torch(model, tokenizer, result.patch, out / "model")
-        (out / "report.json").write_text(json.dumps(result.report.to_dict()))
-        outs[case] = out
+    run, readme_out = quick_start
+    assert run.returncode == 0, run.stderr
+    out = tmp_path_factory.mktemp("query9")
+    result = ctxc.compile(model, tokenizer, context=SHORT.read_text(), query=QUERY)
+    emit_torch(model, tokenizer, result.patch, out / "model")
+    (out / "report.json").write_text(json.dumps(result.report.to_dict()))
+    outs = {"quick_start": readme_out, "query9": out}
     cmd = [sys.executable, "-c", _CHECK, str(bundled_model_dir()), *map(str, outs.values())]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -74,7 +78,7 @@ def checked(real_gemma, tmp_path_factory) -> dict[str, dict]:
     return {case: got[str(out)] for case, out in outs.items()}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", CASES)
 def test_emitted_model_matches_full_context(checked, case: str) -> None:
     got = checked[case]
     per = got["per_position"]
@@ -82,9 +86,63 @@ def test_emitted_model_matches_full_context(checked, case: str) -> None:
         f"{case}: max |logit diff| per position {[f'{x:.2g}' for x in per]}, mean "
         f"{got['mean']:.3g} (unpatched control {got['control']:.3g}), top-1 {got['top1']}"
     )
-    assert len(per) == (9 if CASES[case][1] else 1), msg
+    assert len(per) == (9 if case == "query9" else 1), msg
     # Measured 2.0e-5 at worst on the 9-token query (benchmarks/fidelity/multi_token.py); the
     # issue's bound is 5e-5.
     assert max(per) <= 5e-5, msg
     assert all(got["top1"]), msg
     assert got["control"] > 1.0, msg
+
+
+def _indented_block(text: str, after: str) -> list[str]:
+    """The indented (code) lines that follow the first line holding ``after``, unindented."""
+    lines = text[text.index(after) :].splitlines()[1:]
+    while lines and not lines[0].strip():
+        lines.pop(0)
+    block = []
+    for line in lines:
+        if not line.startswith("    "):
+            break
+        block.append(line[4:])
+    return block
+
+
+def _short(value: str) -> str:
+    """A printed figure as the README's table writes it: ``1.43e-05`` -> ``1.43e-5``."""
+    return re.sub(r"e([+-])0*(\d)", r"e\1\2", value)
+
+
+def test_quick_start_figures_are_what_the_command_prints(quick_start) -> None:
+    """The README's quick start (``ctxc compile --context examples/medium.txt --out out`` on
+    the bundled model) prints what the README, its table and docs/cli.md's log example say, at
+    the README's thread count (the ``quick_start`` fixture). When the compile changes, regenerate
+    the figures from the command and this passes again; it reads the documents, so it holds no
+    figure itself."""
+    run, _ = quick_start
+    text = README.read_text()
+    assert run.returncode == 0, run.stderr
+    printed = run.stdout.splitlines()[:4]
+    regenerate = f"regenerate the documents' figures from what the command prints: {printed}"
+
+    readme = _indented_block(text, "and printed its figures:")
+    assert readme == printed, f"README's quick start says {readme}; {regenerate}"
+    log = _indented_block((ROOT / "docs" / "cli.md").read_text(), "bundled model:")[1:5]
+    assert log == printed, f"docs/cli.md's log example says {log}; {regenerate}"
+
+    numbers = re.compile(r"context (\d+) tokens, query (\d+)").search(printed[0])
+    emitted, unpatched = re.search(
+        r"max \|logit diff\| (\S+) \(unpatched: (\S+)\)", printed[1]
+    ).groups()
+    floor, solver = re.search(r"its floor (\S+); solver (\S+)\)", printed[3]).groups()
+    row = re.search(r"^\| `model/` reloaded, `examples/medium\.txt` \((\d+) tokens\) \| ([^|]+) \|",
+                    text, re.M)  # fmt: skip
+    assert row is not None, "README's table lost its examples/medium.txt row"
+    want = (
+        f"{_short(emitted)} (runtime floor {_short(floor)}, solver {_short(solver)}, "
+        f"unpatched {unpatched})"
+    )
+    tokens = int(numbers.group(1)) + int(numbers.group(2))
+    assert (int(row.group(1)), row.group(2).strip()) == (tokens, want), (
+        f"README's table row says {row.group(1)} tokens, {row.group(2).strip()!r}; the command "
+        f"prints {tokens} tokens, {want!r}"
+    )
