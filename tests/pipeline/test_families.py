@@ -51,9 +51,10 @@ def test_non_branches_are_notes(family: str) -> None:
 
 
 # Measured: 1.3e-7 (gpt_oss: expert biases added in place before the gated per-token sum),
-# 1.8e-7 (gemma4_text: post norm written with pow(., -0.5)), 1.8e-7 (kimi_linear: its output
-# gate's low-rank projection multiplies the attention output: a note, not a rejection).
-EXACT = ("gpt_oss", "gemma4_text", "kimi_linear")
+# 1.8e-7 (gemma4_text: post norm written with pow(., -0.5)). kimi_linear (its output gate's
+# low-rank projection multiplies the attention output: a note, not a rejection; 1.8e-7) left the
+# suite for its 14 s: ``python -m benchmarks.coverage.matrix`` compiles it with every other type.
+EXACT = ("gpt_oss", "gemma4_text")
 
 
 @pytest.mark.parametrize("family", EXACT)
