@@ -38,8 +38,16 @@ from ctxc.bake.selfstudy import as_question
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = Path(__file__).resolve().parent / "questions"
-_INT = ("samples", "sample_tokens", "questions", "answer_tokens", "distill_steps", "refit_passes")
-_FLOAT = ("distill_seconds", "distill_lr", "ridge", "scale_ridge")
+_INT = (
+    "samples",
+    "sample_tokens",
+    "questions",
+    "answer_tokens",
+    "distill_steps",
+    "refit_passes",
+    "topics",
+)
+_FLOAT = ("distill_seconds", "distill_lr", "ridge", "scale_ridge", "question_temperature")
 _BOOL = ("distill_from_fit", "input_moves", "fit_prefix", "rank_per_block", "attention")
 
 

@@ -68,6 +68,9 @@ def bake_data(
     prefix: list[int] | None = None,
     questions: int = 0,
     answer_tokens: int = 16,
+    question_prompt: str = "plain",
+    question_temperature: float = 1.0,
+    topics: int = 0,
 ) -> FitData:
     """The fit data: the query texts' ids, then ``questions`` self-study queries
     (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
@@ -77,6 +80,8 @@ def bake_data(
         samples: K, at least 0 (``BakeOptions`` validated it; an evaluation's count, its caller).
         questions: self-study questions, at least 0.
         answer_tokens: greedy answer tokens per self-study question.
+        question_prompt, question_temperature, topics: how the questions are written
+            (:class:`BakeOptions`).
 
     Raises:
         CtxcError: an input past the model's positions.
@@ -85,15 +90,16 @@ def bake_data(
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
     # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
-    asked_bound = 48 + answer_tokens if questions else 0
+    asked_bound = 48 + answer_tokens if questions or topics else 0
     longest = max([len(q) for q in given] + [sample_tokens if samples else 0, asked_bound])
     check_length(model, len(context_ids) + longest, "context + longest query")
-    start = context_run(model, context_ids) if questions and samples else None  # run once
+    start = context_run(model, context_ids) if (questions or topics) and samples else None
     asked: list[list[int]] = []
-    if questions:
+    if questions or topics:
         asked, _ = self_study(
             model, tokenizer, context_ids, questions, answer_tokens=answer_tokens, seed=seed,
-            start=start,
+            start=start, prompt=question_prompt, temperature=question_temperature,
+            topic_count=topics,
         )  # fmt: skip
     sampled = (
         sample_continuations(model, context_ids, samples, sample_tokens, seed, start)
@@ -218,7 +224,8 @@ def _fit_data(model, tokenizer, ids: list[int], queries, o: BakeOptions, stage) 
     stage(f"fit data: {o.asked} self-study questions, {o.sampled} samples")
     data = bake_data(
         model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
-        questions=o.asked, answer_tokens=o.answer_tokens,
+        questions=o.asked, answer_tokens=o.answer_tokens, question_prompt=o.question_prompt,
+        question_temperature=o.question_temperature, topics=o.topical,
     )  # fmt: skip
     if not data.queries:
         raise OptionError(

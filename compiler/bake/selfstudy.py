@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import re
 from collections.abc import Callable
 
 import torch
@@ -22,11 +23,14 @@ from ctxc.bake.data import sample_tokens
 
 __all__ = [
     "QUESTION_FORMAT",
+    "QUESTION_PROMPTS",
     "SEED_PROMPTS",
+    "TOPIC_QUESTION",
     "as_question",
     "context_run",
     "continue_rows",
     "self_study",
+    "topics",
 ]
 
 # Seed prompts, cycled over the questions (Cartridges seeds structuring, summarisation,
@@ -37,6 +41,38 @@ SEED_PROMPTS = ("What", "Who", "When", "How", "Why", "Which", "Where", "How many
 # How a question is put to the model after the context (held-out questions the same way): a
 # pretrained model answers after "Answer:".
 QUESTION_FORMAT = "Question: {question}\nAnswer:"
+
+# What comes between the context and the wh-word when the model writes a question
+# (``BakeOptions.question_prompt``). ``plain`` asks nothing: the 270M model then writes about
+# the text's main subject ("Who were the Normans?"). ``facts`` asks for questions answered by a
+# name, number, date or short phrase from the text, the questions readers ask (SQuAD's), and
+# the model's questions then reach past the subject ("Who was the first person to claim French
+# territory?", at temperature 0.6).
+QUESTION_PROMPTS = {
+    "plain": " Question: {seed}",
+    "facts": "\n\nQuestions about facts in the text above, each answered by a name, a number, a "
+    "date or a short phrase from it:\nQuestion: {seed}",
+}
+
+# A topic question: what the text says about one name or number it mentions (``topics``).
+TOPIC_QUESTION = "What does the text say about {topic}?"
+
+# Capitalised runs (joined by of/de/and/the: "King Charles III of West Francia") and numbers
+# with the word after them ("10th and 11th centuries" gives "10th", "10 counties").
+_TOPIC = re.compile(
+    r"\b[A-Z][\w'’-]*(?:\s+(?:(?:of|de|and|the)\s+)?[A-Z][\w'’-]*)*"
+    r"|\b\d[\d,.]*(?:st|nd|rd|th|s)?(?:\s+[a-z]+)?"
+)
+# Capitalised words that are sentence furniture, not topics, at the start of a run.
+# fmt: off
+_NOT_TOPICS = frozenset((
+    "The", "A", "An", "In", "On", "At", "It", "Its", "This", "That", "These", "Those", "They",
+    "He", "She", "We", "I", "You", "His", "Her", "Their", "Our", "For", "From", "By", "With",
+    "As", "But", "And", "Or", "If", "When", "While", "After", "Before", "During", "Since",
+    "Although", "Because", "Some", "Many", "Most", "Other", "Such", "There", "Here", "What",
+    "Who", "Which", "Where", "How", "Why", "Also", "However",
+))
+# fmt: on
 
 
 def as_question(question: str) -> str:
@@ -52,6 +88,7 @@ def continue_rows(
     generator: torch.Generator | None = None,
     start=None,
     until: Callable[[list[int]], bool] | None = None,
+    temperature: float = 1.0,
 ) -> list[list[int]]:
     """``steps`` tokens after ``context + row`` for every row, in one batch (greedy, or sampled
     at temperature 1 when ``generator`` is given), or fewer once ``until`` holds for every row.
@@ -67,6 +104,7 @@ def continue_rows(
         rows: each row's ids after the context (at least one each).
         steps: tokens to generate.
         generator: sampling RNG; None: greedy.
+        temperature: the sampling temperature (the logits divided by it; 1: as they are).
         start: the model's output on the context with its cache (``use_cache=True``), when
             already computed (left as it was: the cache is copied).
         until: a row's generated ids so far -> whether it is finished; decoding stops when
@@ -88,11 +126,14 @@ def continue_rows(
             idx = [i for i, r in enumerate(rows) if len(r) == n]
             # Each length draws all its steps: a batch stopped early would leave the generator
             # where the next batch's draws would differ from an unstopped run's.
-            got = continue_rows(model, context_ids, [rows[i] for i in idx], steps, generator, start)
+            part = [rows[i] for i in idx]
+            got = continue_rows(
+                model, context_ids, part, steps, generator, start, temperature=temperature
+            )
             for i, g in zip(idx, got, strict=True):
                 out[i] = g
         return out
-    return _padded(model, context_ids, rows, steps, generator, start, until)
+    return _padded(model, context_ids, rows, steps, generator, start, until, temperature)
 
 
 def _sliding_window(model: torch.nn.Module) -> int | None:
@@ -102,7 +143,9 @@ def _sliding_window(model: torch.nn.Module) -> int | None:
     return int(window) if window else None
 
 
-def _padded(model, context_ids, rows, steps, generator, start, until) -> list[list[int]]:
+def _padded(
+    model, context_ids, rows, steps, generator, start, until, temperature=1.0
+) -> list[list[int]]:
     """:func:`continue_rows` in one left-padded batch."""
     device = next(model.parameters()).device
     c, b = len(context_ids), len(rows)
@@ -127,6 +170,8 @@ def _padded(model, context_ids, rows, steps, generator, start, until) -> list[li
         got = []
         for step in range(steps):
             logits = out.logits[:, -1].float().cpu()  # [b, vocab]
+            if temperature != 1.0:
+                logits = logits / temperature
             tok = logits.argmax(-1) if generator is None else sample_tokens(logits, generator)
             got.append(tok)
             if step + 1 == steps or (until is not None and _all_done(got, until)):
@@ -185,6 +230,9 @@ def self_study(
     answer_tokens: int = 24,
     seed: int = 0,
     start=None,
+    prompt: str = "plain",
+    temperature: float = 1.0,
+    topic_count: int = 0,
 ) -> tuple[list[list[int]], list[str]]:
     """``count`` self-study queries: a sampled question and the model's greedy answer with the
     context in view.
@@ -198,6 +246,10 @@ def self_study(
         answer_tokens: greedy answer tokens.
         seed: the sampling seed.
         start: :func:`context_run` of the context, when already computed.
+        prompt: a :data:`QUESTION_PROMPTS` key: what precedes the wh-word.
+        temperature: the questions' sampling temperature.
+        topic_count: :data:`TOPIC_QUESTION` questions added for the first ``topic_count`` of
+            :func:`topics` of the context's text (after the sampled ones).
 
     Returns:
         (the queries' ids, each question followed by its answer; the questions' texts). A
@@ -211,13 +263,53 @@ def self_study(
         if need <= 0:
             break
         seeds = [SEED_PROMPTS[(len(questions) + i) % len(SEED_PROMPTS)] for i in range(need)]
-        rows = [_ids(tokenizer, " " + as_question(s).split("\n")[0]) for s in seeds]
+        rows = [_ids(tokenizer, QUESTION_PROMPTS[prompt].format(seed=s)) for s in seeds]
         ended = functools.partial(_ended, tokenizer)
-        drawn = continue_rows(model, context_ids, rows, question_tokens, gen, start, ended)
+        drawn = continue_rows(
+            model, context_ids, rows, question_tokens, gen, start, ended, temperature
+        )
         found = [_question(tokenizer, s, d) for s, d in zip(seeds, drawn, strict=True)]
         questions += [q for q in found if q][:need]
+    if topic_count:
+        text = tokenizer.decode(context_ids, skip_special_tokens=True)
+        questions += [TOPIC_QUESTION.format(topic=t) for t in topics(text)[:topic_count]]
     if not questions:
         return [], []
     asked = [_ids(tokenizer, " " + as_question(q)) for q in questions]
-    answers = continue_rows(model, context_ids, asked, answer_tokens, start=start)
-    return [q + a for q, a in zip(asked, answers, strict=True)], questions
+    ends = functools.partial(_answer_end, tokenizer)
+    answers = continue_rows(
+        model, context_ids, asked, answer_tokens, start=start, until=lambda a: ends(a) < len(a)
+    )
+    # An answer ends at its first line break or special token (kept: the patch learns to stop
+    # there). What the model writes past it ("\nAnswer: ...", "<eos>The Normans...") is not
+    # an answer to the question and would be fitted as if it were.
+    return [q + a[: ends(a)] for q, a in zip(asked, answers, strict=True)], questions
+
+
+def _answer_end(tokenizer, ids: list[int]) -> int:
+    """The length of an answer cut after its first token that holds a line break or is a
+    special token (the whole answer when there is none)."""
+    special = set(getattr(tokenizer, "all_special_ids", ()))
+    for i, t in enumerate(ids):
+        if t in special or "\n" in tokenizer.decode([t]):
+            return i + 1
+    return len(ids)
+
+
+def topics(text: str) -> list[str]:
+    """The names and numbers ``text`` mentions, in order of first mention, each once.
+
+    A capitalised run loses a leading word of :data:`_NOT_TOPICS` ("The Normans" -> "Normans");
+    a run of such words alone is dropped.
+    """
+    seen: dict[str, None] = {}
+    for match in _TOPIC.finditer(text):
+        words = re.sub(r"['’]s$", "", match.group(0).strip(" ,.")).split()
+        while words and words[0] in _NOT_TOPICS:
+            words = words[1:]
+        if words and words[-1] in ("of", "de", "and", "the"):
+            words = words[:-1]
+        topic = " ".join(words)
+        if topic and topic.lower() not in {k.lower() for k in seen}:
+            seen[topic] = None
+    return list(seen)

@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ctxc.core.errors import OptionError
-from ctxc.core.vocabulary import APPLY_MODES, BAKE_DATA, BAKE_METHODS, RULES, check_choice
+from ctxc.core.vocabulary import (
+    APPLY_MODES,
+    BAKE_DATA,
+    BAKE_METHODS,
+    QUESTION_PROMPTS,
+    RULES,
+    check_choice,
+)
 
 __all__ = ["BakeOptions", "CompileOptions", "GenerateOptions"]
 
@@ -121,6 +128,14 @@ class BakeOptions:
         refit_passes: refit passes after the first fit (at least 0): each runs the queries
             again with the patch so far and fits every block's remaining error on top of it
             (:func:`~ctxc.passes.solver.fit_solve.fit_solve`).
+        question_prompt: how the model is asked to write a self-study question after the
+            context (``ctxc.bake.selfstudy.QUESTION_PROMPTS``): ``plain`` (`` Question: <wh>``)
+            or ``facts`` (a line asking for questions answered by a name, number, date or short
+            phrase from the text, then ``Question: <wh>``).
+        question_temperature: the sampling temperature of the questions (answers are greedy).
+        topics: topic questions besides ``questions``: ``What does the text say about <X>?``
+            for the first ``topics`` names and numbers the context mentions
+            (``ctxc.bake.selfstudy.topics``), each answered by the model with the context.
         attention: move the attention output projections too (and their post-norm scales, in
             ``fit``; a LoRA on them, in ``distill``) where a block has that surface (sandwich
             norms: Gemma 2/3, OLMo 2). None: wherever the model has it; True: the same, and a
@@ -149,9 +164,18 @@ class BakeOptions:
     refit_passes: int = 0
     rank_per_block: bool = False
     attention: bool | None = None
+    question_prompt: str = "plain"
+    question_temperature: float = 1.0
+    topics: int = 0
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
+        _at_least("topics", self.topics, 0)
+        check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
+        if not self.question_temperature > 0:
+            raise OptionError(
+                "{question_temperature} must be positive (got {})", self.question_temperature
+            )
         _at_least("refit_passes", self.refit_passes, 0)
         _at_least("questions", self.questions, 0)
         _at_least("answer_tokens", self.answer_tokens, 1)
@@ -176,7 +200,7 @@ class BakeOptions:
         Raises:
             OptionError: naming ``samples`` and ``queries``.
         """
-        if self.sampled or self.asked or queries:
+        if self.sampled or self.asked or self.topical or queries:
             return
         zero = {"continuations": "{samples} 0", "self-study": "{questions} 0"}
         raise OptionError(
@@ -188,6 +212,11 @@ class BakeOptions:
     def sampled(self) -> int:
         """Continuations to sample: ``samples`` unless ``data`` is ``self-study``."""
         return 0 if self.data == "self-study" else self.samples
+
+    @property
+    def topical(self) -> int:
+        """Topic questions: ``topics`` unless ``data`` is ``continuations``."""
+        return 0 if self.data == "continuations" else self.topics
 
     @property
     def moves_attention(self) -> bool:

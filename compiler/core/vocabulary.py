@@ -23,6 +23,7 @@ __all__ = [
     "FORMATS",
     "GGUF_TYPES",
     "LORA_RULE",
+    "QUESTION_PROMPTS",
     "RULES",
     "RULE_MEANINGS",
     "check_choice",
@@ -90,6 +91,12 @@ BAKE_DATA: dict[str, str] = {
     "continuations": "continuations sampled from the model fed the context",
     "self-study": "questions the model writes about the context, answered with it in view",
     "both": "self-study questions and continuations",
+}
+
+# How the model is asked to write a self-study question after the context (issue 35).
+QUESTION_PROMPTS: dict[str, str] = {
+    "plain": "' Question: <wh-word>' after the context",
+    "facts": "a line asking for questions on the text's names, numbers and dates, then the wh-word",
 }
 
 

@@ -10,7 +10,14 @@ import torch
 
 from ctxc.bake.evaluate import answer_lengths, evaluate_against, greedy, reference
 from ctxc.bake.fit import BakeOptions, bake, bake_data
-from ctxc.bake.selfstudy import SEED_PROMPTS, as_question, continue_rows, self_study
+from ctxc.bake.selfstudy import (
+    SEED_PROMPTS,
+    TOPIC_QUESTION,
+    _answer_end,
+    as_question,
+    continue_rows,
+    self_study,
+)
 from testbed.tiny_models import VOCAB, shared
 from tests.fixtures.helpers import random_ids
 
@@ -80,9 +87,13 @@ def test_self_study_queries_are_questions_with_the_greedy_answer() -> None:
     for q, text in zip(queries, questions, strict=True):
         assert text.endswith("?") and any(text.startswith(s) for s in SEED_PROMPTS), text
         asked = tok(" " + as_question(text), add_special_tokens=False).input_ids
-        assert q[: len(asked)] == asked and len(q) == len(asked) + 4, (q, asked)
+        assert q[: len(asked)] == asked, (q, asked)
         with torch.no_grad():
-            assert q[len(asked) :] == greedy(model, context + asked, 4)
+            answer = greedy(model, context + asked, 4)
+        # the answer ends after its first line break (kept), else it is all 4 tokens
+        newline = tok("\n", add_special_tokens=False).input_ids[0]
+        end = answer.index(newline) + 1 if newline in answer else 4
+        assert q[len(asked) :] == answer[:end], (q[len(asked) :], answer)
 
 
 def test_bake_on_self_study_data_marks_its_queries() -> None:
@@ -124,3 +135,30 @@ def test_sampled_tokens_follow_the_softmax_and_never_a_masked_token() -> None:
     assert int(freq[4]) == 0
     again = sample_tokens(logits, torch.Generator().manual_seed(2))
     assert torch.equal(picks, again)
+
+
+def test_answers_end_at_their_first_line_break() -> None:
+    """A self-study answer is cut after its first token holding a line break or a special
+    token; what follows ("\nAnswer: ...", "<eos>The ...") is not fitted."""
+    tok = CharTokenizer()
+    ids = tok("ab\ncd", add_special_tokens=False).input_ids
+    assert _answer_end(tok, ids) == 3
+    assert _answer_end(tok, ids[:2]) == 2
+
+    class WithSpecial(CharTokenizer):
+        all_special_ids = (1,)
+
+    assert _answer_end(WithSpecial(), [*ids[:2], 1, *ids[3:]]) == 3
+
+
+def test_facts_prompt_and_topic_questions_join_the_sampled_ones() -> None:
+    """``prompt="facts"`` asks for the questions after its line (the same seed draws other
+    questions than ``plain``); ``topic_count`` adds "What does the text say about X?" for the
+    context's first names, after the sampled questions, each with its greedy answer."""
+    model, tok = shared("gemma3"), CharTokenizer()
+    context = [1, *tok("Rollo led the Norse in Normandy", add_special_tokens=False).input_ids]
+    plain = self_study(model, tok, context, 6, 30, 3, seed=3)
+    facts = self_study(model, tok, context, 6, 30, 3, seed=3, prompt="facts", temperature=0.6)
+    assert plain != facts
+    _, asked = self_study(model, tok, context, 6, 30, 3, seed=3, topic_count=2)
+    assert asked[-2:] == [TOPIC_QUESTION.format(topic=t) for t in ("Rollo", "Norse")], asked
