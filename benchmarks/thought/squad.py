@@ -243,8 +243,8 @@ def _write(path: Path, doc: dict) -> None:
 
 def _line(i: int, n: int, pid: str, setting: str, row: dict, ref: dict, so_far: dict) -> str:
     s = summary([(ref, row)])
-    kept = "-" if s["kept_f1"] is None else f"{s['kept_f1']:.2f}"
-    total = "-" if so_far["kept_f1"] is None else f"{so_far['kept_f1']:.2f}"
+    kept = "-" if s["kept_f1"] is None else f"{round(s['kept_f1'], 2) + 0.0:.2f}"
+    total = "-" if so_far["kept_f1"] is None else f"{round(so_far['kept_f1'], 2) + 0.0:.2f}"
     return (
         f"[{i}/{n}] {pid} {setting}: {s['questions']} q, bake {row['bake_seconds']:.0f} s "
         f"(CPU {row['bake_cpu_seconds']:.0f} s), paragraph {row['paragraph_seconds']:.0f} s; "

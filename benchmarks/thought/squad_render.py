@@ -51,7 +51,7 @@ def summary(rows: list[tuple[dict, dict]]) -> dict:
 
 def _cells(s: dict) -> list[object]:
     def kept(x: float | None) -> str:
-        return "-" if x is None else f"{x:.2f}"
+        return "-" if x is None else f"{round(x, 2) + 0.0:.2f}"  # no "-0.00"
 
     return [
         s["questions"], *(f"{s[k]:.1f}" for k in ("full_em", "none_em", "baked_em")),
