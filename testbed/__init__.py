@@ -1,3 +1,4 @@
 """What the tests and the benchmarks share, so neither imports the other: tiny random models
 (``tiny_models``, ``tiny_vlms``), the chat fixtures (``chat``), the coverage matrix's configs and
-runner (``coverage/``), and the results pages' format (``tables``)."""
+runner (``coverage/``), the results pages' format (``tables``) and SQuAD's answer scoring
+(``squad_score``)."""
