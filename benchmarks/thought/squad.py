@@ -34,14 +34,14 @@ official normalised EM and token F1, the best over the gold answers
     python -m benchmarks.thought.squad --render benchmarks/results/squad.json \\
         > docs/results/squad.md
 
-A setting is ``default`` (``BakeOptions()``: rank None, no budget; ``ctxc bake``'s own default
-is ``rank=64``) or ``name=value`` comma lists over :class:`BakeOptions` fields, parsed as
-``benchmarks/thought/defaults.py`` parses them. The JSON is written after every paragraph (one
-process per output file); a rerun skips the paragraphs a setting already has, and the ``full``
-and ``none`` answers (independent of the setting) are kept once per paragraph. Per paragraph and
-setting it holds the bake's wall and CPU seconds, the answers, their EM and F1, and
-``paragraph_seconds`` (the bake and the baked answers, plus the ``full`` and ``none`` answers for
-the first setting to reach the paragraph).
+A setting is ``default`` (what ``ctxc bake`` runs with no options: ``BakeOptions()`` at the
+command's rank budget, ``ctxc.cli.bake.DEFAULT_RANK``) or ``name=value`` comma lists over
+:class:`BakeOptions` fields, parsed as ``benchmarks/thought/defaults.py`` parses them. The JSON
+is written after every paragraph (one process per output file); a rerun skips the paragraphs a
+setting already has, and the ``full`` and ``none`` answers (independent of the setting) are kept
+once per paragraph. Per paragraph and setting it holds the bake's wall and CPU seconds, the
+answers, their EM and F1, and ``paragraph_seconds`` (the bake and the baked answers, plus the
+``full`` and ``none`` answers for the first setting to reach the paragraph).
 """
 
 from __future__ import annotations
@@ -79,11 +79,12 @@ ANSWER = "cut at a special token, its first line that is not blank, stripped"
 
 
 def setting_options(setting: str):
-    """``default`` -> ``BakeOptions()``; else ``benchmarks.thought.defaults.options``."""
+    """``default`` -> ``ctxc bake``'s own options; else ``benchmarks.thought.defaults.options``."""
     from benchmarks.thought.defaults import options
     from ctxc.bake.fit import BakeOptions
+    from ctxc.cli.bake import DEFAULT_RANK
 
-    return BakeOptions() if setting in ("", "default") else options(setting)
+    return BakeOptions(rank=DEFAULT_RANK) if setting in ("", "default") else options(setting)
 
 
 def prompt_split(tok, context: str, questions: list[str]) -> tuple[list[int], list[list[int]]]:

@@ -17,7 +17,15 @@ from ctxc.cli.support import load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
 
-__all__ = ["EVAL_SAMPLES", "EVAL_TOKENS", "FIT_EVAL", "bake_cmd", "eval_bake_cmd", "parse_rank"]
+__all__ = [
+    "DEFAULT_RANK",
+    "EVAL_SAMPLES",
+    "EVAL_TOKENS",
+    "FIT_EVAL",
+    "bake_cmd",
+    "eval_bake_cmd",
+    "parse_rank",
+]
 
 # The report's figures, kept within the default's time budget (docs/results/bake_defaults.md):
 # held-out samples of EVAL_TOKENS tokens (greedy generation as long), the fit set's first
@@ -26,7 +34,7 @@ EVAL_SAMPLES = 8
 EVAL_TOKENS = 16
 FIT_EVAL = 8
 _DEFAULTS = BakeOptions()
-_RANK = "64"  # R = 64 was as good as full in issue 13's table, and cheaper to apply
+DEFAULT_RANK = 64  # R = 64 was as good as full in issue 13's table, and cheaper to apply
 _QUESTIONS = typer.Option(
     _DEFAULTS.questions, "--questions", help="Self-study questions the model writes."
 )
@@ -34,7 +42,9 @@ _ANSWER_TOKENS = typer.Option(
     _DEFAULTS.answer_tokens, "--answer-tokens", help="Greedy tokens per self-study answer."
 )
 _RANK_OPTION = typer.Option(
-    _RANK, "--rank", help="Rank budget per matrix, 'full', or 'auto' (each block's own)."
+    str(DEFAULT_RANK),
+    "--rank",
+    help="Rank budget per matrix, 'full', or 'auto' (each block's own).",
 )
 _LR = typer.Option(None, "--lr", help="distill: learning rate (1e-3; 1e-4 with --from-fit).")
 _REFIT = typer.Option(
