@@ -10,7 +10,7 @@ from pathlib import Path
 
 import typer
 
-from ctxc.cli.options import FORCE, MODEL, BakeData, BakeMethod
+from ctxc.cli.options import FORCE, MODEL, BakeData, BakeMethod, QuestionPrompt
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
 from ctxc.cli.support import load, parse_emit, read_context
@@ -40,6 +40,22 @@ _QUESTIONS = typer.Option(
 )
 _ANSWER_TOKENS = typer.Option(
     _DEFAULTS.answer_tokens, "--answer-tokens", help="Greedy tokens per self-study answer."
+)
+_QUESTION_PROMPT = typer.Option(
+    _DEFAULTS.question_prompt,
+    "--question-prompt",
+    help="How the model is asked for a self-study question: plain or facts.",
+)
+_QUESTION_TEMPERATURE = typer.Option(
+    _DEFAULTS.question_temperature,
+    "--question-temperature",
+    help="Sampling temperature of the self-study questions.",
+)
+_TOPICS = typer.Option(
+    _DEFAULTS.topics,
+    "--topics",
+    help="Topic questions ('What does the text say about X?') on the context's first names "
+    "and numbers.",
 )
 _RANK_OPTION = typer.Option(
     str(DEFAULT_RANK),
@@ -90,6 +106,9 @@ def bake_cmd(
     ),
     questions: int = _QUESTIONS,
     answer_tokens: int = _ANSWER_TOKENS,
+    question_prompt: QuestionPrompt = _QUESTION_PROMPT,
+    question_temperature: float = _QUESTION_TEMPERATURE,
+    topics: int = _TOPICS,
     rank: str = _RANK_OPTION,
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
@@ -123,6 +142,9 @@ def bake_cmd(
         sample_tokens=sample_tokens,
         questions=questions,
         answer_tokens=answer_tokens,
+        question_prompt=question_prompt,
+        question_temperature=question_temperature,
+        topics=topics,
         rank=parse_rank(rank),
         rank_per_block=rank.strip().lower() == "auto",
         method=method,

@@ -22,6 +22,7 @@ from ctxc.core.vocabulary import (
     DTYPES,
     FORMATS,
     GGUF_TYPES,
+    QUESTION_PROMPTS,
     RULES,
 )
 from ctxc.models.devices import Placement
@@ -46,6 +47,7 @@ __all__ = [
     "Engine",
     "Format",
     "GgufType",
+    "QuestionPrompt",
     "Update",
     "cli_message",
     "emit_help",
@@ -63,6 +65,7 @@ if TYPE_CHECKING:
     BakeMethod: TypeAlias = str
     Engine: TypeAlias = str
     BakeData: TypeAlias = str
+    QuestionPrompt: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
@@ -71,6 +74,7 @@ else:
     BakeMethod = Literal[tuple(BAKE_METHODS)]
     Engine = Literal["local", "ray"]  # where the lines of --contexts compile
     BakeData = Literal[tuple(BAKE_DATA)]
+    QuestionPrompt = Literal[tuple(QUESTION_PROMPTS)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
@@ -164,6 +168,9 @@ FLAGS: dict[str, str] = {
     "data": "--data",
     "questions": "--questions",
     "answer_tokens": "--answer-tokens",
+    "question_prompt": "--question-prompt",
+    "question_temperature": "--question-temperature",
+    "topics": "--topics",
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
     "attention": "--attention",

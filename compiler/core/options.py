@@ -202,9 +202,9 @@ class BakeOptions:
         """
         if self.sampled or self.asked or self.topical or queries:
             return
-        zero = {"continuations": "{samples} 0", "self-study": "{questions} 0"}
+        zero = {"continuations": "{samples} 0", "self-study": "{questions} 0 and {topics} 0"}
         raise OptionError(
-            zero.get(self.data, "{samples} 0 and {questions} 0")
+            zero.get(self.data, "{samples} 0 and {questions} 0 and {topics} 0")
             + " and no {queries}: nothing to fit the patch on"
         )
 

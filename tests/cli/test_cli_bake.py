@@ -70,7 +70,7 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     [
         (["--samples", "0", "--questions", "0"], "nothing to fit"),
         (["--data", "continuations", "--samples", "0"], "--samples 0 and no --queries"),
-        (["--data", "self-study", "--questions", "0"], "--questions 0 and no --queries"),
+        (["--data", "self-study", "--questions", "0"], "--questions 0 and --topics 0 and no"),
         (["--rank", "0"], "--rank must be at least 1"),
         (["--rank", "99999"], "past the matrix size"),
         (["--queries", "EMPTY"], "query file is empty"),
