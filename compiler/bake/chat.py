@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -71,7 +72,7 @@ class ChatFormat:
         split: the split of the first probe (its kind: at the turn or inside it).
     """
 
-    tokenizer: object = field(repr=False, compare=False)
+    tokenizer: Any = field(repr=False, compare=False)
     turns: tuple[dict, ...]
     context_ids: list[int]
     opening: list[int]
@@ -144,7 +145,7 @@ def chat_format(tokenizer, turns: Sequence[dict]) -> ChatFormat:
 def _opening(tokenizer, splits: list[ChatSplit]) -> tuple[list[int], bool]:
     """(the template's ids before a lone user turn, True), the same for both probes; else
     (the tokenizer's own prefix, False)."""
-    found = set()
+    found: set[tuple[int, ...]] = set()
     for probe, split in zip(_PROBES, splits, strict=True):
         alone = template_ids(tokenizer, [{"role": "user", "content": probe}])
         k = len(split.query_ids)
