@@ -206,11 +206,9 @@ def bake(
         teacher: :func:`~ctxc.bake.distill.teacher_top` of ``data``, likewise (``distill``).
         on_stage: progress callback with a stage name.
         on_block: progress callback ``(done, total, block)`` of the fit.
-        messages: a chat model's context turns (``{"role", "content"}``: a system prompt, a
-            document as a user turn, earlier turns) instead of ``context``: the queries are
-            user turns rendered by the tokenizer's chat template after them, answered by the
-            model with the context, and the patched model is fed the template's rendering of
-            the user turn alone (:mod:`ctxc.bake.chat`).
+        messages: a chat model's context turns (``{"role", "content"}``) instead of
+            ``context``: the queries are user turns after them, rendered by the chat template
+            and answered (:mod:`ctxc.bake.chat`).
 
     Returns:
         the :class:`BakeResult`.

@@ -114,13 +114,9 @@ def bake_cmd(
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
     from ctxc.bake.data import read_queries
 
-    turns = _conversation(chat, context, system, document, messages)
-    if turns is None and context is None:
-        raise CtxcError("missing option '--context' (or --chat with --system, --document or "
-                        "--messages)")  # fmt: skip
-    text = read_context(context) if turns is None else None
+    text, turns = _context(chat, context, system, document, messages)
     fit_texts = read_queries(queries) if queries is not None else None
-    held = _held_out(eval_queries, eval_questions)
+    held = _held_out(eval_queries, eval_questions, eval_samples)
     opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
         data=data,
         samples=samples,
@@ -139,8 +135,6 @@ def bake_cmd(
         refit_passes=refit_passes,
         attention=attention,
     )
-    if eval_samples < 0:
-        raise CtxcError(f"--eval-samples must be at least 0 (got {eval_samples})")
     kinds = parse_emit(emit)
     if turns is not None:
         check_chat(model, turns, _PROBE)  # no template, or no split: one line, before the load
@@ -150,32 +144,36 @@ def bake_cmd(
 
         net, tokenizer = load(model, "float32")
         with stage_progress("baking", "fitting") as (on_stage, on_block):
-            result = bake(
-                net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage,
-                on_block=on_block, messages=turns,
-            )  # fmt: skip
+            result = bake(net, tokenizer, text, fit_texts, options=opts, messages=turns,
+                          on_stage=on_stage, on_block=on_block)  # fmt: skip
         report = result.report
         report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
         result.patch.save(tmp / "patch.safetensors")
-        write_report(
-            tmp, report, _emit(net, tokenizer, result.patch, tmp, kinds), under="artefacts"
-        )
+        artefacts = _emit(net, tokenizer, result.patch, tmp, kinds)
+        write_report(tmp, report, artefacts, under="artefacts")
     _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])
 
 
-def _conversation(chat: bool, context, system, document, messages) -> list[dict] | None:
-    """``--chat``'s context turns, read and checked (``chat_input``), or None without it.
+def _context(chat: bool, context, system, document, messages) -> tuple:
+    """(the ``--context`` file's text, None), or with ``--chat`` (None, the context turns, read
+    and checked by ``chat_input``).
 
     Raises:
         CtxcError: ``--chat`` with ``--context``, a chat file without ``--chat``, ``--chat``
-            without one, a bad file.
+            without one, no context at all, a bad file.
     """
     if chat and context is not None:
         raise CtxcError(
             "--chat takes the context as turns (--system, --document or --messages), not --context"
         )
     got = chat_input(chat, system, document, messages, _PROBE)  # the probe: the next turn
-    return None if got is None else got[0]
+    if got is not None:
+        return None, got[0]
+    if context is None:
+        raise CtxcError(
+            "missing option '--context' (or --chat with --system, --document or --messages)"
+        )
+    return read_context(context), None
 
 
 def _chat_lines(report: dict) -> list[str]:
@@ -208,9 +206,13 @@ def _baked_chat(folder: Path, tokenizer, context_ids: list[int]):
     return found
 
 
-def _held_out(queries: Path | None, questions: Path | None) -> dict:
-    """The held-out query and question files' lines (None where not given)."""
+def _held_out(queries: Path | None, questions: Path | None, samples: int) -> dict:
+    """The held-out query and question files' lines (None where not given); ``samples``
+    (``--eval-samples``) checked."""
     from ctxc.bake.data import read_queries
+
+    if samples < 0:
+        raise CtxcError(f"--eval-samples must be at least 0 (got {samples})")
 
     return {
         "held_out_queries": read_queries(queries) if queries else None,

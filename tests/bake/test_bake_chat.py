@@ -131,3 +131,20 @@ def test_chat_self_study_asks_in_turns_and_answers(monkeypatch) -> None:
         assert row == chat.turn(CHAT_SEEDS[c]) + wh
     for q, text in zip(queries, questions, strict=True):
         assert q == [*chat.turn(text), 5, 6, 7, 8]
+
+
+def test_distill_learns_on_the_matched_positions() -> None:
+    """``--method distill`` on chat data: the teacher's rows are the matched positions (the
+    opening's last and the query's), and the student's logits are cut to them."""
+    pytest.importorskip("peft")
+    from ctxc.bake.distill import teacher_top
+
+    model, tok = chat_model("gemma3"), chat_tokenizer("gemma3")
+    opts = BakeOptions(
+        method="distill", distill_steps=2, rank=2, samples=0, questions=0, answer_tokens=3
+    )
+    result = bake(model, tok, None, list(QUERIES[:2]), options=opts, messages=_TURNS["gemma3"])
+    data = result.data
+    teacher = teacher_top(model, data)
+    assert [t[1].shape[0] for t in teacher] == [data.matched(i) for i in range(2)]
+    assert result.report["distill"]["steps"] == 2 and result.patch.deltas
