@@ -4,7 +4,8 @@ A query ``q`` (token ids, no special tokens) is fed to the patched model as ``pr
 tokenizer's usual form (its BOS); the original model gets ``context + q``. The last
 ``len(prefix + q)`` positions of the full input correspond to the patched input's positions (the
 BOS position to the context's last token: both predict the query's first token), and each is a
-constraint of the fit (issue 13).
+constraint of the fit (issue 13). A chat model's prefix is its template's opening instead
+(``FitData.opening``, ``ctxc.bake.chat``): only the opening's last position has a counterpart.
 """
 
 from __future__ import annotations
