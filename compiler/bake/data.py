@@ -4,7 +4,8 @@ A query ``q`` (token ids, no special tokens) is fed to the patched model as ``pr
 tokenizer's usual form (its BOS); the original model gets ``context + q``. The last
 ``len(prefix + q)`` positions of the full input correspond to the patched input's positions (the
 BOS position to the context's last token: both predict the query's first token), and each is a
-constraint of the fit (issue 13).
+constraint of the fit (issue 13). A chat model's prefix is its template's opening instead
+(``FitData.opening``, ``ctxc.bake.chat``): only the opening's last position has a counterpart.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ctxc.passes.runtime.run_graph import BlockTargets, record_targets
 
 __all__ = [
     "FitData",
+    "padded",
     "read_queries",
     "record_fit_targets",
     "sample_continuations",
@@ -42,13 +44,19 @@ class FitData:
         context_ids: the context as the tokenizer gives it (with its special tokens).
         prefix: the tokens the tokenizer puts before a text (its BOS), fed before each query.
         queries: each query's ids, without special tokens.
-        kinds: ``file`` or ``sample`` per query.
+        kinds: ``file``, ``self-study`` or ``sample`` per query.
+        opening: the prefix is a chat template's opening (``ctxc.bake.chat``: what it puts
+            before a user turn when there is no context), not a BOS: only its last position is
+            matched to the context's last (both predict the query's first token); its other
+            positions are run, never fitted or compared. False: each prefix position is
+            matched to one of the context's last ``len(prefix)``.
     """
 
     context_ids: list[int]
     prefix: list[int]
     queries: list[list[int]]
     kinds: list[str]
+    opening: bool = False
 
     def reduced(self, i: int) -> list[int]:
         """What the patched model is fed for query ``i``."""
@@ -61,7 +69,17 @@ class FitData:
     def part(self, start: int, stop: int | None = None) -> FitData:
         """The same context and prefix with queries ``[start:stop]`` (their kinds too)."""
         q, k = self.queries[start:stop], self.kinds[start:stop]
-        return FitData(self.context_ids, self.prefix, q, k)
+        return FitData(self.context_ids, self.prefix, q, k, self.opening)
+
+    @property
+    def head(self) -> int:
+        """How many of the prefix's last positions are matched to the context's last ones."""
+        return min(len(self.prefix), 1) if self.opening else len(self.prefix)
+
+    def matched(self, i: int) -> int:
+        """How many of query ``i``'s reduced input's last positions have a full-run
+        counterpart (the fit's targets, the evaluation's reference): ``head`` + the query's."""
+        return self.head + len(self.queries[i])
 
     @property
     def positions(self) -> int:
@@ -175,15 +193,28 @@ def record_fit_targets(
 
     Returns:
         block path -> stacked :class:`BlockTargets` (``z`` [N, d_in], ``y`` [N, d], ``v``
-        [N, d] for a block with an attention surface).
+        [N, d] for a block with an attention surface; an opening's unmatched rows are copies
+        of its last, :func:`padded`).
     """
     rows: dict[str, list[BlockTargets]] = {b.path: [] for b in blocks.blocks}
     for i in range(len(data.queries)):
-        k = len(data.reduced(i))
+        k = data.matched(i)
         run = record_targets(traced, blocks, torch.tensor([data.full(i)]), k)
         for path, tg in run.targets.items():
-            rows[path].append(tg)
+            rows[path].append(padded(tg, len(data.reduced(i)) - k))
     return {p: stacked(r) for p, r in rows.items()}
+
+
+def padded(tg: BlockTargets, rows: int) -> BlockTargets:
+    """``tg`` with ``rows`` copies of its first row before it: the rows of an opening's
+    unmatched positions (:attr:`FitData.opening`), never fitted (``tg`` itself when 0)."""
+    if rows <= 0:
+        return tg
+
+    def grow(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x[:1].expand(rows, *x.shape[1:]), x])
+
+    return BlockTargets(z=grow(tg.z), y=grow(tg.y), v=grow(tg.v) if tg.v is not None else None)
 
 
 def stacked(rows: Sequence[BlockTargets]) -> BlockTargets:

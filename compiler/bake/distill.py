@@ -172,8 +172,8 @@ def _train(peft_model, data: FitData, teacher, options, on_step) -> tuple[int, f
         count = 0
         for i in picks:
             logits = peft_model(input_ids=torch.tensor([data.reduced(i)])).logits[0].float()
-            logp = logits.log_softmax(-1)  # [k, vocab]
-            t_logp, t_ids = teacher[i]  # [k, TOP]
+            t_logp, t_ids = teacher[i]  # [k, TOP]: the matched positions, the last k
+            logp = logits[logits.shape[0] - t_ids.shape[0] :].log_softmax(-1)  # [k, vocab]
             got = logp.gather(-1, t_ids)  # [k, TOP]
             loss = loss + (t_logp.exp() * (t_logp - got)).sum()
             count += t_ids.shape[0]

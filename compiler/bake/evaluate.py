@@ -81,8 +81,9 @@ class Reference:
     Attributes:
         data: the context and the queries.
         gen_tokens: greedy tokens kept per query.
-        logits: per query, the full-context logits at the patched input's positions
-            [len(prefix + q), vocab], float32.
+        logits: per query, the full-context logits at the patched input's matched positions
+            (its last ``data.matched(i)``: every one but an opening's unmatched) [m, vocab],
+            float32.
         tokens: per query, its greedy continuation (``gen_tokens`` ids).
         answer_len: per query, the tokens of its first sentence (:func:`answer_lengths`), or
             None without a tokenizer.
@@ -176,7 +177,7 @@ def reference(
         tokenizer: gives the answers' first sentences (:attr:`Reference.answer_len`).
     """
     device = next(model.parameters()).device
-    p, n = len(data.prefix), len(data.queries)
+    p, n = data.head, len(data.queries)  # the prefix positions matched to the context's
     logits: list = [None] * n
     tokens: list = [None] * n
     groups: dict[int, list[int]] = {}
@@ -195,8 +196,8 @@ def reference(
             out = model(
                 input_ids=torch.tensor(x, device=device), past_key_values=cache, use_cache=True
             )
-            # The patched input's positions: the context's last p (matched to the prefix), then
-            # every query position.
+            # The patched input's matched positions: the context's last p (matched to the
+            # prefix's last p), then every query position.
             for j, i in enumerate(idx):
                 k = len(data.queries[i])
                 logits[i] = torch.cat([head, out.logits[j, :k].float().cpu()])
@@ -242,7 +243,8 @@ def _query_figures(
             out = model(input_ids=x).logits.float().cpu()  # [b, width, vocab]
             for j in range(len(group)):
                 i, k = start + j, len(data.reduced(start + j))
-                kl, agree = position_figures(out[j, :k], ref.logits[i])
+                m = ref.logits[i].shape[0]  # the last m positions have a reference
+                kl, agree = position_figures(out[j, k - m : k], ref.logits[i])
                 picks = out[j, k - 1 : k - 1 + gen].argmax(-1).tolist() if gen else []
                 m = _matched(picks, ref.tokens[i])
                 answer = None if ref.answer_len is None else m >= ref.answer_len[i]

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ctxc._version import __version__
+from ctxc.bake.chat import CHAT_SEEDS, ChatFormat, answered, chat_format, chat_self_study
 from ctxc.bake.data import (
     FitData,
     sample_continuations,
@@ -49,12 +50,14 @@ class BakeResult:
         data: the fit data.
         fit: the fit's per-block figures (None for ``distill`` from scratch).
         report: JSON-ready figures: options, sizes, per-block fit figures, timings.
+        chat: the chat format of a chat context (``messages``), else None.
     """
 
     patch: Patch
     data: FitData
     fit: FitSolution | None
     report: dict
+    chat: ChatFormat | None = None
 
 
 def bake_data(
@@ -71,6 +74,8 @@ def bake_data(
     question_prompt: str = "plain",
     question_temperature: float = 1.0,
     topics: int = 0,
+    chat: ChatFormat | None = None,
+    answer: bool = False,
 ) -> FitData:
     """The fit data: the query texts' ids, then ``questions`` self-study queries
     (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
@@ -80,12 +85,22 @@ def bake_data(
         samples: K, at least 0 (``BakeOptions`` validated it; an evaluation's count, its caller).
         questions: self-study questions, at least 0.
         answer_tokens: greedy answer tokens per self-study question.
-        question_prompt, question_temperature, topics: how the questions are written
-            (:class:`BakeOptions`).
+        question_prompt, question_temperature, topics: how the plain path's questions are
+            written (:class:`BakeOptions`).
+        chat: a chat model's :class:`~ctxc.bake.chat.ChatFormat`: ``context_ids`` are its
+            context turns', each query text is a user turn, self-study asks in turns
+            (:func:`~ctxc.bake.chat.chat_self_study`) and the prefix is the template's
+            opening (``FitData.opening``); ``prefix`` is then ignored.
+        answer: with ``chat``, each query text's turn is followed by the full-context model's
+            greedy answer (``answer_tokens``, cut after its end of turn): fit queries; without,
+            the turn alone (held-out queries, answered by the evaluation).
 
     Raises:
         CtxcError: an input past the model's positions.
     """
+    if chat is not None:
+        return _chat_data(model, chat, queries, samples, sample_tokens, seed, questions,
+                          answer_tokens, answer)  # fmt: skip
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
@@ -111,6 +126,41 @@ def bake_data(
         list(prefix),
         given + asked + sampled,
         ["file"] * len(given) + ["self-study"] * len(asked) + ["sample"] * samples,
+    )
+
+
+def _chat_data(
+    model, chat: ChatFormat, queries, samples: int, sample_tokens: int, seed: int,
+    questions: int, answer_tokens: int, answer: bool,
+) -> FitData:  # fmt: skip
+    """:func:`bake_data` of a chat model: user turns after the context turns."""
+    ids = chat.context_ids
+    turns = [chat.turn(q) for q in queries] if queries else []
+    extra = answer_tokens if answer else 0
+    # A self-study reply: the seed prompt's turn, a wh-word and 24 tokens; then its question's
+    # turn (the template's tokens, at most ~26 of the question's) and the answer.
+    asked_bound = (
+        max(len(chat.turn(s)) for s in CHAT_SEEDS) + 32 + answer_tokens if questions else 0
+    )
+    longest = max([len(t) + extra for t in turns] + [sample_tokens if samples else 0, asked_bound])
+    check_length(model, len(ids) + longest, "context + longest query")
+    uses = (questions > 0) + (samples > 0) + (bool(turns) and answer)
+    start = context_run(model, ids) if uses > 1 else None  # run once
+    given = answered(model, chat, turns, answer_tokens, start) if answer else turns
+    asked: list[list[int]] = []
+    if questions:
+        asked, _ = chat_self_study(
+            model, chat, questions, answer_tokens=answer_tokens, seed=seed, start=start
+        )
+    sampled = (
+        sample_continuations(model, ids, samples, sample_tokens, seed, start) if samples else []
+    )
+    return FitData(
+        list(ids),
+        list(chat.opening),
+        given + asked + sampled,
+        ["file"] * len(given) + ["self-study"] * len(asked) + ["sample"] * samples,
+        opening=True,
     )
 
 
@@ -145,6 +195,7 @@ def bake(
     teacher: list | None = None,
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
+    messages: Sequence[dict] | None = None,
 ) -> BakeResult:
     """Bake ``context`` into one patch for every query; the model is left unmodified.
 
@@ -161,6 +212,9 @@ def bake(
         teacher: :func:`~ctxc.bake.distill.teacher_top` of ``data``, likewise (``distill``).
         on_stage: progress callback with a stage name.
         on_block: progress callback ``(done, total, block)`` of the fit.
+        messages: a chat model's context turns (``{"role", "content"}``) instead of
+            ``context``: the queries are user turns after them, rendered by the chat template
+            and answered (:mod:`ctxc.bake.chat`).
 
     Returns:
         the :class:`BakeResult`.
@@ -175,10 +229,10 @@ def bake(
         raise CtxcError("a patch is applied to this model: remove it before baking")
     timings: dict[str, float] = {}
     clock = time.perf_counter()
+    chat = _chat(tokenizer, messages, context, context_ids)
     if data is None:
-        data = _fit_data(
-            model, tokenizer, _context_ids(tokenizer, context, context_ids), queries, o, stage
-        )
+        ids = chat.context_ids if chat else _context_ids(tokenizer, context, context_ids)
+        data = _fit_data(model, tokenizer, ids, queries, o, stage, chat)
     timings["data"] = round(time.perf_counter() - clock, 3)
     traced, blocks = _fit_blocks(model, o)
     fit, extra = None, {}
@@ -205,7 +259,20 @@ def bake(
         extra["distill"] = {"rank": run.rank, "steps": run.steps, "seconds": run.seconds}
         extra["distill"]["last_loss"] = run.loss
     assert patch is not None
-    return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra})
+    if chat is not None:
+        extra["chat"] = chat.to_dict()
+    return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra}, chat)
+
+
+def _chat(tokenizer, messages, context, context_ids) -> ChatFormat | None:
+    """The :class:`~ctxc.bake.chat.ChatFormat` of ``messages`` (None without them)."""
+    if messages is None:
+        return None
+    if context is not None or context_ids is not None:
+        raise CtxcError("give messages or a context (text or ids), not both")
+    if tokenizer is None:
+        raise CtxcError("a tokenizer (with a chat template) is needed for messages")
+    return chat_format(tokenizer, messages)
 
 
 def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> FitSolution:
@@ -214,18 +281,21 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
     opts = FitOptions(
         o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention
     )
-    rows = None if o.fit_prefix else _query_rows(data)
+    rows = None if o.fit_prefix and not data.opening else _query_rows(data, o.fit_prefix)
     return fit_solve(traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes)
 
 
-def _fit_data(model, tokenizer, ids: list[int], queries, o: BakeOptions, stage) -> FitData:
-    """The fit data of ``o`` (refused in one line when there is nothing to fit on)."""
+def _fit_data(
+    model, tokenizer, ids: list[int], queries, o: BakeOptions, stage, chat=None
+) -> FitData:
+    """The fit data of ``o`` (refused in one line when there is nothing to fit on); with
+    ``chat``, in its turns, the query file's turns answered."""
     o.check_fit(queries)
     stage(f"fit data: {o.asked} self-study questions, {o.sampled} samples")
     data = bake_data(
         model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
         questions=o.asked, answer_tokens=o.answer_tokens, question_prompt=o.question_prompt,
-        question_temperature=o.question_temperature, topics=o.topical,
+        question_temperature=o.question_temperature, topics=o.topical, chat=chat, answer=True,
     )  # fmt: skip
     if not data.queries:
         raise OptionError(
@@ -255,10 +325,12 @@ def _fit_blocks(model: torch.nn.Module, o: BakeOptions):
     return traced, blocks
 
 
-def _query_rows(data: FitData) -> torch.Tensor:
-    """[N] bool: True at the query tokens' positions, False at each prefix position."""
+def _query_rows(data: FitData, fit_prefix: bool = False) -> torch.Tensor:
+    """[N] bool: True at the query tokens' positions (and, with ``fit_prefix``, the prefix's
+    matched ones), False at the other prefix positions."""
     n = len(data.prefix)
-    return torch.cat([torch.arange(n + len(q)) >= n for q in data.queries])
+    skip = n - data.head if fit_prefix else n
+    return torch.cat([torch.arange(n + len(q)) >= skip for q in data.queries])
 
 
 def _context_ids(tokenizer, context: str | None, context_ids: list[int] | None) -> list[int]:

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from ctxc.bake.data import FitData, record_fit_targets, stacked
+from ctxc.bake.data import FitData, padded, record_fit_targets, stacked
 from ctxc.core.thresholds import BAKE_TARGETS_RTOL
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap
@@ -72,7 +72,7 @@ class _Hooks:
 def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dict[str, list]:
     """Per block, per query: its :class:`BlockTargets` at the reduced input's positions."""
     device = next(model.parameters()).device
-    p = len(data.prefix)
+    p, h = len(data.prefix), data.head  # h: the prefix's positions matched to the context's
     out: dict[str, list] = {b.path: [None] * len(data.queries) for b in blocks.blocks}
     groups: dict[int, list[int]] = defaultdict(list)
     for i, q in enumerate(data.queries):
@@ -82,7 +82,10 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
         with torch.no_grad():
             ctx = torch.tensor([data.context_ids], device=device)
             first = model(input_ids=ctx, use_cache=True, logits_to_keep=1)
-            head = {b: _rows_of(hooks, b, 0, slice(-p, None)) for b in out} if p else {}
+            # The context's last h rows (an opening's unmatched positions copy the first).
+            head = (
+                {b: padded(_rows_of(hooks, b, 0, slice(-h, None)), p - h) for b in out} if h else {}
+            )
             for members in groups.values():
                 for start in range(0, len(members), _BATCH):
                     idx = members[start : start + _BATCH]
@@ -93,7 +96,7 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
                     for b in out:
                         for j, i in enumerate(idx):
                             tg = _rows_of(hooks, b, j, slice(None))
-                            out[b][i] = stacked([head[b], tg]) if p else tg
+                            out[b][i] = stacked([head[b], tg]) if h else tg
     finally:
         hooks.remove()
     return out

@@ -10,10 +10,19 @@ from pathlib import Path
 
 import typer
 
-from ctxc.cli.options import FORCE, MODEL, BakeData, BakeMethod, QuestionPrompt
+from ctxc.cli.options import (
+    CHAT,
+    DOCUMENT,
+    FORCE,
+    MODEL,
+    SYSTEM,
+    BakeData,
+    BakeMethod,
+    QuestionPrompt,
+)
 from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
-from ctxc.cli.support import load, parse_emit, read_context
+from ctxc.cli.support import chat_input, check_chat, load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
 
@@ -79,6 +88,12 @@ _ATTENTION = typer.Option(
 _EVAL_QUESTIONS = typer.Option(
     None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
 )
+_MESSAGES = typer.Option(
+    None, "--messages", help="With --chat: JSON file, a list of {role, content}: the context turns."
+)
+# The user turn --chat splits the context turns with before the model loads (any query would do:
+# the context's ids are the same for every one).
+_PROBE = "What is it about?"
 
 
 def parse_rank(rank: str) -> int | None:
@@ -93,7 +108,11 @@ def parse_rank(rank: str) -> int | None:
 
 
 def bake_cmd(
-    context: Path = typer.Option(..., "--context", help="UTF-8 text file with the context."),
+    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
+    chat: bool = CHAT,
+    system: Path = SYSTEM,
+    document: Path = DOCUMENT,
+    messages: Path = _MESSAGES,
     queries: Path = typer.Option(None, "--queries", help="Fit queries, one per line."),
     data: BakeData = typer.Option(
         _DEFAULTS.data, "--data", help="Fit data: continuations, self-study or both."
@@ -133,9 +152,9 @@ def bake_cmd(
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
     from ctxc.bake.data import read_queries
 
-    text = read_context(context)
+    text, turns = _context(chat, context, system, document, messages)
     fit_texts = read_queries(queries) if queries is not None else None
-    held = _held_out(eval_queries, eval_questions)
+    held = _held_out(eval_queries, eval_questions, eval_samples)
     opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
         data=data,
         samples=samples,
@@ -157,30 +176,84 @@ def bake_cmd(
         refit_passes=refit_passes,
         attention=attention,
     )
-    if eval_samples < 0:
-        raise CtxcError(f"--eval-samples must be at least 0 (got {eval_samples})")
     kinds = parse_emit(emit)
+    if turns is not None:
+        check_chat(model, turns, _PROBE)  # no template, or no split: one line, before the load
     with output_folder(out_dir, force, "bake") as tmp:
         from ctxc.bake.fit import bake
         from ctxc.core.report import write_report
 
         net, tokenizer = load(model, "float32")
         with stage_progress("baking", "fitting") as (on_stage, on_block):
-            result = bake(
-                net, tokenizer, text, fit_texts, options=opts, on_stage=on_stage, on_block=on_block
-            )
+            result = bake(net, tokenizer, text, fit_texts, options=opts, messages=turns,
+                          on_stage=on_stage, on_block=on_block)  # fmt: skip
         report = result.report
         report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
         result.patch.save(tmp / "patch.safetensors")
-        write_report(
-            tmp, report, _emit(net, tokenizer, result.patch, tmp, kinds), under="artefacts"
+        artefacts = _emit(net, tokenizer, result.patch, tmp, kinds)
+        write_report(tmp, report, artefacts, under="artefacts")
+    _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])
+
+
+def _context(chat: bool, context, system, document, messages) -> tuple:
+    """(the ``--context`` file's text, None), or with ``--chat`` (None, the context turns, read
+    and checked by ``chat_input``).
+
+    Raises:
+        CtxcError: ``--chat`` with ``--context``, a chat file without ``--chat``, ``--chat``
+            without one, no context at all, a bad file.
+    """
+    if chat and context is not None:
+        raise CtxcError(
+            "--chat takes the context as turns (--system, --document or --messages), not --context"
         )
-    _say_all([*_summary(report["figures"]), f"wrote {out_dir}/"])
+    got = chat_input(chat, system, document, messages, _PROBE)  # the probe: the next turn
+    if got is not None:
+        return None, got[0]
+    if context is None:
+        raise CtxcError(
+            "missing option '--context' (or --chat with --system, --document or --messages)"
+        )
+    return read_context(context), None
 
 
-def _held_out(queries: Path | None, questions: Path | None) -> dict:
-    """The held-out query and question files' lines (None where not given)."""
+def _chat_lines(report: dict) -> list[str]:
+    """How to feed a chat bake's patched model (nothing for a plain bake)."""
+    chat = report.get("chat")
+    if chat is None:
+        return []
+    if chat["opening_is_the_template_s"]:
+        how = "its chat template applied to the user's message alone"
+    else:
+        how = "the user's turn as the template renders it after the context, after the BOS"
+    return [f"chat: the patched model answers {how} ({len(chat['opening_ids'])} opening tokens)"]
+
+
+def _baked_chat(folder: Path, tokenizer, context_ids: list[int]):
+    """The :class:`~ctxc.bake.chat.ChatFormat` of a ``--chat`` bake (its report.json's
+    ``chat.messages``), None for a plain one: its held-out queries are user turns."""
+    path = folder / "report.json"
+    try:
+        chat = json.loads(path.read_text(encoding="utf-8")).get("chat")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not chat:
+        return None
+    from ctxc.bake.chat import chat_format
+
+    found = chat_format(tokenizer, chat["messages"])
+    if found.context_ids != list(context_ids):
+        raise CtxcError(f"{path}'s chat turns do not render to the patch's context ids")
+    return found
+
+
+def _held_out(queries: Path | None, questions: Path | None, samples: int) -> dict:
+    """The held-out query and question files' lines (None where not given); ``samples``
+    (``--eval-samples``) checked."""
     from ctxc.bake.data import read_queries
+
+    if samples < 0:
+        raise CtxcError(f"--eval-samples must be at least 0 (got {samples})")
 
     return {
         "held_out_queries": read_queries(queries) if queries else None,
@@ -200,18 +273,25 @@ def _figures(net, tokenizer, result, held: dict, eval_samples: int, seed: int) -
     from ctxc.bake.fit import bake_data
     from ctxc.bake.selfstudy import as_question
 
-    data = result.data
+    data, chat = result.data, result.chat
     ids, prefix = data.context_ids, data.prefix
+
+    def held_data(texts, samples: int, tokens: int, seed: int):
+        """Held-out data as the fit's: plain text, or (chat) user turns, unanswered."""
+        return bake_data(net, tokenizer, ids, texts, samples, tokens, seed, prefix, chat=chat)
+
     sets = {"fit": (data.part(0, FIT_EVAL), 0)}
     if eval_samples:
-        d = bake_data(net, tokenizer, ids, None, eval_samples, EVAL_TOKENS, seed + 1, prefix)
-        sets["held_out_samples"] = (d, EVAL_TOKENS)
+        sets["held_out_samples"] = (
+            held_data(None, eval_samples, EVAL_TOKENS, seed + 1),
+            EVAL_TOKENS,
+        )
     if held["held_out_queries"]:
-        d = bake_data(net, tokenizer, ids, held["held_out_queries"], 0, 1, seed, prefix)
-        sets["held_out_queries"] = (d, EVAL_TOKENS)
+        sets["held_out_queries"] = (held_data(held["held_out_queries"], 0, 1, seed), EVAL_TOKENS)
     if held["held_out_questions"]:
-        texts = [as_question(q) for q in held["held_out_questions"]]
-        sets["held_out_questions"] = (bake_data(net, tokenizer, ids, texts, 0, 1, seed, prefix), 24)
+        asked = held["held_out_questions"]  # chat: each question is the user's turn
+        texts = asked if chat is not None else [as_question(q) for q in asked]
+        sets["held_out_questions"] = (held_data(texts, 0, 1, seed), 24)
     figures = {}
     for name, (d, gen) in sets.items():
         stage(f"evaluating on {name}, {len(d.queries)} queries")
@@ -295,7 +375,10 @@ def eval_bake_cmd(
 
     net, tokenizer = load(model, patch.meta.dtype)
     patch.check(net)
-    data = bake_data(net, tokenizer, patch.meta.context_ids, texts, max(samples, 0), 32, seed)
+    chat = _baked_chat(folder, tokenizer, patch.meta.context_ids)
+    data = bake_data(
+        net, tokenizer, patch.meta.context_ids, texts, max(samples, 0), 32, seed, chat=chat
+    )
     stage(f"evaluating on {len(data.queries)} queries")
     patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
     figures = {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}

@@ -25,6 +25,7 @@ __all__ = [
     "images_in",
     "read_messages",
     "split_chat",
+    "template_ids",
 ]
 
 _ROLES = ("system", "user", "assistant")
@@ -305,7 +306,7 @@ def _token_split(tokenizer, texts: tuple[str, str], whole: list[dict], images) -
     context_text, whole_text = texts
     context_ids = _ids(tokenizer, context_text, images)
     whole_ids = _ids(tokenizer, whole_text, images)
-    if images is None and whole_ids != _template_ids(tokenizer, whole):  # the template's own
+    if images is None and whole_ids != template_ids(tokenizer, whole):  # the template's own
         raise CtxcError("the chat template's ids differ from its rendered text's tokens")
     k = len(context_ids)
     if whole_ids[:k] != context_ids:
@@ -412,8 +413,8 @@ def _ids(tokenizer, text: str, images: Sequence | None = None) -> list[int]:
     return [int(i) for i in (ids[0] if ids and isinstance(ids[0], list) else ids)]
 
 
-def _template_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The template's ids for the whole conversation, with the generation prompt."""
+def template_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The template's ids for the conversation ``messages``, with the generation prompt."""
     out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True)
     if not isinstance(out, list):  # Transformers 5: a BatchEncoding
         out = out["input_ids"]

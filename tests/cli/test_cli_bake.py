@@ -97,3 +97,69 @@ def test_bake_bad_input_is_one_line_and_no_folder(tiny_model_dir, texts, tmp_pat
     assert message in lines[0], lines[0]
     assert not out.exists()
     assert not list(tmp_path.glob(".bad.partial-*"))
+
+
+def test_bake_chat_writes_a_model_asked_through_its_template(tmp_path):
+    """``ctxc bake --chat`` (issue 35) on a tiny Llama 3 chat model: the held-out questions are
+    asked as user turns (the patched side fed the template's ids for the turn alone, the BOS
+    its opening), model/ fed that rendering gives the patch's logits, and ``eval-bake`` asks
+    its queries the same way."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ctxc.core.chat import template_ids
+    from ctxc.patch import Patch
+    from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model_dir
+
+    model_dir = chat_model_dir(tmp_path / "llama3", "llama3")
+    (tmp_path / "system.txt").write_text(SYSTEMS[1] + "\n")
+    (tmp_path / "doc.txt").write_text(DOCUMENTS[0] + "\n")
+    (tmp_path / "q.txt").write_text("\n".join(QUERIES) + "\n")
+    (tmp_path / "held.txt").write_text("Who built it?\nWhat is it?\n")
+    proc = run_cli(
+        "bake", "--chat", "--system", "system.txt", "--document", "doc.txt", "--queries",
+        "q.txt", "--samples", "2", "--sample-tokens", "4", "--questions", "0",
+        "--answer-tokens", "4", "--rank", "4", "--eval-questions", "held.txt",
+        "--eval-samples", "1", "--model", str(model_dir), "--out", "out", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "chat: the patched model answers its chat template applied to the user's" in (
+        proc.stdout
+    )
+    out = tmp_path / "out"
+    report = json.loads((out / "report.json").read_text())
+    tok = AutoTokenizer.from_pretrained(str(out / "model"))
+    chat = report["chat"]
+    assert chat["roles"] == ["system", "user"] and chat["opening_ids"] == [tok.bos_token_id]
+    assert report["fit_kinds"] == {"file": 3, "sample": 2}
+    turns = chat["messages"]
+
+    def turn_length(q: str) -> int:  # the query turn's ids: the whole less the context's
+        whole = template_ids(tok, [*turns, {"role": "user", "content": q}])
+        return len(whole) - _context_ids(out)
+
+    held = ["Who built it?", "What is it?"]
+    positions = report["figures"]["held_out_questions"]["patched"]["positions"]
+    assert positions == sum(1 + turn_length(q) for q in held)  # the BOS's and the turn's
+    alone = template_ids(tok, [{"role": "user", "content": QUERIES[0]}])
+    with torch.no_grad():
+        emitted = AutoModelForCausalLM.from_pretrained(str(out / "model")).eval()
+        got = emitted(input_ids=torch.tensor([alone])).logits[0]
+        base = AutoModelForCausalLM.from_pretrained(str(model_dir)).eval()
+        with Patch.load(out).applied(base):
+            want = base(input_ids=torch.tensor([alone])).logits[0]
+    assert float((got - want).abs().max()) < 1e-4
+    again = run_cli(
+        "eval-bake", "out", "--model", str(model_dir), "--queries", "held.txt",
+        "--gen-tokens", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert again.returncode == 0, again.stderr
+    figures = json.loads(again.stdout.strip().splitlines()[-1])["held_out"]["patched"]
+    assert figures["positions"] == positions
+
+
+def _context_ids(out) -> int:
+    """The baked context's length in tokens (patch.safetensors' metadata)."""
+    from ctxc.patch import Patch
+
+    return len(Patch.load(out).meta.context_ids)

@@ -181,3 +181,29 @@ def test_export_to_lora_of_a_patch_with_a_norm_delta_is_refused_before_the_load(
         "model.layers.0.post_feedforward_layernorm.weight (a norm scale or bias, from --update "
         "stable): compile with --update lora"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--chat", "--system", "system.txt"], "the model's tokenizer has no chat template"),
+        (
+            ["--chat", "--context", "system.txt", "--system", "system.txt"],
+            "--chat takes the context as turns (--system, --document or --messages), not --context",
+        ),
+        (["--context", "system.txt", "--system", "system.txt"], "--system applies with --chat"),
+        (["--chat"], "--chat needs --system, --document or --messages (the context)"),
+        ([], "missing option '--context' (or --chat with --system, --document or --messages)"),
+    ],
+    ids=["no-template", "chat-and-context", "system-without-chat", "chat-alone", "nothing"],
+)
+def test_bake_chat_refusals_come_before_the_load(tmp_path, no_load, args, message) -> None:
+    """``ctxc bake --chat`` (issue 35): a model without a chat template, ``--context`` beside
+    ``--chat``, a chat file without ``--chat``: one line, before the model loads."""
+    model = _no_template_model(tmp_path / "model")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "system.txt").write_text("Be brief.\n")
+    line = _refused(
+        ["bake", *args, "--model", str(model), "--out", "out"], tmp_path / "work", no_load
+    )
+    assert line.startswith(f"ctxc: error: {message}"), line
