@@ -155,27 +155,13 @@ def bake_cmd(
     text, turns = _context(chat, context, system, document, messages)
     fit_texts = read_queries(queries) if queries is not None else None
     held = _held_out(eval_queries, eval_questions, eval_samples)
-    opts = BakeOptions(  # validated here, once (the library names its fields, FLAGS the flags)
-        data=data,
-        samples=samples,
-        sample_tokens=sample_tokens,
-        questions=questions,
-        answer_tokens=answer_tokens,
-        question_prompt=question_prompt,
-        question_temperature=question_temperature,
-        topics=topics,
-        rank=parse_rank(rank),
-        rank_per_block=rank.strip().lower() == "auto",
-        method=method,
-        ridge=ridge,
-        seed=seed,
-        distill_steps=steps,
-        distill_seconds=seconds,
-        distill_from_fit=from_fit,
-        distill_lr=lr,
-        refit_passes=refit_passes,
-        attention=attention,
-    )
+    opts = _bake_options(
+        rank, data=data, samples=samples, sample_tokens=sample_tokens, questions=questions,
+        answer_tokens=answer_tokens, question_prompt=question_prompt,
+        question_temperature=question_temperature, topics=topics, method=method, ridge=ridge,
+        seed=seed, distill_steps=steps, distill_seconds=seconds, distill_from_fit=from_fit,
+        distill_lr=lr, refit_passes=refit_passes, attention=attention,
+    )  # fmt: skip
     kinds = parse_emit(emit)
     if turns is not None:
         check_chat(model, turns, _PROBE)  # no template, or no split: one line, before the load
@@ -193,6 +179,14 @@ def bake_cmd(
         artefacts = _emit(net, tokenizer, result.patch, tmp, kinds)
         write_report(tmp, report, artefacts, under="artefacts")
     _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])
+
+
+def _bake_options(rank: str, **fields) -> BakeOptions:
+    """The command's options as :class:`BakeOptions`, validated here, once (the library names
+    its fields, ``FLAGS`` the flags); ``--rank auto`` is each block's own rank."""
+    return BakeOptions(
+        rank=parse_rank(rank), rank_per_block=rank.strip().lower() == "auto", **fields
+    )
 
 
 def _context(chat: bool, context, system, document, messages) -> tuple:
