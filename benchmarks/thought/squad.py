@@ -65,6 +65,8 @@ __all__ = [
     "GEN_TOKENS",
     "answer_text",
     "answers",
+    "chat_split",
+    "degenerate",
     "main",
     "prompt_split",
     "setting_options",
@@ -75,6 +77,11 @@ DATA = ROOT / "benchmarks" / "data" / "squad" / "subset.json"
 GEN_TOKENS = 16
 FRAMING = "the paragraph's text alone, tokenized with its BOS"
 QUERY = " Question: {question}\nAnswer:"  # what text_queries(as_question(q)) tokenizes
+# --chat (a chat model): the paragraph as the system turn (ctxc bake --chat --system), each
+# question a user turn; answers are sentences, so twice the tokens.
+CHAT_FRAMING = "the paragraph as the system turn, through the model's chat template"
+CHAT_QUERY = "the question as a user turn, with the generation prompt"
+CHAT_GEN_TOKENS = 32
 ANSWER = "cut at a special token, its first line that is not blank, stripped"
 
 
@@ -108,6 +115,33 @@ def prompt_split(tok, context: str, questions: list[str]) -> tuple[list[int], li
     return context_ids, queries
 
 
+def chat_split(tok, context: str, questions: list[str]):
+    """Chat framing: the paragraph as the system turn, each question a user turn. The context's
+    ids, each question's turn ids (the template's, split exactly:
+    :func:`~ctxc.bake.chat.chat_format`) and the opening the patched model is fed before a
+    turn (the template's own for a lone user turn), and the context turns."""
+    from ctxc.bake.chat import chat_format
+
+    turns = [{"role": "system", "content": context}]
+    chat = chat_format(tok, turns)
+    assert chat.opening_exact, "the template renders a lone user turn otherwise"
+    return chat.context_ids, [chat.turn(q) for q in questions], chat.opening, turns
+
+
+def degenerate(text: str) -> bool:
+    """Garbage rather than a sentence: a word three times in a row, a repeated word pair three
+    times, or fewer than half of its words made of letters."""
+    words = text.lower().split()
+    if not words:
+        return False
+    if any(words[i] == words[i + 1] == words[i + 2] for i in range(len(words) - 2)):
+        return True
+    pairs = [tuple(words[i : i + 2]) for i in range(len(words) - 1)]
+    if pairs and max(pairs.count(p) for p in pairs) >= 3:
+        return True
+    return sum(any(c.isalpha() for c in w) for w in words) < len(words) / 2
+
+
 def _raw(tok, ids: list[int]) -> str:
     """A generation's text, up to its first special token (an end of text)."""
     special = set(tok.all_special_ids)
@@ -120,7 +154,9 @@ def answer_text(raw: str) -> str:
     return raw.lstrip().split("\n")[0].strip()
 
 
-def answers(model, tok, start_ids: list[int], queries: list[list[int]], patch=None) -> dict:
+def answers(
+    model, tok, start_ids: list[int], queries: list[list[int]], patch=None, gen: int = GEN_TOKENS
+) -> dict:
     """Greedy answers of every query after ``start_ids`` (the context, or BOS), in one batch,
     with ``patch`` applied (None: the original model); question 0 also alone, compared.
 
@@ -139,8 +175,8 @@ def answers(model, tok, start_ids: list[int], queries: list[list[int]], patch=No
     clock = time.perf_counter()
     applied = patch.applied(model) if patch is not None else contextlib.nullcontext()
     with torch.no_grad(), applied:
-        rows = continue_rows(model, start_ids, queries, GEN_TOKENS, until=done)
-        alone = greedy(model, start_ids + queries[0], GEN_TOKENS)
+        rows = continue_rows(model, start_ids, queries, gen, until=done)
+        alone = greedy(model, start_ids + queries[0], gen)
     raw = [_raw(tok, r) for r in rows]
     texts = [answer_text(r) for r in raw]
     return {
@@ -156,18 +192,26 @@ def _scored(texts: list[str], golds: list[list[str]]) -> tuple[list[int], list[f
     return [e for e, _ in pairs], [round(f, 4) for _, f in pairs]
 
 
-def _paragraph_refs(model, tok, para: dict) -> dict:
-    """The setting-independent part of a paragraph: its split and the full and none answers."""
+def _framed(tok, para: dict, chat: bool) -> tuple:
+    """``(context ids, query ids, what the patched model is fed first, context turns)``: the
+    plain framing (BOS) or the chat one (the template's opening)."""
     from ctxc.bake.data import special_prefix
 
     questions = [q["question"] for q in para["questions"]]
-    golds = [q["answers"] for q in para["questions"]]
+    if chat:
+        return chat_split(tok, para["context"], questions)
     context_ids, queries = prompt_split(tok, para["context"], questions)
-    prefix = context_ids[: len(special_prefix(tok))]  # BOS, checked by prompt_split
+    return context_ids, queries, context_ids[: len(special_prefix(tok))], None
+
+
+def _paragraph_refs(model, tok, para: dict, chat: bool) -> dict:
+    """The setting-independent part of a paragraph: its split and the full and none answers."""
+    golds = [q["answers"] for q in para["questions"]]
+    context_ids, queries, prefix, _ = _framed(tok, para, chat)
     entry: dict = {"title": para["title"], "context_tokens": len(context_ids), "questions": []}
     got = {}
     for name, start in (("full", context_ids), ("none", prefix)):
-        got[name] = answers(model, tok, start, queries)
+        got[name] = answers(model, tok, start, queries, gen=_gen(chat))
         entry[f"{name}_seconds"] = got[name]["seconds"]
         entry[f"{name}_single_check"] = got[name]["single_check"]
     for name in ("full", "none"):
@@ -183,21 +227,24 @@ def _paragraph_refs(model, tok, para: dict) -> dict:
     return entry
 
 
-def _bake_paragraph(model, tok, para: dict, ref: dict, setting: str) -> dict:
+def _gen(chat: bool) -> int:
+    return CHAT_GEN_TOKENS if chat else GEN_TOKENS
+
+
+def _bake_paragraph(model, tok, para: dict, ref: dict, setting: str, chat: bool) -> dict:
     """Bake one paragraph with ``setting`` and answer its questions with the patch."""
-    from ctxc.bake.data import special_prefix
     from ctxc.bake.fit import bake
 
     questions = [q["question"] for q in para["questions"]]
-    context_ids, queries = prompt_split(tok, para["context"], questions)
+    context_ids, queries, prefix, turns = _framed(tok, para, chat)
     clock, cpu = time.perf_counter(), time.process_time()
-    result = bake(model, tok, context_ids=context_ids, options=setting_options(setting))
+    given = {"messages": turns} if chat else {"context_ids": context_ids}
+    result = bake(model, tok, options=setting_options(setting), **given)
     seconds, cpu = time.perf_counter() - clock, time.process_time() - cpu
     assert "file" not in result.data.kinds, result.data.kinds  # no query was given to the fit
     fitted = [tok.decode(q) for q in result.data.queries]
     leaked = sum(any(q.strip() in text for text in fitted) for q in questions)
-    prefix = context_ids[: len(special_prefix(tok))]  # BOS, checked by prompt_split
-    got = answers(model, tok, prefix, queries, patch=result.patch)
+    got = answers(model, tok, prefix, queries, patch=result.patch, gen=_gen(chat))
     em, f1 = _scored(got["answers"], [q["answers"] for q in para["questions"]])
     same = sum(b == q["full"] for b, q in zip(got["answers"], ref["questions"], strict=True))
     return {
@@ -207,17 +254,18 @@ def _bake_paragraph(model, tok, para: dict, ref: dict, setting: str) -> dict:
         "fit_kinds": result.report["fit_kinds"], "fit_positions": result.report["fit_positions"],
         "questions_in_fit": leaked, "baked": got["answers"], "baked_raw": got["raw"],
         "baked_em": em, "baked_f1": f1,
+        "baked_degenerate": [degenerate(t) for t in got["answers"]],
         "same_as_full": same, "commit": commit(), "threads": torch.get_num_threads(),
     }  # fmt: skip
 
 
-def _header() -> dict:
+def _header(model: str | None, chat: bool) -> dict:
     return {
         "benchmark": "benchmarks.thought.squad",
-        "model": "gemma-3-270m (bundled), float32",
-        "framing": FRAMING,
-        "query": QUERY,
-        "gen_tokens": GEN_TOKENS,
+        "model": f"{Path(model).name if model else 'gemma-3-270m (bundled)'}, float32",
+        "framing": CHAT_FRAMING if chat else FRAMING,
+        "query": CHAT_QUERY if chat else QUERY,
+        "gen_tokens": _gen(chat),
         "answer": ANSWER,
         "subset_sha256": hashlib.sha256(DATA.read_bytes()).hexdigest(),
     }
@@ -264,7 +312,7 @@ def _run(args) -> None:
     settings = args.settings or ["default"]
     subset = json.loads(DATA.read_text())["paragraphs"][: args.paragraphs]
     out = Path(args.out)
-    doc = _load_out(out, _header())
+    doc = _load_out(out, _header(args.model, args.chat))
     for s in settings:
         opts = asdict(setting_options(s))
         have = doc["settings"].setdefault(s, {"options": opts, "paragraphs": {}})
@@ -275,7 +323,7 @@ def _run(args) -> None:
             have["commands"].append(command)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load(None, "float32")
+    model, tok = load(args.model, "float32")
     clock = time.perf_counter()
     traced_blocks(model)  # the export, once, outside every bake's seconds
     doc["threads"], doc["trace_seconds"] = (
@@ -289,11 +337,11 @@ def _run(args) -> None:
             continue
         clock = time.perf_counter()
         if pid not in doc["paragraphs"]:
-            doc["paragraphs"][pid] = _paragraph_refs(model, tok, para)
+            doc["paragraphs"][pid] = _paragraph_refs(model, tok, para, args.chat)
             _write(out, doc)
         ref = doc["paragraphs"][pid]
         for s in todo:
-            row = _bake_paragraph(model, tok, para, ref, s)
+            row = _bake_paragraph(model, tok, para, ref, s, args.chat)
             row["paragraph_seconds"] = round(time.perf_counter() - clock, 1)
             clock = time.perf_counter()
             doc["settings"][s]["paragraphs"][pid] = row
@@ -312,6 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", default="benchmarks/results/squad.json")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
+    p.add_argument("--model", default=None, help="alias, folder or .gguf (default: bundled)")
+    p.add_argument("--chat", action="store_true", help="chat framing (ctxc bake --chat --system)")
     p.add_argument("settings", nargs="*", help="'default' or name=value,... (BakeOptions)")
     args = p.parse_args(argv)
     if args.render:

@@ -17,7 +17,8 @@ __all__ = ["EXAMPLES", "render", "summary"]
 
 EXAMPLES = 5  # example answers shown per setting: the first question of the first paragraphs
 _HEAD = ["questions", "EM full", "EM none", "EM baked", "F1 full", "F1 none", "F1 baked",
-         "kept F1", "kept EM", "bake s", "bake CPU s", "same as full"]  # fmt: skip
+         "kept F1", "kept EM", "bake s", "bake CPU s", "same as full",
+         "degenerate"]  # fmt: skip
 
 
 def _kept(full: float, none: float, baked: float) -> float | None:
@@ -46,6 +47,9 @@ def summary(rows: list[tuple[dict, dict]]) -> dict:
     cpu = [row.get("bake_cpu_seconds") for _, row in rows]
     out["bake_cpu_seconds"] = None if None in cpu or not cpu else sum(cpu) / len(cpu)
     out["same_as_full"] = sum(row["same_as_full"] for _, row in rows)
+    # baked answers that are garbage, not sentences (squad.degenerate); None: not recorded
+    flags = [row.get("baked_degenerate") for _, row in rows]
+    out["degenerate"] = None if None in flags else sum(sum(f) for f in flags)
     return out
 
 
@@ -59,6 +63,7 @@ def _cells(s: dict) -> list[object]:
         kept(s["kept_f1"]), kept(s["kept_em"]), f"{s['bake_seconds']:.1f}",
         "-" if s["bake_cpu_seconds"] is None else f"{s['bake_cpu_seconds']:.1f}",
         f"{s['same_as_full']}/{s['questions']}",
+        "-" if s["degenerate"] is None else f"{s['degenerate']}/{s['questions']}",
     ]  # fmt: skip
 
 
@@ -100,7 +105,8 @@ def render(doc: dict, source: str) -> str:
         "",
         stamp(command, action="Rendered"),
         f"Model: {doc['model']}. Context: "
-        f"{doc['framing']}. Query: `{doc['query']!r}` (BOS first when fed alone). Answers: "
+        f"{doc['framing']}. Query: `{doc['query']!r}` (BOS, or the chat template's opening, "
+        "first when fed alone). Answers: "
         f"{doc['gen_tokens']} greedy tokens, {doc['answer']}, scored with SQuAD's "
         "normalised EM and token F1 (best over the gold answers), in percent over all "
         "questions. full: the original model fed context + query; none: fed the query alone; "
@@ -108,7 +114,9 @@ def render(doc: dict, source: str) -> str:
         "bake s: the bake call's wall time per paragraph; bake CPU s: the process's CPU time "
         "in it (all threads: at 1 thread, the wall time the bake would take alone on its core). "
         "same as full: baked answers equal "
-        "to the full-context answer. Data: `benchmarks/data/squad/subset.json` (SQuAD v2.0 "
+        "to the full-context answer; degenerate: baked answers that are not sentences (a word "
+        "three times running, a word pair three times, or under half the words made of "
+        "letters). Data: `benchmarks/data/squad/subset.json` (SQuAD v2.0 "
         "dev, CC BY-SA 4.0).",
         "",
     ]

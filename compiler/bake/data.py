@@ -50,6 +50,10 @@ class FitData:
             matched to the context's last (both predict the query's first token); its other
             positions are run, never fitted or compared. False: each prefix position is
             matched to one of the context's last ``len(prefix)``.
+        answer_from: per query, where its answer starts (a self-study query: the length of its
+            question's ids; 0 for the others, all answer). None: 0 for every query. With
+            ``BakeOptions.fit_rows == "answers"`` only the positions from the one before it
+            (which predicts the answer's first token) are fitted.
     """
 
     context_ids: list[int]
@@ -57,6 +61,7 @@ class FitData:
     queries: list[list[int]]
     kinds: list[str]
     opening: bool = False
+    answer_from: list[int] | None = None
 
     def reduced(self, i: int) -> list[int]:
         """What the patched model is fed for query ``i``."""
@@ -69,7 +74,8 @@ class FitData:
     def part(self, start: int, stop: int | None = None) -> FitData:
         """The same context and prefix with queries ``[start:stop]`` (their kinds too)."""
         q, k = self.queries[start:stop], self.kinds[start:stop]
-        return FitData(self.context_ids, self.prefix, q, k, self.opening)
+        a = None if self.answer_from is None else self.answer_from[start:stop]
+        return FitData(self.context_ids, self.prefix, q, k, self.opening, a)
 
     @property
     def head(self) -> int:

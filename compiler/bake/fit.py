@@ -26,7 +26,7 @@ from ctxc.bake.data import (
     special_prefix,
     text_queries,
 )
-from ctxc.bake.selfstudy import context_run, self_study
+from ctxc.bake.selfstudy import as_question, context_run, self_study
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
@@ -110,8 +110,9 @@ def bake_data(
     check_length(model, len(context_ids) + longest, "context + longest query")
     start = context_run(model, context_ids) if (questions or topics) and samples else None
     asked: list[list[int]] = []
+    asked_texts: list[str] = []
     if questions or topics:
-        asked, _ = self_study(
+        asked, asked_texts = self_study(
             model, tokenizer, context_ids, questions, answer_tokens=answer_tokens, seed=seed,
             start=start, prompt=question_prompt, temperature=question_temperature,
             topic_count=topics,
@@ -121,11 +122,14 @@ def bake_data(
         if samples
         else []
     )
+    # Where each self-study answer starts: its question's ids, as self_study tokenizes them.
+    starts = [len(text_queries(tokenizer, [as_question(q)])[0]) for q in asked_texts]
     return FitData(
         list(context_ids),
         list(prefix),
         given + asked + sampled,
         ["file"] * len(given) + ["self-study"] * len(asked) + ["sample"] * samples,
+        answer_from=[0] * len(given) + starts + [0] * len(sampled),
     )
 
 
@@ -281,7 +285,9 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
     opts = FitOptions(
         o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention
     )
-    rows = None if o.fit_prefix and not data.opening else _query_rows(data, o.fit_prefix)
+    answers = o.fit_rows == "answers"
+    whole = o.fit_prefix and not data.opening and not answers
+    rows = None if whole else _query_rows(data, o.fit_prefix, answers)
     return fit_solve(traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes)
 
 
@@ -325,12 +331,18 @@ def _fit_blocks(model: torch.nn.Module, o: BakeOptions):
     return traced, blocks
 
 
-def _query_rows(data: FitData, fit_prefix: bool = False) -> torch.Tensor:
+def _query_rows(data: FitData, fit_prefix: bool = False, answers: bool = False) -> torch.Tensor:
     """[N] bool: True at the query tokens' positions (and, with ``fit_prefix``, the prefix's
-    matched ones), False at the other prefix positions."""
+    matched ones), False at the other prefix positions; with ``answers``, a query's positions
+    before the one that predicts its answer's first token are False too
+    (``FitData.answer_from``)."""
     n = len(data.prefix)
     skip = n - data.head if fit_prefix else n
-    return torch.cat([torch.arange(n + len(q)) >= skip for q in data.queries])
+    starts = data.answer_from if answers and data.answer_from else [0] * len(data.queries)
+    return torch.cat([
+        torch.arange(n + len(q)) >= max(skip, n + a - 1 if a else 0)
+        for q, a in zip(data.queries, starts, strict=True)
+    ])  # fmt: skip
 
 
 def _context_ids(tokenizer, context: str | None, context_ids: list[int] | None) -> list[int]:

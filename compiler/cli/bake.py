@@ -18,6 +18,7 @@ from ctxc.cli.options import (
     SYSTEM,
     BakeData,
     BakeMethod,
+    FitRows,
     QuestionPrompt,
 )
 from ctxc.cli.output import output_folder
@@ -65,6 +66,11 @@ _TOPICS = typer.Option(
     "--topics",
     help="Topic questions ('What does the text say about X?') on the context's first names "
     "and numbers.",
+)
+_FIT_ROWS = typer.Option(
+    _DEFAULTS.fit_rows,
+    "--fit-rows",
+    help="fit: a self-study query's positions fitted: all, or its answer's only.",
 )
 _RANK_OPTION = typer.Option(
     str(DEFAULT_RANK),
@@ -128,6 +134,7 @@ def bake_cmd(
     question_prompt: QuestionPrompt = _QUESTION_PROMPT,
     question_temperature: float = _QUESTION_TEMPERATURE,
     topics: int = _TOPICS,
+    fit_rows: FitRows = _FIT_ROWS,
     rank: str = _RANK_OPTION,
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
     ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
@@ -158,7 +165,8 @@ def bake_cmd(
     opts = _bake_options(
         rank, data=data, samples=samples, sample_tokens=sample_tokens, questions=questions,
         answer_tokens=answer_tokens, question_prompt=question_prompt,
-        question_temperature=question_temperature, topics=topics, method=method, ridge=ridge,
+        question_temperature=question_temperature, topics=topics, fit_rows=fit_rows,
+        method=method, ridge=ridge,
         seed=seed, distill_steps=steps, distill_seconds=seconds, distill_from_fit=from_fit,
         distill_lr=lr, refit_passes=refit_passes, attention=attention,
     )  # fmt: skip

@@ -20,6 +20,7 @@ from ctxc.core.vocabulary import (
     BAKE_DATA,
     BAKE_METHODS,
     DTYPES,
+    FIT_ROWS,
     FORMATS,
     GGUF_TYPES,
     QUESTION_PROMPTS,
@@ -45,6 +46,7 @@ __all__ = [
     "BakeMethod",
     "DType",
     "Engine",
+    "FitRows",
     "Format",
     "GgufType",
     "QuestionPrompt",
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
     Engine: TypeAlias = str
     BakeData: TypeAlias = str
     QuestionPrompt: TypeAlias = str
+    FitRows: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
@@ -75,6 +78,7 @@ else:
     Engine = Literal["local", "ray"]  # where the lines of --contexts compile
     BakeData = Literal[tuple(BAKE_DATA)]
     QuestionPrompt = Literal[tuple(QUESTION_PROMPTS)]
+    FitRows = Literal[tuple(FIT_ROWS)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
@@ -171,6 +175,7 @@ FLAGS: dict[str, str] = {
     "question_prompt": "--question-prompt",
     "question_temperature": "--question-temperature",
     "topics": "--topics",
+    "fit_rows": "--fit-rows",
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
     "attention": "--attention",

@@ -18,6 +18,7 @@ from ctxc.core.vocabulary import (
     APPLY_MODES,
     BAKE_DATA,
     BAKE_METHODS,
+    FIT_ROWS,
     QUESTION_PROMPTS,
     RULES,
     check_choice,
@@ -136,6 +137,9 @@ class BakeOptions:
         topics: topic questions besides ``questions``: ``What does the text say about <X>?``
             for the first ``topics`` names and numbers the context mentions
             (``ctxc.bake.selfstudy.topics``), each answered by the model with the context.
+        fit_rows: which positions of a self-study query are fitted (``FIT_ROWS``): ``all``
+            (default) or ``answers`` (from the one that predicts the answer's first token: the
+            question's own positions are run, not fitted).
         attention: move the attention output projections too (and their post-norm scales, in
             ``fit``; a LoRA on them, in ``distill``) where a block has that surface (sandwich
             norms: Gemma 2/3, OLMo 2). None: wherever the model has it; True: the same, and a
@@ -167,10 +171,12 @@ class BakeOptions:
     question_prompt: str = "plain"
     question_temperature: float = 1.0
     topics: int = 0
+    fit_rows: str = "all"
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
         _at_least("topics", self.topics, 0)
+        check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
         check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
         if not self.question_temperature > 0:
             raise OptionError(

@@ -20,6 +20,7 @@ __all__ = [
     "BAKE_METHODS",
     "DTYPES",
     "EXACT_RULES",
+    "FIT_ROWS",
     "FORMATS",
     "GGUF_TYPES",
     "LORA_RULE",
@@ -91,6 +92,12 @@ BAKE_DATA: dict[str, str] = {
     "continuations": "continuations sampled from the model fed the context",
     "self-study": "questions the model writes about the context, answered with it in view",
     "both": "self-study questions and continuations",
+}
+
+# Which positions of a self-study query ``ctxc bake`` fits (issue 35).
+FIT_ROWS: dict[str, str] = {
+    "all": "every position of the question and its answer",
+    "answers": "the answer's positions (and the one predicting its first token)",
 }
 
 # How the model is asked to write a self-study question after the context (issue 35).
