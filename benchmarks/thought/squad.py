@@ -311,6 +311,7 @@ def _run(args) -> None:
 
     settings = args.settings or ["default"]
     subset = json.loads(DATA.read_text())["paragraphs"][: args.paragraphs]
+    subset = subset[args.skip :]  # another process takes the first ones (--merge joins them)
     out = Path(args.out)
     doc = _load_out(out, _header(args.model, args.chat))
     for s in settings:
@@ -353,6 +354,32 @@ def _run(args) -> None:
                       "by the bake's own self-study", flush=True)  # fmt: skip
 
 
+def _merge(parts: list[Path], out: Path) -> None:
+    """Join results files measured the same way (the same header) into ``out``: paragraphs and
+    each setting's rows, in the subset's order."""
+    docs = [json.loads(p.read_text()) for p in parts]
+    order = [p["id"] for p in json.loads(DATA.read_text())["paragraphs"]]
+    joined = _load_out(out, {k: v for k, v in docs[0].items() if k in _HEADER_KEYS})
+    for doc in docs:
+        if any(doc.get(k) != joined.get(k) for k in _HEADER_KEYS):
+            raise SystemExit("the files were measured in different ways: not joined")
+        joined["paragraphs"].update(doc["paragraphs"])
+        for name, given in doc["settings"].items():
+            have = joined["settings"].setdefault(name, {**given, "paragraphs": {}})
+            if have["options"] != given["options"]:
+                raise SystemExit(f"setting {name!r} has other options in another file")
+            have["paragraphs"].update(given["paragraphs"])
+            have["commands"] = list(dict.fromkeys(have["commands"] + given["commands"]))
+    joined["paragraphs"] = {p: joined["paragraphs"][p] for p in order if p in joined["paragraphs"]}
+    for have in joined["settings"].values():
+        rows = have["paragraphs"]
+        have["paragraphs"] = {p: rows[p] for p in order if p in rows}
+    _write(out, joined)
+
+
+_HEADER_KEYS = ("benchmark", "model", "framing", "query", "gen_tokens", "answer", "subset_sha256")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure (settings, ``--out``) or render (``--render JSON``: Markdown on stdout)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -361,11 +388,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
     p.add_argument("--model", default=None, help="alias, folder or .gguf (default: bundled)")
+    p.add_argument("--skip", type=int, default=0, help="leave the first N paragraphs out")
+    p.add_argument("--merge", nargs="+", metavar="JSON", help="join results files into --out")
     p.add_argument("--chat", action="store_true", help="chat framing (ctxc bake --chat --system)")
     p.add_argument("settings", nargs="*", help="'default' or name=value,... (BakeOptions)")
     args = p.parse_args(argv)
     if args.render:
         print(render(json.loads(Path(args.render).read_text()), args.render), end="")
+    elif args.merge:
+        _merge([Path(m) for m in args.merge], Path(args.out))
     else:
         _run(args)
 
