@@ -18,6 +18,7 @@ either way).
 
     python -m benchmarks.thought.heldout_check [--contexts factsheet,persona,document]
         [--samples 8] [--tokens 24] [--seed 1234] [--keep DIR] [--json FILE] [-- BAKE ARGS]
+    python -m benchmarks.thought.heldout_check --render FILE > docs/results/heldout_check.md
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from testbed.tables import commit, invocation
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data"
@@ -123,6 +126,45 @@ def measure(name: str, text: Path, args, bake_args: list[str], work: Path) -> di
     return row
 
 
+def render(doc: dict, source: str) -> str:
+    """The Markdown page of a ``--json`` results file (``source``: its path)."""
+    from testbed.tables import stamp, table
+
+    rows = doc["rows"]
+    body = [
+        [r["context"], r["tokens"], r["bake_seconds"], f"{r['kl_baked']:.3f}",
+         f"{r['kl_unpatched']:.3f}", f"{r['kl_baked'] / r['kl_unpatched']:.2f}x",
+         f"{r['top1_baked']:.1%}", f"{r['top1_unpatched']:.1%}", f"{r['own_kl_baked']:.3f}",
+         f"{r['own_kl_unpatched']:.3f}", f"{r['own_over_independent']:.2f}x"]
+        for r in rows
+    ]  # fmt: skip
+    head = ["context", "tokens", "bake s", "KL baked", "KL unpatched", "ratio", "top-1 baked",
+            "top-1 unpatched", "own KL baked", "own KL unpatched", "own / independent"]  # fmt: skip
+    command = invocation("benchmarks.thought.heldout_check", ["--render", source])
+    measured = doc.get("command", "python -m benchmarks.thought.heldout_check")
+    return "\n".join([
+        "# An independent held-out check of `ctxc bake`", "",
+        stamp(command, action="Rendered"),
+        f"Measured at commit `{doc.get('commit', '?')}` by `{measured}` (bake arguments: "
+        f"{doc['bake_args'] or 'none: the defaults'}). Each context baked by `ctxc bake` in a "
+        f"new process; then {doc.get('samples', 8)} continuations of {doc.get('tokens', 24)} "
+        "tokens drawn by Transformers' `generate(do_sample=True, top_k=0, top_p=1.0, "
+        "temperature=1.0)` from the original model fed the context (seeded), and per sampled "
+        "token KL(full || patched) with the baked `model/` folder fed BOS + the sample, and "
+        "KL(full || unpatched) with the original fed BOS + the sample, both in Transformers "
+        "with its defaults. own: the bake's own held-out figure in its `report.json` (its 8 "
+        "samples of 16 tokens, its own seed). Passes when the baked KL is below the unpatched "
+        "one on every context and own / independent is within 0.8-1.2.", "",
+        table(head, body),
+        "KL by position in the sample (baked / unpatched), where a patch fitted on 16-token "
+        "samples could stop helping:", "",
+        table(["context", *range(1, len(rows[0]["kl_baked_by_position"]) + 1)], [
+            [r["context"], *(f"{b:.2f}/{u:.2f}" for b, u in
+                             zip(r["kl_baked_by_position"], r["kl_unpatched_by_position"],
+                                 strict=True))] for r in rows]),
+    ])  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", default="factsheet,persona,document")
@@ -133,7 +175,11 @@ def main() -> None:
     parser.add_argument("--within", type=float, default=0.2)
     parser.add_argument("--keep", type=Path, default=None, help="keep the bake folders here")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--render", type=Path, default=None, help="print a --json file's page")
     args, bake_args = parser.parse_known_args()
+    if args.render:
+        print(render(json.loads(args.render.read_text()), str(args.render)), end="")
+        return
     bake_args = [a for a in bake_args if a != "--"]
     work = args.keep or Path(tempfile.mkdtemp(prefix="ctxc-heldout-"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -150,7 +196,10 @@ def main() -> None:
             flush=True,
         )
         if args.json:
-            args.json.write_text(json.dumps({"bake_args": bake_args, "rows": rows}, indent=1))
+            doc = {"bake_args": bake_args, "samples": args.samples, "tokens": args.tokens,
+                   "seed": args.seed, "commit": commit(), "rows": rows,
+                   "command": invocation("benchmarks.thought.heldout_check")}  # fmt: skip
+            args.json.write_text(json.dumps(doc, indent=1))
     below = all(r["kl_baked"] < r["kl_unpatched"] for r in rows)
     close = all(abs(r["own_over_independent"] - 1) <= args.within for r in rows)
     print(
