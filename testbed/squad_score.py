@@ -16,7 +16,7 @@ import re
 import string
 from collections.abc import Sequence
 
-__all__ = ["exact_match", "f1", "normalize", "score", "tokens"]
+__all__ = ["contains", "exact_match", "f1", "normalize", "score", "tokens"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = frozenset(string.punctuation)
@@ -57,3 +57,11 @@ def score(prediction: str, golds: Sequence[str]) -> tuple[int, float]:
     something (``[""]`` when none does, as the official script does)."""
     kept = [g for g in golds if normalize(g)] or [""]
     return max(exact_match(prediction, g) for g in kept), max(f1(prediction, g) for g in kept)
+
+
+def contains(prediction: str, golds: Sequence[str]) -> int:
+    """1 when a gold answer, normalised, is a run of whole words of the normalised prediction
+    (an answer in a sentence, as a chat model gives it: "The Norse leader was Rollo."), else 0.
+    """
+    words = f" {normalize(prediction)} "
+    return int(any(normalize(g) and f" {normalize(g)} " in words for g in golds))

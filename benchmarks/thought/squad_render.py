@@ -11,14 +11,15 @@ commands the figures were measured by:
 
 from __future__ import annotations
 
+from testbed.squad_score import contains
 from testbed.tables import invocation, stamp, table
 
 __all__ = ["EXAMPLES", "render", "summary"]
 
 EXAMPLES = 5  # example answers shown per setting: the first question of the first paragraphs
 _HEAD = ["questions", "EM full", "EM none", "EM baked", "F1 full", "F1 none", "F1 baked",
-         "kept F1", "kept EM", "bake s", "bake CPU s", "same as full",
-         "degenerate"]  # fmt: skip
+         "kept F1", "kept EM", "has gold full", "has gold none", "has gold baked", "kept has gold",
+         "bake s", "bake CPU s", "same as full", "degenerate"]  # fmt: skip
 
 
 def _kept(full: float, none: float, baked: float) -> float | None:
@@ -43,6 +44,13 @@ def summary(rows: list[tuple[dict, dict]]) -> dict:
         baked = [x for _, row in rows for x in row[f"baked_{kind}"]]
         out[f"baked_{kind}"] = 100 * sum(baked) / max(n, 1)
         out[f"kept_{kind}"] = _kept(out[f"full_{kind}"], out[f"none_{kind}"], out[f"baked_{kind}"])
+    # a gold answer inside the answer: the figure for sentence answers (chat models)
+    for kind in ("full", "none"):
+        out[f"{kind}_has"] = 100 * sum(contains(q[kind], q["answers"]) for q in qs) / max(n, 1)
+    baked = [contains(b, q["answers"]) for ref, row in rows
+             for q, b in zip(ref["questions"], row["baked"], strict=True)]  # fmt: skip
+    out["baked_has"] = 100 * sum(baked) / max(n, 1)
+    out["kept_has"] = _kept(out["full_has"], out["none_has"], out["baked_has"])
     out["bake_seconds"] = sum(row["bake_seconds"] for _, row in rows) / max(len(rows), 1)
     cpu = [row.get("bake_cpu_seconds") for _, row in rows]
     out["bake_cpu_seconds"] = None if None in cpu or not cpu else sum(cpu) / len(cpu)
@@ -60,7 +68,9 @@ def _cells(s: dict) -> list[object]:
     return [
         s["questions"], *(f"{s[k]:.1f}" for k in ("full_em", "none_em", "baked_em")),
         *(f"{s[k]:.1f}" for k in ("full_f1", "none_f1", "baked_f1")),
-        kept(s["kept_f1"]), kept(s["kept_em"]), f"{s['bake_seconds']:.1f}",
+        kept(s["kept_f1"]), kept(s["kept_em"]),
+        *(f"{s[k]:.1f}" for k in ("full_has", "none_has", "baked_has")), kept(s["kept_has"]),
+        f"{s['bake_seconds']:.1f}",
         "-" if s["bake_cpu_seconds"] is None else f"{s['bake_cpu_seconds']:.1f}",
         f"{s['same_as_full']}/{s['questions']}",
         "-" if s["degenerate"] is None else f"{s['degenerate']}/{s['questions']}",
@@ -113,6 +123,8 @@ def render(doc: dict, source: str) -> str:
         "baked: the patched model fed the query alone. kept = (baked - none) / (full - none). "
         "bake s: the bake call's wall time per paragraph; bake CPU s: the process's CPU time "
         "in it (all threads: at 1 thread, the wall time the bake would take alone on its core). "
+        "has gold: answers holding a gold answer as a run of whole words (normalised; the "
+        "figure for the sentences a chat model answers in, which F1 counts against). "
         "same as full: baked answers equal "
         "to the full-context answer; degenerate: baked answers that are not sentences (a word "
         "three times running, a word pair three times, or under half the words made of "

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from testbed.squad_score import exact_match, f1, normalize, score, tokens
+from testbed.squad_score import contains, exact_match, f1, normalize, score, tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ROOT / "benchmarks" / "data" / "squad" / "subset.json"
@@ -73,3 +73,10 @@ def test_vendored_subset_follows_its_rule() -> None:
         assert all(a in p["context"] for q in p["questions"] for a in q["answers"]), p["id"]
     readme = (SUBSET.parent / "README.md").read_text()
     assert "CC BY-SA 4.0" in readme and "python -m benchmarks.thought.squad_build" in readme
+
+
+def test_a_gold_answer_inside_a_sentence_is_found_by_whole_words() -> None:
+    assert contains("The Norse leader was Rollo, a Viking.", ["Rollo"]) == 1
+    assert contains("In the 10th century.", ["10th century", "the 10th"]) == 1
+    assert contains("Rollover", ["Rollo"]) == 0  # not a run of whole words
+    assert contains("anything", [""]) == 0  # an empty gold finds nothing
