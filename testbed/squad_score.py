@@ -16,7 +16,7 @@ import re
 import string
 from collections.abc import Sequence
 
-__all__ = ["contains", "exact_match", "f1", "normalize", "score", "tokens"]
+__all__ = ["contains", "degenerate", "exact_match", "f1", "normalize", "score", "tokens"]
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b", re.UNICODE)
 _PUNCTUATION = frozenset(string.punctuation)
@@ -65,3 +65,18 @@ def contains(prediction: str, golds: Sequence[str]) -> int:
     """
     words = f" {normalize(prediction)} "
     return int(any(normalize(g) and f" {normalize(g)} " in words for g in golds))
+
+
+def degenerate(text: str) -> bool:
+    """Garbage rather than a sentence: a word three times running ("in in in"), a run of four
+    words three times over (a loop: "the first true engine that was ... the first true engine
+    that was ..."), or fewer than half of its words holding a letter."""
+    words = tokens(text)
+    if not words:
+        return False
+    if any(words[i] == words[i + 1] == words[i + 2] for i in range(len(words) - 2)):
+        return True
+    runs = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
+    if runs and max(runs.count(r) for r in runs) >= 3:
+        return True
+    return sum(any(c.isalpha() for c in w) for w in text.split()) < len(text.split()) / 2

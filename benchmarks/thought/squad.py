@@ -66,7 +66,6 @@ __all__ = [
     "answer_text",
     "answers",
     "chat_split",
-    "degenerate",
     "main",
     "prompt_split",
     "setting_options",
@@ -126,20 +125,6 @@ def chat_split(tok, context: str, questions: list[str]):
     chat = chat_format(tok, turns)
     assert chat.opening_exact, "the template renders a lone user turn otherwise"
     return chat.context_ids, [chat.turn(q) for q in questions], chat.opening, turns
-
-
-def degenerate(text: str) -> bool:
-    """Garbage rather than a sentence: a word three times in a row, a repeated word pair three
-    times, or fewer than half of its words made of letters."""
-    words = text.lower().split()
-    if not words:
-        return False
-    if any(words[i] == words[i + 1] == words[i + 2] for i in range(len(words) - 2)):
-        return True
-    pairs = [tuple(words[i : i + 2]) for i in range(len(words) - 1)]
-    if pairs and max(pairs.count(p) for p in pairs) >= 3:
-        return True
-    return sum(any(c.isalpha() for c in w) for w in words) < len(words) / 2
 
 
 def _raw(tok, ids: list[int]) -> str:
@@ -254,7 +239,6 @@ def _bake_paragraph(model, tok, para: dict, ref: dict, setting: str, chat: bool)
         "fit_kinds": result.report["fit_kinds"], "fit_positions": result.report["fit_positions"],
         "questions_in_fit": leaked, "baked": got["answers"], "baked_raw": got["raw"],
         "baked_em": em, "baked_f1": f1,
-        "baked_degenerate": [degenerate(t) for t in got["answers"]],
         "same_as_full": same, "commit": commit(), "threads": torch.get_num_threads(),
     }  # fmt: skip
 

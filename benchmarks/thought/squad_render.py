@@ -11,7 +11,7 @@ commands the figures were measured by:
 
 from __future__ import annotations
 
-from testbed.squad_score import contains
+from testbed.squad_score import contains, degenerate
 from testbed.tables import invocation, stamp, table
 
 __all__ = ["EXAMPLES", "render", "summary"]
@@ -19,7 +19,7 @@ __all__ = ["EXAMPLES", "render", "summary"]
 EXAMPLES = 5  # example answers shown per setting: the first question of the first paragraphs
 _HEAD = ["questions", "EM full", "EM none", "EM baked", "F1 full", "F1 none", "F1 baked",
          "kept F1", "kept EM", "has gold full", "has gold none", "has gold baked", "kept has gold",
-         "bake s", "bake CPU s", "same as full", "degenerate"]  # fmt: skip
+         "bake s", "bake CPU s", "same as full", "degenerate full/none/baked"]  # fmt: skip
 
 
 def _kept(full: float, none: float, baked: float) -> float | None:
@@ -55,9 +55,12 @@ def summary(rows: list[tuple[dict, dict]]) -> dict:
     cpu = [row.get("bake_cpu_seconds") for _, row in rows]
     out["bake_cpu_seconds"] = None if None in cpu or not cpu else sum(cpu) / len(cpu)
     out["same_as_full"] = sum(row["same_as_full"] for _, row in rows)
-    # baked answers that are garbage, not sentences (squad.degenerate); None: not recorded
-    flags = [row.get("baked_degenerate") for _, row in rows]
-    out["degenerate"] = None if None in flags else sum(sum(f) for f in flags)
+    # answers that are garbage, not sentences (testbed.squad_score.degenerate)
+    out["degenerate"] = {
+        "full": sum(degenerate(q["full"]) for q in qs),
+        "none": sum(degenerate(q["none"]) for q in qs),
+        "baked": sum(degenerate(b) for _, row in rows for b in row["baked"]),
+    }
     return out
 
 
@@ -73,7 +76,7 @@ def _cells(s: dict) -> list[object]:
         f"{s['bake_seconds']:.1f}",
         "-" if s["bake_cpu_seconds"] is None else f"{s['bake_cpu_seconds']:.1f}",
         f"{s['same_as_full']}/{s['questions']}",
-        "-" if s["degenerate"] is None else f"{s['degenerate']}/{s['questions']}",
+        "/".join(str(s["degenerate"][k]) for k in ("full", "none", "baked")),
     ]  # fmt: skip
 
 
@@ -126,9 +129,9 @@ def render(doc: dict, source: str) -> str:
         "has gold: answers holding a gold answer as a run of whole words (normalised; the "
         "figure for the sentences a chat model answers in, which F1 counts against). "
         "same as full: baked answers equal "
-        "to the full-context answer; degenerate: baked answers that are not sentences (a word "
-        "three times running, a word pair three times, or under half the words made of "
-        "letters). Data: `benchmarks/data/squad/subset.json` (SQuAD v2.0 "
+        "to the full-context answer; degenerate: answers that are not sentences (a word "
+        "three times running, a run of four words three times over, or under half the words "
+        "holding a letter). Data: `benchmarks/data/squad/subset.json` (SQuAD v2.0 "
         "dev, CC BY-SA 4.0).",
         "",
     ]

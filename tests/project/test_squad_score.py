@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from testbed.squad_score import contains, exact_match, f1, normalize, score, tokens
+from testbed.squad_score import (
+    contains,
+    degenerate,
+    exact_match,
+    f1,
+    normalize,
+    score,
+    tokens,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SUBSET = ROOT / "benchmarks" / "data" / "squad" / "subset.json"
@@ -80,3 +88,16 @@ def test_a_gold_answer_inside_a_sentence_is_found_by_whole_words() -> None:
     assert contains("In the 10th century.", ["10th century", "the 10th"]) == 1
     assert contains("Rollover", ["Rollo"]) == 0  # not a run of whole words
     assert contains("anything", [""]) == 0  # an empty gold finds nothing
+
+
+def test_degenerate_answers_are_loops_and_stutters_not_long_sentences() -> None:
+    assert degenerate("To determine a level in in in in")
+    loop = "the first true engine that was " * 3
+    assert degenerate(loop)
+    assert degenerate("| | | ; ; 12 ,, ok")
+    eu = (
+        "The European Parliament is the legislative body of the European Union, which is "
+        "composed of the European Parliament and the European Council of the European Union."
+    )
+    assert not degenerate(eu)
+    assert not degenerate("Rollo")
