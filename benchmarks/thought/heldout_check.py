@@ -33,19 +33,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from testbed.tables import commit, invocation
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "benchmarks" / "data"
-
-
-def kl_per_token(full: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """KL(full || other) per row of two logit tensors [n, vocab], in float64 ([n])."""
-    p = F.log_softmax(full.double(), dim=-1)
-    q = F.log_softmax(other.double(), dim=-1)
-    return (p.exp() * (p - q)).sum(dim=-1)
 
 
 def sample(model, context_ids: list[int], count: int, tokens: int, seed: int) -> list[list[int]]:
@@ -82,6 +74,7 @@ def measure(name: str, text: Path, args, bake_args: list[str], work: Path) -> di
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ctxc.bake.data import special_prefix
+    from ctxc.bake.evaluate import position_figures
     from ctxc.models.load import model_directory
 
     out = work / name
@@ -101,12 +94,11 @@ def measure(name: str, text: Path, args, bake_args: list[str], work: Path) -> di
     kl_baked, kl_none, top_baked, top_none = [], [], [], []
     for s in drawn:
         full = logits_at(original, context, s)  # [T, vocab]
-        patched = logits_at(baked, bos, s)
-        none = logits_at(original, bos, s)
-        kl_baked.append(kl_per_token(full, patched))
-        kl_none.append(kl_per_token(full, none))
-        top_baked.append((full.argmax(-1) == patched.argmax(-1)).double())
-        top_none.append((full.argmax(-1) == none.argmax(-1)).double())
+        for kls, tops, other in ((kl_baked, top_baked, logits_at(baked, bos, s)),
+                                 (kl_none, top_none, logits_at(original, bos, s))):  # fmt: skip
+            kl, agree = position_figures(other, full)  # KL(full || other) [T], float64
+            kls.append(kl)
+            tops.append(agree.double())
     kb, kn = torch.cat(kl_baked), torch.cat(kl_none)
     row = {
         "context": name,
