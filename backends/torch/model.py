@@ -7,10 +7,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ctxc.backends.torch.shards import realign_shards, source_alignments, write_shards
+from ctxc.backends.torch.shards import (
+    realign_shards,
+    source_alignments,
+    write_shards,
+    write_split,
+)
 from ctxc.models.offload import is_dispersed
 from ctxc.patch import Patch
 from ctxc.runs.patched_forward import patched_values
+from ctxc.store import frozen_shards
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -43,7 +49,10 @@ def emit_torch(model: PreTrainedModel, tokenizer, patch: Patch, out: Path) -> Pa
     checkpoint) are never written or cloned. In memory, the one file ``save_pretrained`` would
     write (the same bytes for a model loaded from such a file: the header padded so that each
     patched weight sits where the solver read it) is written by two threads
-    (:func:`write_shards`; the page-cache copy costs a core per 0.5 GB/s). A model dispersed
+    (:func:`write_shards`; the page-cache copy costs a core per 0.5 GB/s). A model opted in
+    to :mod:`ctxc.store.frozen_shards` (the command line's) gets two shards instead: its
+    unpatched weights hard-linked from one cache file, the patched ones written
+    (:func:`write_split`). A model dispersed
     by accelerate is baked with :meth:`Patch.apply` (its store entries are pointed at the
     patched values) and saved shard by shard, each shard about one block, by
     :func:`write_shards`: no weight is gathered whole (``save_pretrained`` would read Gemma 3's
@@ -73,12 +82,18 @@ def emit_torch(model: PreTrainedModel, tokenizer, patch: Patch, out: Path) -> Pa
         if not dispersed
         else patch.applied(model, check=False)
     )
+    if tokenizer is not None:  # first: its files are read before the weights' write-back
+        save_tokenizer(tokenizer, out)
     with patched:
         try:
             config.use_cache = True  # ctxc turns the cache off for export; users generate with it
             if not dispersed:
-                # One file, as save_pretrained writes it, by two writers (write_shards).
-                if write_shards(model, out, _ONE_FILE, wanted, workers=2):
+                # The unpatched weights linked from the cache (an opted-in model), or one
+                # file, as save_pretrained writes it; by two writers (write_shards).
+                linked = frozen_shards.enabled(model) and write_split(
+                    model, out, patch.deltas, wanted
+                )
+                if linked or write_shards(model, out, _ONE_FILE, wanted, workers=2):
                     _save_config(model, out)
                 else:
                     model.save_pretrained(str(out))
@@ -89,8 +104,6 @@ def emit_torch(model: PreTrainedModel, tokenizer, patch: Patch, out: Path) -> Pa
                 realign_shards(out, wanted)  # the addresses the solver computed at
         finally:
             config.use_cache = use_cache
-    if tokenizer is not None:
-        save_tokenizer(tokenizer, out)
     return out
 
 

@@ -39,6 +39,7 @@ __all__ = [
     "shard_header",
     "source_alignments",
     "write_shards",
+    "write_split",
 ]
 
 _ALIGN = 64
@@ -179,6 +180,64 @@ def write_shards(
         }
         text = json.dumps(index, indent=2, sort_keys=True) + "\n"  # as save_pretrained writes it
         (out / "model.safetensors.index.json").write_text(text, encoding="utf-8")
+    return True
+
+
+def write_split(model: PreTrainedModel, out: Path, patched, wanted: dict) -> bool:
+    """Write ``model``'s weights into ``out`` as two shards: unpatched (linked) and patched.
+
+    The unpatched tensors' shard is the cache entry of :mod:`ctxc.store.frozen_shards`, written
+    once per model and hard-linked (a copy across file systems); the patched tensors' shard is
+    written here by two threads, padded as :func:`shard_header` pads it. Each unpatched tensor
+    is laid out at the address modulo 64 the model holds it at, as the patched ones are at the
+    solver's. The index is the one ``save_pretrained`` writes for two shards.
+
+    Args:
+        model: a model in memory, its patched values swapped in by the caller.
+        out: the model folder (exists; the config is written by the caller).
+        patched: the names of the patched parameters.
+        wanted: patched parameter name -> address modulo 64 it was solved at.
+
+    Returns:
+        False, writing nothing, when the split does not apply (a layout of its own, a tensor
+        not in memory, nothing patched or nothing unpatched): the caller writes one file.
+    """
+    import hashlib
+
+    from ctxc.models.fingerprint import fingerprint
+    from ctxc.store.frozen_shards import link_or_copy, stored_entry
+
+    state = saved_tensors(model)
+    if state is None or any(v.device.type != "cpu" for v in state.values()):
+        return False
+    patched = set(patched)
+    # safetensors' own order: wider dtypes first, then by name (keeps each tensor aligned)
+    order = sorted(state, key=lambda k: (-state[k].element_size(), k))
+    sides = ([k for k in order if k not in patched], [k for k in order if k in patched])
+    if not all(sides):
+        return False
+    frozen, changed = (
+        [(k, _dtype(state[k]), list(state[k].shape), state[k].nbytes) for k in names]
+        for names in sides
+    )
+    held = {k: state[k].data_ptr() % _ALIGN for k, *_ in frozen}  # where the model reads them
+    header = shard_header(frozen, held)
+    prints = json.dumps(fingerprint(model), sort_keys=True).encode()
+    key = hashlib.sha256(prints + header).hexdigest()[:40]
+    size = len(header) + sum(count for *_, count in frozen)
+    entry = stored_entry(key, size, lambda p: _write_parallel(p, header, frozen, state, 2))
+    names = [f"model-{i:05d}-of-00002.safetensors" for i in (1, 2)]
+    link_or_copy(entry, out / names[0])
+    _write_parallel(out / names[1], shard_header(changed, wanted), changed, state, 2)
+    index = {
+        "metadata": {
+            "total_parameters": model.num_parameters(),
+            "total_size": sum(v.nbytes for v in state.values()),
+        },
+        "weight_map": {k: names[0 if k not in patched else 1] for k in sorted(state)},
+    }
+    text = json.dumps(index, indent=2, sort_keys=True) + "\n"  # as save_pretrained writes it
+    (out / "model.safetensors.index.json").write_text(text, encoding="utf-8")
     return True
 
 

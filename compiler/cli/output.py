@@ -447,7 +447,10 @@ def follow_umask(folder: Path) -> None:
     """Give every file and folder under ``folder`` the modes the umask asks for.
 
     Some writers ignore the umask (safetensors' ``save_file``, behind ``save_pretrained``,
-    creates 0600 files); the output is the user's, so it gets the user's usual modes.
+    creates 0600 files); the output is the user's, so it gets the user's usual modes. A file
+    with other links (``model/``'s unpatched weights, linked from the cache:
+    ``compiler/store/frozen_shards.py``) stays read-only, since a write into it would be a
+    write into every folder that links it.
     """
     umask = _umask()
     os.chmod(folder, 0o777 & ~umask)
@@ -455,7 +458,9 @@ def follow_umask(folder: Path) -> None:
         for name in dirs:
             os.chmod(os.path.join(root, name), 0o777 & ~umask)
         for name in files:
-            os.chmod(os.path.join(root, name), 0o666 & ~umask)
+            path = os.path.join(root, name)
+            linked = os.stat(path).st_nlink > 1
+            os.chmod(path, (0o444 if linked else 0o666) & ~umask)
 
 
 def missing_parents(folder: Path) -> list[Path]:

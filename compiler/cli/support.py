@@ -103,7 +103,9 @@ def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
 def load(model: str | None, dtype: str, placement=None):
     """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
 
-    The model is enabled for the export cache (``compiler/store/export_cache.py``).
+    The model is enabled for the export cache (``compiler/store/export_cache.py``) and, its
+    weights being as loaded, for the frozen shards of ``model/``
+    (``compiler/store/frozen_shards.py``).
 
     Args:
         placement: a :class:`~ctxc.models.devices.Placement` (checked already), or None: the CPU.
@@ -125,9 +127,10 @@ def load(model: str | None, dtype: str, placement=None):
         }
     # Conversion steps take minutes: each stays as a line, on a terminal too.
     net, tokenizer = load_model(model, dtype, on_stage=lambda line: stage(line, keep=True), **where)
-    from ctxc.store.export_cache import enable
+    from ctxc.store import export_cache, frozen_shards
 
-    enable(net)  # every command is a new process: reuse the export on disk (issue 11)
+    export_cache.enable(net)  # every command is a new process: reuse the export on disk (issue 11)
+    frozen_shards.enable(net)  # its weights are as loaded: model/ links the unpatched ones
     source = str(getattr(tokenizer, "name_or_path", "") or "")
     if source and Path(source).is_dir():
         # Loaded from this folder and never changed by the command line: an emitted model

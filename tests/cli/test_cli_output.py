@@ -152,14 +152,20 @@ def test_missing_parents_are_not_left_behind(cwd, capsys):
 
 
 def test_modes_follow_the_umask(compiled):
-    # The module fixture ran under the test's umask: every entry gets 0o666/0o777 minus it.
+    # The module fixture ran under the test's umask: every entry gets 0o666/0o777 minus it,
+    # but the unpatched weights' shard, linked from the cache: read-only (frozen_shards.py).
     umask = os.umask(0)
     os.umask(umask)
     modes = {
         str(p.relative_to(compiled)): stat.S_IMODE(p.stat().st_mode)
         for p in [compiled, *compiled.rglob("*")]
     }
-    want = {k: (0o777 if (compiled / k).is_dir() else 0o666) & ~umask for k in modes}
+    linked = {k for k in modes if (compiled / k).is_file() and (compiled / k).stat().st_nlink > 1}
+    assert linked == {"model/model-00001-of-00002.safetensors"}, linked
+    want = {
+        k: (0o777 if (compiled / k).is_dir() else 0o444 if k in linked else 0o666) & ~umask
+        for k in modes
+    }
     assert modes == want
 
 
