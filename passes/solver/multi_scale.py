@@ -19,7 +19,8 @@ also convex in ``q``; KKT gives ``|s'_i| = |s_i| - mu_i / |s_i|``, for k = 1 exa
 stable rule (MATH.md 4). On Gemma 3 270M (9-token query) ``nearest`` reached gains of 1.2e4
 where ``ratio`` stays at the model's own largest ``|s|`` (746 at that block): large gains
 amplify rounding (MATH.md 4, 8). ``lambda`` [k] maximises the concave dual by damped Newton,
-started from each position's own multiplier. When no positive ``q`` exists, Farkas' lemma gives
+started from each position's own multiplier (a secular equation's root, by Newton:
+passes/solver/scale_start.py). When no positive ``q`` exists, Farkas' lemma gives
 ``y`` with ``T^T y >= 0`` and ``b.y < 0`` (T the squared targets): the proof that the block
 cannot be matched with these magnitudes, reported with its value.
 """
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxc.passes.solver.scale_start import bisect_start
+from ctxc.passes.solver.scale_start import own_multipliers
 from ctxc.passes.solver.update_rules import SCALE_FLOOR, ConditionError, ScaleMove
 
 __all__ = [
@@ -44,6 +45,9 @@ __all__ = [
 _OBJECTIVES = ("ratio", "nearest")
 _MAX_ITER = 500
 _TOL = 1e-13  # relative residual of the k RMS equations
+# k = 1: the root's residual taken as it is (near a pole one ulp of lambda moves F by 1e-10 of
+# itself: no Newton step does better); the float32 outputs resolve 1e-7.
+_ALONE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -205,7 +209,14 @@ def _solve_dual(
         pen = (c * (gap / a2).log()).sum() if ratio else -(c * a2 / gap).sum()
         return float(b @ lam_ + pen), gap
 
-    lam = bisect_start(tt, b, a2, q_of)
+    def dq_of(gap: torch.Tensor) -> torch.Tensor:
+        return gap.pow(2).reciprocal() if ratio else 2.0 * a2 / gap.pow(3)  # [n]: dq_i / dmu_i
+
+    lam = own_multipliers(tt, b, a2, q_of, dq_of)
+    if k == 1:  # alone, the position's own multiplier is the optimum, to the double's resolution
+        rel = float(((tt @ q_of(a2 - lam) - b).abs() / b).max())  # pi = 1: mu_i = lambda
+        if rel <= _ALONE:
+            return lam, 0
     g, gap = dual(lam)
     vec = torch.eye(k, dtype=torch.float64, device=b.device)  # [k, k]
     rel, it = math.inf, 0
@@ -216,7 +227,7 @@ def _solve_dual(
         rel = float((res.abs() / b).max())
         if rel <= _TOL:
             break
-        dq = 1.0 / gap.pow(2) if ratio else 2.0 * a2 / gap.pow(3)  # [n]: dq_i / dmu_i
+        dq = dq_of(gap)  # [n]
         jac = (tt * dq) @ pi.T  # [k, k], symmetric positive semi-definite
         # Eigenvalues floored: along a null direction (positions with alike squared targets)
         # the dual is linear, and an unbounded one runs away to a Farkas certificate.
