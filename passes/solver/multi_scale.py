@@ -170,6 +170,20 @@ def _magnitudes(
     return m * lam2, torch.where(rho > 0, 1.0 / (1.0 + (1.0 / rho - 1.0) / lam2), rho)
 
 
+def _q_functions(ratio: bool, a2: torch.Tensor):
+    """``q_of(gap) = q`` and ``dq_of(gap) = dq/dmu`` of the objective, element-wise [.., n]."""
+
+    def q_of(gap: torch.Tensor) -> torch.Tensor:
+        # ``gap.reciprocal()`` is ``1.0 / gap`` bit for bit (Tensor.__rdiv__ multiplies the
+        # reciprocal by 1.0), one op fewer.
+        return gap.reciprocal() if ratio else a2 / gap.pow(2)  # q_i = 1 / s'_i^2
+
+    def dq_of(gap: torch.Tensor) -> torch.Tensor:
+        return gap.pow(2).reciprocal() if ratio else 2.0 * a2 / gap.pow(3)
+
+    return q_of, dq_of
+
+
 def _solve_dual(
     tt: torch.Tensor, b: torch.Tensor, a2: torch.Tensor, d: int, objective: str
 ) -> tuple[torch.Tensor, int]:
@@ -196,11 +210,7 @@ def _solve_dual(
     c = tt.sum(dim=0)  # [n]
     pi = tt / c  # [k, n]: columns on the simplex
     ratio = objective == "ratio"
-
-    def q_of(gap: torch.Tensor) -> torch.Tensor:
-        # ``gap.reciprocal()`` is ``1.0 / gap`` bit for bit (Tensor.__rdiv__ multiplies the
-        # reciprocal by 1.0), one op fewer.
-        return gap.reciprocal() if ratio else a2 / gap.pow(2)  # [n]: q_i = 1 / s'_i^2
+    q_of, dq_of = _q_functions(ratio, a2)
 
     def dual(lam_: torch.Tensor) -> tuple[float, torch.Tensor]:
         gap = a2 - pi.T @ lam_  # [n]: a_i^2 - mu_i, > 0 on the domain
@@ -208,9 +218,6 @@ def _solve_dual(
             return -math.inf, gap
         pen = (c * (gap / a2).log()).sum() if ratio else -(c * a2 / gap).sum()
         return float(b @ lam_ + pen), gap
-
-    def dq_of(gap: torch.Tensor) -> torch.Tensor:
-        return gap.pow(2).reciprocal() if ratio else 2.0 * a2 / gap.pow(3)  # [n]: dq_i / dmu_i
 
     lam = own_multipliers(tt, b, a2, q_of, dq_of)
     if k == 1:  # alone, the position's own multiplier is the optimum, to the double's resolution

@@ -35,7 +35,7 @@ def test_shared_options_are_declared_once() -> None:
         assert {n: c for n, c in found.items() if c} == {"options.py": 1}, (flag, found)
 
 
-def test_python_m_and_the_script_run_main() -> None:
+def test_python_m_and_the_script_run_main_then_exit_promptly() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "ctxc.cli.app", "--version"],
         capture_output=True,
@@ -44,4 +44,13 @@ def test_python_m_and_the_script_run_main() -> None:
     )
     assert (proc.returncode, proc.stdout) == (0, f"ctxc {__version__}\n"), proc.stderr
     scripts = (ROOT / "pyproject.toml").read_text().split("[project.scripts]\n")[1]
-    assert scripts.split("\n\n")[0].strip() == 'ctxc = "ctxc.cli.app:main"', scripts[:200]
+    assert scripts.split("\n\n")[0].strip() == 'ctxc = "ctxc.cli.app:run"', scripts[:200]
+    # A usage error keeps its status through run()'s exit, and its line reaches the pipe.
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctxc.cli.app", "compile", "--context", str(ROOT / "missing.txt")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, (proc.returncode, proc.stderr)
+    assert proc.stderr.strip().endswith("missing.txt"), proc.stderr
