@@ -22,14 +22,23 @@ pytestmark = pytest.mark.tiny
 _SHARDS = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
 
 
-@pytest.fixture
-def compiled(tmp_path, monkeypatch):
-    """A tiny Gemma 3, its patch, and a private cache."""
-    monkeypatch.setenv("CTXC_CACHE", str(tmp_path / "cache"))
-    monkeypatch.delenv("CTXC_FROZEN_SHARDS", raising=False)
+@pytest.fixture(scope="module")
+def tiny_patch():
+    """A tiny Gemma 3 and its patch, compiled once for the module."""
     model = build("gemma3")
     patch = ctxc.compile(model, context_ids=random_ids(4, 20), verify=False).patch
     return model, patch
+
+
+@pytest.fixture
+def compiled(tiny_patch, tmp_path, monkeypatch):
+    """The tiny model (not opted in), its patch, and a private cache."""
+    monkeypatch.setenv("CTXC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("CTXC_FROZEN_SHARDS", raising=False)
+    model, patch = tiny_patch
+    frozen_shards.enable(model, False)
+    yield model, patch
+    frozen_shards.enable(model, False)
 
 
 def _weights(folder) -> dict[str, torch.Tensor]:
