@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from ctxc.core.block_stats import BlockStats
 from ctxc.core.metrics import Fidelity
+from ctxc.core.vocabulary import LORA_RULE
 
 if TYPE_CHECKING:
     from ctxc.core.checks import ArtefactError
@@ -190,7 +191,7 @@ class CompileReport:
             )
         if self.chat is not None:
             lines.append(f"chat: feed the patched model the query turn {self.chat['query_text']!r}")
-        if self.update == "lora" and (missed := self._lora_misses()):
+        if self.update == LORA_RULE and (missed := self._lora_misses()):
             lines.append(missed)
         if self.rejections:
             lines.append(
