@@ -42,6 +42,7 @@ from ctxc.cli.output import (
 )
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import deferred_signals
+from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = ["BatchFolder", "batch_folder", "input_digest"]
 
@@ -120,7 +121,7 @@ class BatchFolder:
         from ctxc.patch import stored_digest
 
         files = _sizes(staging)
-        patch = stored_digest(staging / "patch.safetensors")
+        patch = stored_digest(staging / PATCH_FILE)
         with deferred_signals():
             write_marker(staging, "compile", input_sha256=digest, files=files, patch_sha256=patch)
             follow_umask(staging)
@@ -172,8 +173,8 @@ class BatchFolder:
                 return None
             from ctxc.patch import Patch, stored_digest
 
-            Patch.load(folder / "patch.safetensors")  # its tensors against its stored digest
-            if stored_digest(folder / "patch.safetensors") != marker["patch_sha256"]:
+            Patch.load(folder / PATCH_FILE)  # its tensors against its stored digest
+            if stored_digest(folder / PATCH_FILE) != marker["patch_sha256"]:
                 return None
             return headline(json.loads((folder / "report.json").read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, CtxcError):

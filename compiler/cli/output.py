@@ -33,6 +33,7 @@ from ctxc.core.cache import cache_dir
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError, environment_cause, environment_oserror
 from ctxc.core.interrupts import deferred_signals, pause_point
+from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = [
     "MARKER",
@@ -55,7 +56,7 @@ __all__ = [
 MARKER = ".ctxc"
 # What ctxc wrote before the marker existed: such folders are recognised too.
 _LEGACY = (
-    ({"patch.safetensors", "report.json"}, {"model", "model.onnx", "model.onnx.data", "adapter"}),
+    ({PATCH_FILE, "report.json"}, {"model", "model.onnx", "model.onnx.data", "adapter"}),
     ({"generate.json"}, {"generate.png"}),
 )
 
@@ -365,7 +366,7 @@ def _keep_patch(staging: Path, final: Path, command: str) -> Path | None:
     Whatever else the run wrote is removed first, freeing its space."""
     from ctxc.patch import Patch
 
-    patch = staging / "patch.safetensors"
+    patch = staging / PATCH_FILE
     try:
         Patch.load(patch)
     except (CtxcError, OSError):
@@ -406,7 +407,7 @@ def _failed_message(exc: ArtefactError, path: Path, kept: Path | None) -> str:
     if kept is None:
         return str(exc)
     shown = path.expanduser().parent / kept.name
-    if (kept / "patch.safetensors").is_file():
+    if (kept / PATCH_FILE).is_file():
         return (
             f"{exc}; the patch and what passed are kept in {shown}/ "
             f"(ctxc export --patch {shown} retries without compiling again)"
