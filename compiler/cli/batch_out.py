@@ -36,6 +36,7 @@ from ctxc.cli.output import (
     is_ctxc_output,
     missing_parents,
     placing_lock,
+    read_marker,
     remove_parents,
     replace_text,
     write_marker,
@@ -166,7 +167,7 @@ class BatchFolder:
         if not self.resuming or name not in self._entries or not folder.is_dir():
             return None
         try:
-            marker = json.loads((folder / MARKER).read_text())
+            marker = read_marker(folder)
             if marker.get("input_sha256") != digest:
                 return None
             if any((folder / f).stat().st_size != n for f, n in marker["files"].items()):
@@ -297,7 +298,7 @@ def _resumable(final: Path, shown: Path, options: dict) -> dict:
     """What an earlier ``--contexts`` run in ``final`` recorded (its entries and model
     fingerprint); a CtxcError when it is no such run or its options differ."""
     try:
-        marker = json.loads((final / MARKER).read_text())
+        marker = read_marker(final)
         earlier = marker["batch"]["options"]
         entries = [str(e) for e in marker["entries"]]
     except (OSError, ValueError, KeyError, TypeError):

@@ -48,6 +48,7 @@ __all__ = [
     "missing_parents",
     "output_folder",
     "placing_lock",
+    "read_marker",
     "remove_parents",
     "replace_text",
     "write_marker",
@@ -59,6 +60,16 @@ _LEGACY = (
     ({PATCH_FILE, "report.json"}, {"model", "model.onnx", "model.onnx.data", "adapter"}),
     ({"generate.json"}, {"generate.png"}),
 )
+
+
+def read_marker(folder: Path) -> dict:
+    """The marker of ``folder`` (``folder/.ctxc``, as :func:`write_marker` wrote it), parsed.
+
+    Raises:
+        OSError: no marker can be read; ValueError: it is not JSON. A caller that reads a key
+            also meets KeyError or TypeError on a marker of another shape.
+    """
+    return json.loads((folder / MARKER).read_text())
 
 
 def _staging_name(name: str) -> bool:
@@ -73,7 +84,7 @@ def is_ctxc_output(folder: Path) -> bool:
     """
     names = {p.name for p in folder.iterdir()}
     try:
-        listed = set(json.loads((folder / MARKER).read_text())["entries"])
+        listed = set(read_marker(folder)["entries"])
     except (OSError, ValueError, KeyError, TypeError):
         return any(req <= names <= req | opt for req, opt in _LEGACY)
     return {n for n in names if not _staging_name(n)} - {MARKER} <= listed
@@ -82,7 +93,7 @@ def is_ctxc_output(folder: Path) -> bool:
 def foreign(folder: Path) -> str:
     """The first entry of ``folder`` its marker does not list (the first of all without one)."""
     try:
-        listed = set(json.loads((folder / MARKER).read_text())["entries"])
+        listed = set(read_marker(folder)["entries"])
     except (OSError, ValueError, KeyError, TypeError):
         listed = set()
     names = sorted(p.name for p in folder.iterdir() if p.name != MARKER)
@@ -92,7 +103,7 @@ def foreign(folder: Path) -> str:
 def _is_batch(folder: Path) -> bool:
     """Whether ``folder``'s marker is a ``--contexts`` run's."""
     try:
-        return "batch" in json.loads((folder / MARKER).read_text())
+        return "batch" in read_marker(folder)
     except (OSError, ValueError, TypeError):
         return False
 
