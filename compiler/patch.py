@@ -24,6 +24,7 @@ from safetensors.torch import save
 
 from ctxc.core.delta_math import add_in_float32, lowrank_dense
 from ctxc.core.errors import CtxcError
+from ctxc.core.vocabulary import PATCH_FILE
 from ctxc.models.fingerprint import fingerprint
 from ctxc.models.offload import ParamToken, put_param, read_param, restore_param
 
@@ -393,9 +394,9 @@ class Patch:
         """
         path = Path(path)
         if path.is_dir():
-            if not (path / "patch.safetensors").is_file():
-                raise CtxcError(f"patch folder {path} holds no patch.safetensors")
-            path = path / "patch.safetensors"
+            if not (path / PATCH_FILE).is_file():
+                raise CtxcError(f"patch folder {path} holds no {PATCH_FILE}")
+            path = path / PATCH_FILE
         if not path.is_file():
             raise CtxcError(f"patch file not found: {path}")
         try:

@@ -22,6 +22,7 @@ from ctxc.core.metrics import Fidelity, fidelity
 from ctxc.core.options import CompileOptions
 from ctxc.core.report import CompileReport, reference_name
 from ctxc.core.tokens import split_tokens
+from ctxc.core.vocabulary import DEFAULT_RULE
 from ctxc.frontend.ladder import Frontend
 from ctxc.frontend.trace import TracedModel
 from ctxc.models.devices import check_on_device, describe
@@ -116,7 +117,7 @@ def compile(
     query_ids: list[int] | None = None,
     images: list | None = None,
     messages: list[dict] | None = None,
-    update: str = "stable",
+    update: str = DEFAULT_RULE,
     start_layer: int = 0,
     skip_unpatchable: bool = False,
     verify: bool = True,

@@ -30,7 +30,7 @@ from ctxc.backends.peft.lora_adapter import servable_deltas
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.vocabulary import GGUF_TYPES, check_choice
 from ctxc.patch import Patch
 
@@ -90,7 +90,7 @@ class GgufLoraFigures:
         return (
             f"gguf-lora: {self.file} ({self.pairs} lora_a/lora_b pairs, {self.gguf_type}); "
             f"applied vs full context max {a.max_abs_logit_diff:.3g}, top-1 "
-            f"{'match' if a.top1_match else 'MISMATCH'}; vs patched {self.applied_vs_patched:.3g}"
+            f"{top1_word(a.top1_match)}; vs patched {self.applied_vs_patched:.3g}"
             f"{runtime}"
         )
 

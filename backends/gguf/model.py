@@ -28,7 +28,7 @@ from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.thresholds import GGUF_ATOL
 from ctxc.core.vocabulary import GGUF_TYPES, check_choice
 from ctxc.patch import Patch
@@ -94,7 +94,7 @@ class GgufFigures:
         return (
             f"gguf: {self.file} ({self.arch}, {self.gguf_type}, {self.tensors} tensors); "
             f"reloaded by Transformers vs full context max {r.max_abs_logit_diff:.3g}, top-1 "
-            f"{'match' if r.top1_match else 'MISMATCH'}; vs patched {self.reloaded_vs_patched:.3g}"
+            f"{top1_word(r.top1_match)}; vs patched {self.reloaded_vs_patched:.3g}"
             f"{runtime}"
         )
 

@@ -22,7 +22,7 @@ from ctxc.backends.onnx.export import root_cause
 from ctxc.backends.onnx.files import file_size
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR, floor_bound
 
 __all__ = [
@@ -111,7 +111,7 @@ class OnnxFigures:
         return (
             f"onnx: {kind}{self.file} (opset {self.opset}, {self.experts}); onnxruntime vs torch "
             f"max {checks} tokens; vs full context max {f.max_abs_logit_diff:.3g}, "
-            f"top-1 {'match' if f.top1_match else 'MISMATCH'}"
+            f"top-1 {top1_word(f.top1_match)}"
         )
 
 

@@ -40,7 +40,7 @@ from ctxc.backends.onnx.files import file_size
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, inputs_of, patch_feeds
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
 from ctxc.patch import Patch
 
@@ -219,7 +219,7 @@ class AdapterFigures:
         return (
             f"ort-adapter: {self.file} for {self.onnx_file}; onnxruntime with the adapter vs "
             f"torch max {worst:.2g}; vs full context max {f.max_abs_logit_diff:.3g}, top-1 "
-            f"{'match' if f.top1_match else 'MISMATCH'}"
+            f"{top1_word(f.top1_match)}"
         )
 
 

@@ -30,7 +30,7 @@ from ctxc.backends.peft.write import fill_adapter, flags_kept, shared_copy, writ
 from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.thresholds import PEFT_RTOL
 from ctxc.models.offload import input_device
 from ctxc.patch import Delta, Patch
@@ -112,7 +112,7 @@ class PeftFigures:
         return (
             f"peft: {self.dir}/ holds {self.holds()}; vs full context max "
             f"{a.max_abs_logit_diff:.3g} as loaded, {m.max_abs_logit_diff:.3g} merged, top-1 "
-            f"{'match' if a.top1_match and m.top1_match else 'MISMATCH'}"
+            f"{top1_word(a.top1_match and m.top1_match)}"
         )
 
     def holds(self) -> str:

@@ -17,6 +17,7 @@ import torch
 from ctxc.backends.peft.adapter import PeftFigures, emit_peft
 from ctxc.backends.peft.lora_rules import VllmCheck, check_vllm_adapter
 from ctxc.core.errors import CtxcError
+from ctxc.core.metrics import top1_word
 from ctxc.patch import Delta, Patch
 
 __all__ = ["LORA_DIR", "LoraFigures", "emit_lora", "refuse_unservable", "servable_deltas"]
@@ -42,7 +43,7 @@ class LoraFigures:
             f"lora: {LORA_DIR}/ ({self.vllm.modules} modules, r={self.vllm.r}, vLLM "
             f"--max-lora-rank {self.vllm.max_lora_rank}, vLLM rules checked structurally); "
             f"as loaded vs full context max {a.max_abs_logit_diff:.3g}, top-1 "
-            f"{'match' if a.top1_match else 'MISMATCH'}"
+            f"{top1_word(a.top1_match)}"
         )
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ctxc.core.delta_math import at_alignment_of
+from ctxc.core.metrics import top1_word
 from ctxc.patch import Delta, Patch
 
 __all__ = ["bank_factors", "fill_adapter", "flags_kept", "shared_copy", "write_card"]
@@ -167,9 +168,9 @@ def write_card(path: Path, patch: Patch, figures, base: str) -> None:
         start_layer=m.start_layer,
         holds=figures.holds(),
         lora=figures.lora.max_abs_logit_diff,
-        lora_top1="match" if figures.lora.top1_match else "MISMATCH",
+        lora_top1=top1_word(figures.lora.top1_match),
         merged=figures.merged.max_abs_logit_diff,
-        merged_top1="match" if figures.merged.top1_match else "MISMATCH",
+        merged_top1=top1_word(figures.merged.top1_match),
         note=figures.note[:1].upper() + figures.note[1:],
         dir=figures.dir,
     )

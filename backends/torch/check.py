@@ -20,7 +20,7 @@ from ctxc.backends.torch.model import emit_torch
 from ctxc.backends.torch.verify import reference_logits, reloaded_logits
 from ctxc.core.checks import enforce, fidelity_limit
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.report import reference_name
 from ctxc.core.thresholds import reload_bound
 from ctxc.patch import Patch
@@ -62,7 +62,7 @@ class TorchFigures:
     def summary(self) -> str:
         name = f"{self.folder}/" if self.folder else "model folder"
         r = self.reloaded
-        top = "match" if r.top1_match else "MISMATCH"
+        top = top1_word(r.top1_match)
         return (
             f"{name}, reloaded, fed the query alone: max |logit diff| "
             f"{r.max_abs_logit_diff:.3g}, top-1 {top}"

@@ -26,6 +26,7 @@ from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
 from ctxc.cli.support import chat_input, check_chat, load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
+from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = [
     "DEFAULT_RANK",
@@ -183,7 +184,7 @@ def bake_cmd(
                           on_stage=on_stage, on_block=on_block)  # fmt: skip
         report = result.report
         report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
-        result.patch.save(tmp / "patch.safetensors")
+        result.patch.save(tmp / PATCH_FILE)
         artefacts = _emit(net, tokenizer, result.patch, tmp, kinds)
         write_report(tmp, report, artefacts, under="artefacts")
     _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])

@@ -22,6 +22,7 @@ from ctxc.cli.support import err, out, written
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import note_interrupt, pause_point
 from ctxc.core.textfile import read_text
+from ctxc.core.vocabulary import DEFAULT_RULE
 
 if TYPE_CHECKING:
     from ctxc.cli.ray_engine import RayEngine
@@ -281,7 +282,7 @@ def compile_many(
     model: str | None = None,
     dtype: str = "float32",
     emit: tuple[str, ...] | list[str] = ("torch",),
-    update: str = "stable",
+    update: str = DEFAULT_RULE,
     start_layer: int = 0,
     skip_unpatchable: bool = False,
     gguf_type: str = "F32",

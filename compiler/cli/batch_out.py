@@ -36,12 +36,14 @@ from ctxc.cli.output import (
     is_ctxc_output,
     missing_parents,
     placing_lock,
+    read_marker,
     remove_parents,
     replace_text,
     write_marker,
 )
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import deferred_signals
+from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = ["BatchFolder", "batch_folder", "input_digest"]
 
@@ -120,7 +122,7 @@ class BatchFolder:
         from ctxc.patch import stored_digest
 
         files = _sizes(staging)
-        patch = stored_digest(staging / "patch.safetensors")
+        patch = stored_digest(staging / PATCH_FILE)
         with deferred_signals():
             write_marker(staging, "compile", input_sha256=digest, files=files, patch_sha256=patch)
             follow_umask(staging)
@@ -165,15 +167,15 @@ class BatchFolder:
         if not self.resuming or name not in self._entries or not folder.is_dir():
             return None
         try:
-            marker = json.loads((folder / MARKER).read_text())
+            marker = read_marker(folder)
             if marker.get("input_sha256") != digest:
                 return None
             if any((folder / f).stat().st_size != n for f, n in marker["files"].items()):
                 return None
             from ctxc.patch import Patch, stored_digest
 
-            Patch.load(folder / "patch.safetensors")  # its tensors against its stored digest
-            if stored_digest(folder / "patch.safetensors") != marker["patch_sha256"]:
+            Patch.load(folder / PATCH_FILE)  # its tensors against its stored digest
+            if stored_digest(folder / PATCH_FILE) != marker["patch_sha256"]:
                 return None
             return headline(json.loads((folder / "report.json").read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, CtxcError):
@@ -296,7 +298,7 @@ def _resumable(final: Path, shown: Path, options: dict) -> dict:
     """What an earlier ``--contexts`` run in ``final`` recorded (its entries and model
     fingerprint); a CtxcError when it is no such run or its options differ."""
     try:
-        marker = json.loads((final / MARKER).read_text())
+        marker = read_marker(final)
         earlier = marker["batch"]["options"]
         entries = [str(e) for e in marker["entries"]]
     except (OSError, ValueError, KeyError, TypeError):

@@ -26,13 +26,14 @@ from ctxc.cli.support import load, parse_emit, summaries
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
+from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = ["export_cmd"]
 
 
 def export_cmd(
     patch_file: Path = typer.Option(
-        ..., "--patch", help="patch.safetensors from ctxc compile, or its folder."
+        ..., "--patch", help=f"{PATCH_FILE} from ctxc compile, or its folder."
     ),
     model: str | None = MODEL,
     to: str = typer.Option("torch", "--to", help=emit_help("Artefact (torch: the folder itself)")),

@@ -11,6 +11,7 @@ from ctxc.cli.progress import stage
 from ctxc.core.checks import ArtefactError
 from ctxc.core.interrupts import pause_point
 from ctxc.core.options import CompileOptions
+from ctxc.core.vocabulary import PATCH_FILE
 
 if TYPE_CHECKING:
     from ctxc.models.devices import Placement
@@ -77,7 +78,7 @@ def compile_into(
         options=job.compile,
         **hooks,
     )
-    result.patch.save(tmp / "patch.safetensors")
+    result.patch.save(tmp / PATCH_FILE)
     pause_point("writing")
     try:
         figures = emit_checked(

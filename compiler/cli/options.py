@@ -19,6 +19,7 @@ from ctxc.core.vocabulary import (
     BACKEND_NAMES,
     BAKE_DATA,
     BAKE_METHODS,
+    DEFAULT_RULE,
     DTYPES,
     FIT_ROWS,
     FORMATS,
@@ -89,7 +90,7 @@ MODEL = typer.Option(
 )
 FORCE = typer.Option(False, "--force", help="Replace an earlier ctxc output folder.")
 # What compile and generate both take: the rule, the dtype, the images of the context.
-UPDATE = typer.Option("stable", "--update", help="Update rule.")
+UPDATE = typer.Option(DEFAULT_RULE, "--update", help="Update rule.")
 DTYPE = typer.Option("float32", "--dtype", help="Model dtype.")
 IMAGES = typer.Option(
     None, "--image", metavar="<path>", help="Image file (PNG, JPEG) in the context; repeat."

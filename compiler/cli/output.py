@@ -33,6 +33,7 @@ from ctxc.core.cache import cache_dir
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError, environment_cause, environment_oserror
 from ctxc.core.interrupts import deferred_signals, pause_point
+from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = [
     "MARKER",
@@ -47,6 +48,7 @@ __all__ = [
     "missing_parents",
     "output_folder",
     "placing_lock",
+    "read_marker",
     "remove_parents",
     "replace_text",
     "write_marker",
@@ -55,9 +57,19 @@ __all__ = [
 MARKER = ".ctxc"
 # What ctxc wrote before the marker existed: such folders are recognised too.
 _LEGACY = (
-    ({"patch.safetensors", "report.json"}, {"model", "model.onnx", "model.onnx.data", "adapter"}),
+    ({PATCH_FILE, "report.json"}, {"model", "model.onnx", "model.onnx.data", "adapter"}),
     ({"generate.json"}, {"generate.png"}),
 )
+
+
+def read_marker(folder: Path) -> dict:
+    """The marker of ``folder`` (``folder/.ctxc``, as :func:`write_marker` wrote it), parsed.
+
+    Raises:
+        OSError: no marker can be read; ValueError: it is not JSON. A caller that reads a key
+            also meets KeyError or TypeError on a marker of another shape.
+    """
+    return json.loads((folder / MARKER).read_text())
 
 
 def _staging_name(name: str) -> bool:
@@ -72,7 +84,7 @@ def is_ctxc_output(folder: Path) -> bool:
     """
     names = {p.name for p in folder.iterdir()}
     try:
-        listed = set(json.loads((folder / MARKER).read_text())["entries"])
+        listed = set(read_marker(folder)["entries"])
     except (OSError, ValueError, KeyError, TypeError):
         return any(req <= names <= req | opt for req, opt in _LEGACY)
     return {n for n in names if not _staging_name(n)} - {MARKER} <= listed
@@ -81,7 +93,7 @@ def is_ctxc_output(folder: Path) -> bool:
 def foreign(folder: Path) -> str:
     """The first entry of ``folder`` its marker does not list (the first of all without one)."""
     try:
-        listed = set(json.loads((folder / MARKER).read_text())["entries"])
+        listed = set(read_marker(folder)["entries"])
     except (OSError, ValueError, KeyError, TypeError):
         listed = set()
     names = sorted(p.name for p in folder.iterdir() if p.name != MARKER)
@@ -91,7 +103,7 @@ def foreign(folder: Path) -> str:
 def _is_batch(folder: Path) -> bool:
     """Whether ``folder``'s marker is a ``--contexts`` run's."""
     try:
-        return "batch" in json.loads((folder / MARKER).read_text())
+        return "batch" in read_marker(folder)
     except (OSError, ValueError, TypeError):
         return False
 
@@ -365,7 +377,7 @@ def _keep_patch(staging: Path, final: Path, command: str) -> Path | None:
     Whatever else the run wrote is removed first, freeing its space."""
     from ctxc.patch import Patch
 
-    patch = staging / "patch.safetensors"
+    patch = staging / PATCH_FILE
     try:
         Patch.load(patch)
     except (CtxcError, OSError):
@@ -406,7 +418,7 @@ def _failed_message(exc: ArtefactError, path: Path, kept: Path | None) -> str:
     if kept is None:
         return str(exc)
     shown = path.expanduser().parent / kept.name
-    if (kept / "patch.safetensors").is_file():
+    if (kept / PATCH_FILE).is_file():
         return (
             f"{exc}; the patch and what passed are kept in {shown}/ "
             f"(ctxc export --patch {shown} retries without compiling again)"

@@ -10,6 +10,7 @@ from pathlib import Path
 from ctxc.cli.progress import err, out, quiet_libraries, stage
 from ctxc.core.interrupts import pause_point
 from ctxc.core.textfile import read_text
+from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = [
     "chat_input",
@@ -159,7 +160,7 @@ def written(kinds: list[str]) -> list[str]:
     from ctxc.backends import backend
 
     return [
-        "patch.safetensors",
+        PATCH_FILE,
         "report.json",
         *(name for k in kinds for name in (backend(k).writes, *backend(k).also)),
     ]

@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-__all__ = ["Fidelity", "fidelity"]
+__all__ = ["Fidelity", "fidelity", "top1_word"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,19 @@ class Fidelity:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def top1_word(match: bool, *, loud: bool = True) -> str:
+    """How a summary line says whether the top-1 tokens agree: ``match`` or ``MISMATCH``.
+
+    Args:
+        match: the tokens agree (:attr:`Fidelity.top1_match`, or several such figures and-ed).
+        loud: a mismatch in capitals, as every headline figure says it; False for a side figure
+            (``mismatch``: the report's unpatched comparison, expected to miss).
+    """
+    if match:
+        return "match"
+    return "MISMATCH" if loud else "mismatch"
 
 
 def fidelity(logits: torch.Tensor, full: torch.Tensor) -> Fidelity:

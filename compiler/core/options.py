@@ -18,6 +18,7 @@ from ctxc.core.vocabulary import (
     APPLY_MODES,
     BAKE_DATA,
     BAKE_METHODS,
+    DEFAULT_RULE,
     FIT_ROWS,
     QUESTION_PROMPTS,
     RULES,
@@ -52,7 +53,7 @@ class CompileOptions:
         OptionError: a bad value, naming its attribute.
     """
 
-    update: str = "stable"
+    update: str = DEFAULT_RULE
     start_layer: int = 0
     skip_unpatchable: bool = False
     apply: str = "baked"
@@ -77,7 +78,7 @@ class GenerateOptions:
     """
 
     max_new_tokens: int = 20
-    update: str = "stable"
+    update: str = DEFAULT_RULE
     apply: str = "lowrank"
 
     def __post_init__(self) -> None:

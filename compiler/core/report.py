@@ -10,7 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ctxc.core.block_stats import BlockStats
-from ctxc.core.metrics import Fidelity
+from ctxc.core.metrics import Fidelity, top1_word
+from ctxc.core.vocabulary import LORA_RULE
 
 if TYPE_CHECKING:
     from ctxc.core.checks import ArtefactError
@@ -178,9 +179,9 @@ class CompileReport:
             f"context {len(self.context_ids)} tokens, query {len(self.query_ids)}",
             f"max |logit diff| {e.max_abs_logit_diff:.3g} (unpatched: {c.max_abs_logit_diff:.3g})"
             f"   total variation {e.total_variation:.3g} (unpatched: {c.total_variation:.3g})",
-            f"top-1 {'match' if e.top1_match else 'MISMATCH'} ({token(e.top1)} vs full "
+            f"top-1 {top1_word(e.top1_match)} ({token(e.top1)} vs full "
             f"{token(e.top1_full)}; "
-            f"unpatched {'match' if c.top1_match else 'mismatch'})",
+            f"unpatched {top1_word(c.top1_match, loud=False)})",
         ]
         if self.floor is not None:
             floor, solver = self.floor.max_abs_logit_diff, self.patched.max_abs_logit_diff
@@ -190,7 +191,7 @@ class CompileReport:
             )
         if self.chat is not None:
             lines.append(f"chat: feed the patched model the query turn {self.chat['query_text']!r}")
-        if self.update == "lora" and (missed := self._lora_misses()):
+        if self.update == LORA_RULE and (missed := self._lora_misses()):
             lines.append(missed)
         if self.rejections:
             lines.append(

@@ -1,4 +1,5 @@
-"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, backends, formats.
+"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, backends, formats
+(and the name of the file a patch is saved as).
 
 Each choice is a name and a one-line meaning, in the order the help lists them. The CLI builds its
 option choices from here (``compiler/cli/options.py``); the library validates a value against
@@ -18,30 +19,48 @@ __all__ = [
     "BACKEND_NAMES",
     "BAKE_DATA",
     "BAKE_METHODS",
+    "DEFAULT_RULE",
     "DTYPES",
     "EXACT_RULES",
     "FIT_ROWS",
     "FORMATS",
     "GGUF_TYPES",
     "LORA_RULE",
+    "OUTPUT_RULE",
+    "PATCH_FILE",
     "QUESTION_PROMPTS",
     "RULES",
     "RULE_MEANINGS",
+    "STABLE_RULE",
+    "STANDARD_RULE",
     "check_choice",
     "choices_help",
 ]
 
-# The update rules, in the solver's order (MATH.md 1, 4; issue 14).
+# The update rules, in the solver's order (MATH.md 1, 4; issue 14); code compares a rule with
+# these names, never with a literal.
+STANDARD_RULE = "standard"
+STABLE_RULE = "stable"
+OUTPUT_RULE = "output"
+LORA_RULE = "lora"
 RULE_MEANINGS: dict[str, str] = {
-    "standard": "the paper's rule: move the inner input, then the output (Theorem 1)",
-    "stable": "standard, but a post norm's scale is reached through the outer linear (MATH.md 4)",
-    "output": "no input move: the outer function absorbs the whole difference",
-    "lora": "linear weights only, as serving LoRA adapters hold them (exact without a post norm)",
+    STANDARD_RULE: "the paper's rule: move the inner input, then the output (Theorem 1)",
+    STABLE_RULE: (
+        "standard, but a post norm's scale is reached through the outer linear (MATH.md 4)"
+    ),
+    OUTPUT_RULE: "no input move: the outer function absorbs the whole difference",
+    LORA_RULE: (
+        "linear weights only, as serving LoRA adapters hold them (exact without a post norm)"
+    ),
 }
 RULES: tuple[str, ...] = tuple(RULE_MEANINGS)
+# The rule a compile uses when none is given (``--update``, ``update=``).
+DEFAULT_RULE = STABLE_RULE
 # The rules whose patch is exact wherever they apply (lora is not behind a post norm).
-EXACT_RULES: tuple[str, ...] = ("standard", "stable", "output")
-LORA_RULE = "lora"
+EXACT_RULES: tuple[str, ...] = (STANDARD_RULE, STABLE_RULE, OUTPUT_RULE)
+
+# The file a patch is saved as in an output folder (``ctxc compile``, ``bake``, ``--contexts``).
+PATCH_FILE = "patch.safetensors"
 
 # How a patch's deltas are applied in memory (MATH.md 6).
 APPLY_MODES: dict[str, str] = {

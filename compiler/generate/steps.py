@@ -24,6 +24,7 @@ import torch
 from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.metrics import fidelity
 from ctxc.core.options import GenerateOptions
+from ctxc.core.vocabulary import DEFAULT_RULE
 from ctxc.frontend.trace import TracedModel
 from ctxc.generate.shared_head import head_split
 from ctxc.models.offload import input_device
@@ -314,7 +315,7 @@ def _options(
         if max_new_tokens is None:
             raise OptionError("give {max_new_tokens} (or options)")
         return GenerateOptions(max_new_tokens, update, apply or "lowrank")
-    if (max_new_tokens, update, apply) != (None, "stable", None):
+    if (max_new_tokens, update, apply) != (None, DEFAULT_RULE, None):
         raise CtxcError("give options or max_new_tokens/update/apply, not both")
     return options
 
@@ -323,7 +324,7 @@ def generate(
     model: torch.nn.Module,
     context_ids: list[int],
     max_new_tokens: int | None = None,
-    update: str = "stable",
+    update: str = DEFAULT_RULE,
     apply: str | None = None,
     on_step: Callable[[GenerateStep], None] | None = None,
     prefill: dict | None = None,

@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from ctxc.core.vocabulary import DEFAULT_RULE
 from ctxc.passes.locate.block_map import BlockMap, MlpBlock
 from ctxc.passes.locate.plan import plan
 
@@ -58,7 +59,7 @@ def classify(blocks: BlockMap) -> Mapping[str, Role]:
 
 
 def _block_roles(b: MlpBlock, roles: dict[str, Role]) -> None:
-    used = {m.param: m.part for m in plan(b, "stable").moves}
+    used = {m.param: m.part for m in plan(b, DEFAULT_RULE).moves}
     roles[b.residual_in] = Role(b.path, "residual_in", NEITHER)
     roles[b.mlp_in] = Role(b.path, "mlp_in", NEITHER)
     for site in b.inner:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ctxc.core.errors import SolveError
-from ctxc.core.vocabulary import EXACT_RULES, LORA_RULE, RULES
+from ctxc.core.vocabulary import EXACT_RULES, LORA_RULE, OUTPUT_RULE, RULES, STABLE_RULE
 from ctxc.passes.locate.block_map import LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
 
@@ -103,7 +103,7 @@ class BlockPlan:
     @property
     def moves_inputs(self) -> bool:
         """The rule moves the inner input (every rule but ``output``)."""
-        return self.rule != "output"
+        return self.rule != OUTPUT_RULE
 
     @property
     def post_norm_scale(self) -> bool:
@@ -125,7 +125,7 @@ def plan(block: MlpBlock, rule: str, k: int = 1) -> BlockPlan:
         the :class:`BlockPlan`.
     """
     moves: list[ParamMove] = []
-    if rule != "output":
+    if rule != OUTPUT_RULE:
         moves += [_matrix(site, "input", _inner_part(block, site)) for site in block.inner]
     ctl = block.output_control
     outer_part = "expert_output_bank" if block.outer.experts else "outer_linear"
@@ -135,7 +135,7 @@ def plan(block: MlpBlock, rule: str, k: int = 1) -> BlockPlan:
         if ctl in ("linear", "experts") or (ctl == "scale" and block.stable_ok):
             moves.append(_matrix(block.outer, "output", outer_part))
         return BlockPlan(block.path, rule, ctl, tuple(moves))
-    stable = ctl == "scale" and (rule in ("stable", "output") or k > 1) and block.stable_ok
+    stable = ctl == "scale" and (rule in (STABLE_RULE, OUTPUT_RULE) or k > 1) and block.stable_ok
     if ctl in ("linear", "experts") or stable:
         moves.append(_matrix(block.outer, "output", outer_part))
     if ctl == "scale":

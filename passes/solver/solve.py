@@ -25,7 +25,7 @@ from torch import fx
 from ctxc.core.block_stats import BlockStats
 from ctxc.core.delta_math import at_alignment_of
 from ctxc.core.errors import SolveError
-from ctxc.core.vocabulary import LORA_RULE, RULES
+from ctxc.core.vocabulary import DEFAULT_RULE, LORA_RULE, RULES
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
@@ -416,7 +416,7 @@ def solve(
     blocks: BlockMap,
     full: FullRun,
     query_ids: torch.Tensor,
-    update: str = "stable",
+    update: str = DEFAULT_RULE,
     start_layer: int = 0,
     on_block: Callable[[int, int, str], None] | None = None,
     apply: str = "baked",

@@ -2,8 +2,10 @@
 
 Torch-free and fast: it reads Markdown and parses Python files with ``ast``, imports nothing of
 ctxc. What it guards: the README stays a front door (at most 12 KB, the test command ``.ci/run``
-runs), ``docs/architecture.md``'s walkthrough names files and functions that exist, every
-relative link lands on a file (and a heading, when it names one), every benchmark named as
+runs), ``docs/architecture.md``'s walkthrough names files and functions that exist, so do
+``docs/DESIGN.md`` and ``docs/rules.md`` (each ``path:name``, each ```NAME` in `path``` and
+DESIGN.md's data flow, ``name(args) -> Type``, checked against the code), every relative link
+lands on a file (and a heading, when it names one), every benchmark named as
 ``python -m benchmarks.<kind>.<name>`` is a module, and every measured table is stamped.
 """
 
@@ -27,6 +29,11 @@ _PATH = re.compile(
     r"`((?:compiler|passes|backends|benchmarks|tests|docs|examples)/[\w./-]*|pyproject\.toml)"
     r"(?::([\w.]+))?`"
 )
+# ```NAME` in `path```: a name a page places in a module.
+_IN = re.compile(r"`([A-Za-z_]\w*)` in\s+`((?:compiler|passes|backends)/[\w./-]+\.py)`")
+# A line of DESIGN.md's data flow: ``name(args) -> Type`` (the call may fill its own line).
+_FLOW = re.compile(r"^ {4}(\w+)\([^)]*\)\s*->\s*([A-Z]\w*)(?= {2}|$)", re.M)
+_CODE = ("compiler", "passes", "backends")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _MODULE = re.compile(r"python -m (benchmarks(?:\.\w+)+)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -36,20 +43,53 @@ def _text(page: Path) -> str:
     return _FENCE.sub("", page.read_text())
 
 
+def _assigned(node: ast.stmt) -> list[str]:
+    """The plain names an assignment binds (``NAME = ...``, ``NAME: T = ...``)."""
+    if isinstance(node, ast.Assign):
+        return [t.id for t in node.targets if isinstance(t, ast.Name)]
+    if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+        return [node.target.id]
+    return []
+
+
 def _defines(path: Path, dotted: str) -> bool:
-    """Whether ``path`` defines ``dotted`` (``f``, ``Class`` or ``Class.method``) at its top."""
+    """Whether ``path`` defines ``dotted`` (``f``, ``Class``, ``Class.method`` or a constant) at
+    its top."""
     body: list[ast.stmt] = ast.parse(path.read_text()).body
     for part in dotted.split("."):
         found = [
             n
             for n in body
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            and n.name == part
+            if (
+                isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                and n.name == part
+            )
+            or part in _assigned(n)
         ]
         if not found:
             return False
         body = found[0].body if isinstance(found[0], ast.ClassDef) else []
     return True
+
+
+def _wrong_names(page: Path) -> list[str]:
+    """The ``path:name`` and ```NAME` in `path``` of ``page`` that the code does not hold."""
+    text = page.read_text()
+    refs = {(p, n) for p, n in _PATH.findall(text) if n}
+    refs |= {(p, n) for n, p in _IN.findall(text)}
+    return sorted(
+        f"{p}:{n}" for p, n in refs if not (ROOT / p).is_file() or not _defines(ROOT / p, n)
+    )
+
+
+def _returns(name: str) -> set[str]:
+    """The return annotations of every top-level function ``name`` of the package."""
+    found = set()
+    for path in sorted(p for d in _CODE for p in (ROOT / d).rglob("*.py")):
+        for n in ast.parse(path.read_text()).body:
+            if isinstance(n, ast.FunctionDef) and n.name == name:
+                found.add(ast.unparse(n.returns) if n.returns is not None else "")
+    return found
 
 
 def _slug(heading: str) -> str:
@@ -87,6 +127,21 @@ def test_architecture_names_files_and_functions_that_exist() -> None:
     assert not undefined, f"docs/architecture.md names functions that do not exist: {undefined}"
     # The walkthrough names a function at every step: an emptied page must not pass.
     assert sum(1 for _, n in refs if n) >= 30, refs
+
+
+@pytest.mark.parametrize("name", ["architecture.md", "DESIGN.md", "rules.md"])
+def test_design_pages_name_what_the_code_holds(name: str) -> None:
+    wrong = _wrong_names(ROOT / "docs" / name)
+    assert not wrong, f"docs/{name} names what the code does not hold: {wrong}"
+
+
+def test_design_data_flow_is_the_code() -> None:
+    flow = _FLOW.findall((ROOT / "docs" / "DESIGN.md").read_text())
+    assert len(flow) >= 4, flow  # an emptied data flow must not pass
+    wrong = [
+        f"{f} -> {t} (the code: {sorted(_returns(f))})" for f, t in flow if t not in _returns(f)
+    ]
+    assert not wrong, f"docs/DESIGN.md's data flow is not the code's: {wrong}"
 
 
 def test_every_backticked_path_in_the_docs_exists() -> None:

@@ -41,7 +41,7 @@ import torch
 
 from ctxc.core.checks import enforce as enforce_bound
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity
+from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.thresholds import LLAMA_CPP_FACTOR, LLAMA_CPP_MIN_FLOOR
 
 __all__ = [
@@ -267,7 +267,7 @@ class LlamaCppFigures:
         bound = "" if self.tolerance is None else f" (bound {self.tolerance:.3g})"
         return (
             f"in {self.runtime} on {self.base} vs its full-context run max "
-            f"{p.max_abs_logit_diff:.3g}{bound}, top-1 {'match' if p.top1_match else 'MISMATCH'}"
+            f"{p.max_abs_logit_diff:.3g}{bound}, top-1 {top1_word(p.top1_match)}"
         )
 
 
