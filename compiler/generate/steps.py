@@ -9,7 +9,6 @@ so a step costs one cached decode step plus one reduced pass, not a new prefill.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import inspect
 import threading
@@ -31,7 +30,6 @@ from ctxc.models.offload import input_device
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.run_graph import BlockTargets, FullRun, record_targets
-from ctxc.passes.solver.output_magnitude import reused_abs_weights
 from ctxc.passes.solver.solve import Solution, solve
 from ctxc.pipeline import traced_blocks
 
@@ -371,27 +369,23 @@ def generate(
     # million), 0.2-0.5 s that fell in one step of ten; frozen, they are left out of it while
     # the steps run (unless the caller froze objects of its own: then leave its setting).
     freeze = gc.get_freeze_count() == 0
-    # lowrank never writes the weights: each down projection's |W| (the rounding figure's
-    # terms, MATH.md 12) is formed once for all the steps, not at every one.
-    reuse = reused_abs_weights() if apply == "lowrank" else contextlib.nullcontext()
-    with reuse:
-        try:
-            timings = stepper.start(ids, prefill)
-            if freeze:
-                gc.freeze()
-            history = list(context_ids)
-            for step in range(max_new_tokens):
-                start = time.perf_counter()
-                solution, full = stepper.step(history, device)
-                record = _record(step, solution, full, start)
-                steps.append(record)
-                if on_step is not None:
-                    on_step(record)
-                history.append(record.baseline_token)  # teacher forcing: follow the baseline
-        finally:
-            if freeze:
-                gc.unfreeze()
-            stepper.close()
+    try:
+        timings = stepper.start(ids, prefill)
+        if freeze:
+            gc.freeze()
+        history = list(context_ids)
+        for step in range(max_new_tokens):
+            start = time.perf_counter()
+            solution, full = stepper.step(history, device)
+            record = _record(step, solution, full, start)
+            steps.append(record)
+            if on_step is not None:
+                on_step(record)
+            history.append(record.baseline_token)  # teacher forcing: follow the baseline
+    finally:
+        if freeze:
+            gc.unfreeze()
+        stepper.close()
     timings["steps"] = sum(s.seconds for s in steps)
     return GenerateResult(
         steps=tuple(steps),

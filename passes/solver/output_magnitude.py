@@ -15,22 +15,17 @@ the reached one) at which ``max kappa <= max |t|``, within the dtype's range.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 
 import torch
 
 from ctxc.passes.solver.multi_scale import SharedScale, shared_scale_targets
 
 __all__ = [
-    "ABS_BUDGET",
     "MAGNITUDE_CAP",
     "bank_summed_terms",
     "choose_magnitude",
     "least_rounding_targets",
-    "reused_abs_weights",
     "rounding_gain",
     "summed_terms",
 ]
@@ -53,49 +48,8 @@ def summed_terms(w: torch.Tensor, h: torch.Tensor, u: torch.Tensor) -> torch.Ten
         [k, out], float32.
     """
     ha = h.float().abs()  # [k, in]
-    parts = [ha @ chunk.T for chunk in _abs_chunks(w)]  # [k, rows] each
+    parts = [ha @ w[i : i + _ROWS].float().abs().T for i in range(0, w.shape[0], _ROWS)]
     return torch.cat(parts, dim=1) + u.float().abs()  # [k, out]
-
-
-def _abs_chunks(w: torch.Tensor) -> list[torch.Tensor]:
-    """``|W|`` in float32, :data:`_ROWS` rows at a time; kept for the next call on the same,
-    unchanged weight inside :func:`reused_abs_weights`."""
-    kept = _KEPT.get()
-    key = (w.data_ptr(), w.dtype, tuple(w.shape), tuple(w.stride()), w._version)
-    if kept is not None and key in kept.chunks:
-        return kept.chunks[key][1]
-    chunks = [w[i : i + _ROWS].float().abs() for i in range(0, w.shape[0], _ROWS)]
-    if kept is not None and kept.room >= w.numel() * 4:
-        # The weight is held with its |W|: its address cannot be another tensor's meanwhile.
-        kept.chunks[key], kept.room = (w, chunks), kept.room - w.numel() * 4
-    return chunks
-
-
-@dataclass
-class _Kept:
-    chunks: dict = field(default_factory=dict)
-    room: int = 0  # bytes left
-
-
-_KEPT: ContextVar[_Kept | None] = ContextVar("ctxc_abs_weights", default=None)
-ABS_BUDGET = 1 << 29  # bytes of |W| kept at most (Gemma 3 270M's 18 down projections: 94 MB)
-
-
-@contextmanager
-def reused_abs_weights(budget: int = ABS_BUDGET) -> Iterator[None]:
-    """Within it (this thread), :func:`summed_terms` keeps each weight's ``|W|`` for the next
-    call on the same unchanged weight (same address, shape, strides and version).
-
-    ``ctxc generate`` solves one token's patch per step against the same weights (its default
-    ``lowrank`` apply never writes them): re-forming ``|W|`` of every down projection at every
-    step read and wrote 10 MB a block on Gemma 3 270M, 21 ms of a 0.3 s step (issue 33). The
-    values are the same bits; at most ``budget`` bytes are kept, the rest formed as before.
-    """
-    token = _KEPT.set(_Kept(room=budget))
-    try:
-        yield
-    finally:
-        _KEPT.reset(token)
 
 
 def bank_summed_terms(
