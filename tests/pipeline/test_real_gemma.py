@@ -62,13 +62,21 @@ def checked(real_gemma, quick_start, tmp_path_factory) -> dict[str, dict]:
     import ctxc
     from ctxc.backends.torch.model import emit_torch
     from ctxc.models.load import bundled_model_dir
+    from ctxc.store import frozen_shards
 
     model, tokenizer = real_gemma
     run, readme_out = quick_start
     assert run.returncode == 0, run.stderr
     out = tmp_path_factory.mktemp("query9")
     result = ctxc.compile(model, tokenizer, context=SHORT.read_text(), query=QUERY)
-    emit_torch(model, tokenizer, result.patch, out / "model")
+    # As the command line writes it: the unpatched weights linked from the cache (the entry
+    # the quick start wrote: the same weights at the same addresses modulo 64).
+    frozen_shards.enable(model)
+    try:
+        emit_torch(model, tokenizer, result.patch, out / "model")
+    finally:
+        frozen_shards.enable(model, False)
+    assert len(list((out / "model").glob("model-0000?-of-00002.safetensors"))) == 2
     (out / "report.json").write_text(json.dumps(result.report.to_dict()))
     outs = {"quick_start": readme_out, "query9": out}
     cmd = [sys.executable, "-c", _CHECK, str(bundled_model_dir()), *map(str, outs.values())]
