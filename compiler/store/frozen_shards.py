@@ -80,7 +80,8 @@ def stored_entry(key: str, size: int, write: Callable[[Path], None]) -> Path:
         if got != size:
             raise OSError(f"frozen shard {partial.name}: {got} bytes written, not {size}")
         os.chmod(partial, _READ_ONLY)
-        path.unlink(missing_ok=True)  # a read-only file is replaced by the rename all the same
+        # Atomic, over a read-only file too (rename(2) asks the folder, not the file): a
+        # command linking the entry meanwhile finds the old file or the new one, never none.
         os.replace(partial, path)
     st = path.stat()
     record = {"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns}
