@@ -35,10 +35,10 @@ from ctxc.passes.runtime.reduced_run import Action, ReducedRun
 from ctxc.passes.runtime.run_graph import FullRun
 from ctxc.passes.solver import block_moves as moves
 from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain, summed_terms
+from ctxc.passes.solver.primitive_moves import ConditionError, ScaleMove
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
 from ctxc.passes.solver.reach_two_norms import TwoNormReach, two_norm_targets
 from ctxc.passes.solver.solver_values import SolverValues, rows
-from ctxc.passes.solver.update_rules import ConditionError, ScaleMove
 from ctxc.patch import Delta
 
 __all__ = ["RULES", "UPDATE_RULES", "Solution", "solve"]
