@@ -1,4 +1,4 @@
-"""Every block shape of ARCHITECTURES.md: found from the graph, compiled exactly, refused honestly.
+"""Every block shape of block-shapes.md: found from the graph, compiled exactly, refused honestly.
 
 Tiny random models (two or three layers, random norm weights and biases) of every family in
 ``tiny_models.ALL``; a decoder that is not from Transformers; and the refusal cases of MATH.md 5
