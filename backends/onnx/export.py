@@ -60,7 +60,7 @@ __all__ = [
     "seq_dim",
 ]
 
-# The exporter's own tracing would stop at the others; a dense rewrite exports (ARCHITECTURES.md).
+# The exporter's own tracing would stop at the others; a dense rewrite exports (block-shapes.md).
 EXPORTABLE_EXPERTS = "batched_mm"
 
 
@@ -86,7 +86,7 @@ def export_settings(model: torch.nn.Module) -> Iterator[str]:
     """No KV cache and an exportable expert implementation, restored afterwards; eval mode.
 
     ``grouped_mm`` leaves a custom op in the graph and the ``eager`` expert loop does not trace;
-    ``batched_mm`` (index + bmm) exports (ARCHITECTURES.md, export facts). The model is left in
+    ``batched_mm`` (index + bmm) exports (block-shapes.md, export facts). The model is left in
     eval mode, as :func:`ctxc.frontend.trace.trace` leaves it. No parameter is touched.
 
     Yields:

@@ -154,7 +154,7 @@ class TracedModel:
 @contextlib.contextmanager
 def _no_cache(model: torch.nn.Module) -> Iterator[None]:
     # Passing use_cache as a kwarg breaks export for models that take it through **kwargs
-    # (ARCHITECTURES.md, export facts): set it on the config instead, and restore it after.
+    # (block-shapes.md, export facts): set it on the config instead, and restore it after.
     # A multimodal model's language model reads its own text config: that one too (else it
     # builds a sliding-window cache whose guards pin the export's length).
     config = getattr(model, "config", None)

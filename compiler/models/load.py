@@ -313,7 +313,7 @@ def _load_directory(
 
 def _moe_kwargs(directory: Path) -> dict:
     # MoE experts default to grouped_mm on CPU, a custom op that blocks export and ONNX
-    # (ARCHITECTURES.md); batched_mm exports. Dense models ignore the argument's absence.
+    # (block-shapes.md); batched_mm exports. Dense models ignore the argument's absence.
     import json
 
     try:

@@ -12,14 +12,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ctxc.core.errors import SolveError
-from ctxc.core.vocabulary import EXACT_RULES, LORA_RULE, OUTPUT_RULE, RULES, STABLE_RULE
+from ctxc.core.vocabulary import LORA_RULE, OUTPUT_RULE, RULES, STABLE_RULE
 from ctxc.passes.locate.block_map import LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
 
 __all__ = [
     "LORA_RULE",
     "RULES",
-    "UPDATE_RULES",
     "BlockPlan",
     "ParamMove",
     "check_in_time",
@@ -27,10 +26,6 @@ __all__ = [
     "multi_refusal",
     "plan",
 ]
-
-# The rules and what each means: ``compiler/core/vocabulary.py``. lora: behind a post norm the
-# outer linear takes what it can reach, the blocks above absorb the rest (reach_post_norm.py).
-UPDATE_RULES = EXACT_RULES
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """One block's moves, computed from the tensors the reduced run reached (MATH.md 1, 2, 4, 8).
 
-Pure functions over float32 tensors (rows are query positions) built on :mod:`update_rules`;
+Pure functions over float32 tensors (rows are query positions) built on :mod:`primitive_moves`;
 the driver (:mod:`ctxc.passes.solver.solve`) fetches the values, puts the deltas in place and
 recomputes.
 Each raises :class:`ConditionError` with the offending value when its condition fails.
@@ -22,7 +22,7 @@ from ctxc.passes.solver.output_magnitude import (
     least_rounding_targets,
     rounding_gain,
 )
-from ctxc.passes.solver.update_rules import (
+from ctxc.passes.solver.primitive_moves import (
     ConditionError,
     ScaleMove,
     input_move,

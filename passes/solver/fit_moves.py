@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ctxc.passes.solver.update_rules import SCALE_FLOOR, ConditionError, stable_post_norm_target
+from ctxc.passes.solver.primitive_moves import SCALE_FLOOR, ConditionError, stable_post_norm_target
 
 _NEWTON_STEPS = 60  # safeguarded Newton on F^(-1/2), nearly linear: converges in ~10
 

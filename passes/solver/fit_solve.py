@@ -42,7 +42,7 @@ from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver import block_moves as moves
 from ctxc.passes.solver.fit_moves import FitOptions, fit_bias, fit_linear, fit_scale, stable_targets
 from ctxc.passes.solver.output_magnitude import least_rounding_targets, summed_terms
-from ctxc.passes.solver.update_rules import ConditionError
+from ctxc.passes.solver.primitive_moves import ConditionError
 from ctxc.patch import Delta
 
 __all__ = ["FitBlock", "FitSolution", "effective_rank", "fit_solve", "summed_delta"]

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxc.passes.solver.primitive_moves import SCALE_FLOOR, ConditionError, ScaleMove
 from ctxc.passes.solver.scale_start import own_multipliers
-from ctxc.passes.solver.update_rules import SCALE_FLOOR, ConditionError, ScaleMove
 
 __all__ = [
     "SharedScale",

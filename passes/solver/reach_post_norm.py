@@ -15,8 +15,8 @@ import math
 
 import torch
 
+from ctxc.passes.solver.primitive_moves import ConditionError
 from ctxc.passes.solver.rms_inversion import nearest_unit_rms
-from ctxc.passes.solver.update_rules import ConditionError
 
 __all__ = ["reachable_outputs"]
 

@@ -29,19 +29,19 @@ from ctxc.core.vocabulary import DEFAULT_RULE, LORA_RULE, RULES
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.locate.graph_view import GraphView
-from ctxc.passes.locate.plan import UPDATE_RULES, BlockPlan, checked_plan
+from ctxc.passes.locate.plan import BlockPlan, checked_plan
 from ctxc.passes.runtime.delta_actions import linear_action, vector_action
 from ctxc.passes.runtime.reduced_run import Action, ReducedRun
 from ctxc.passes.runtime.run_graph import FullRun
 from ctxc.passes.solver import block_moves as moves
 from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain, summed_terms
+from ctxc.passes.solver.primitive_moves import ConditionError, ScaleMove
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
 from ctxc.passes.solver.reach_two_norms import TwoNormReach, two_norm_targets
 from ctxc.passes.solver.solver_values import SolverValues, rows
-from ctxc.passes.solver.update_rules import ConditionError, ScaleMove
 from ctxc.patch import Delta
 
-__all__ = ["RULES", "UPDATE_RULES", "Solution", "solve"]
+__all__ = ["RULES", "Solution", "solve"]
 
 aten = torch.ops.aten
 

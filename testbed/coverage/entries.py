@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 __all__ = ["CI_SUBSET", "Entry", "entries"]
 
-# One family per block pattern of ARCHITECTURES.md: pre-norm (Llama), sandwich (Gemma 3), Conv1D
+# One family per block pattern of block-shapes.md: pre-norm (Llama), sandwich (Gemma 3), Conv1D
 # (GPT-2), parallel with FalconLinear (Falcon), post-sublayer norm (OLMo 2), MoE (Mixtral),
 # parallel with one norm (Phi), MoE with a gated shared expert (Qwen2-MoE); and one issue 9
 # fixed: a residual carried back scaled by a trainable vector, MoE layers after a dense one (Doge).

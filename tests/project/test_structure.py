@@ -24,7 +24,9 @@ PACKAGES = {
     "ctxc": ROOT / "compiler",
 }
 WARN_FILE_LINES = 600
-MAX_FUNCTION_LINES = 80
+# A backstop, not the rule: ruff's C901 and PLR0915 (pyproject) bound a function's branches and
+# statements; this only catches a function that grew long without either (a table, a docstring).
+MAX_FUNCTION_LINES = 150
 
 
 def _sources() -> list[tuple[str, Path]]:
@@ -111,10 +113,13 @@ class FileSizeWarning(UserWarning):
 
 @pytest.mark.parametrize(("module", "path"), SOURCES, ids=[m for m, _ in SOURCES])
 def test_sizes(module: str, path: Path) -> None:
-    """No function over 80 lines (a failure); a file over 600 lines is a warning.
+    """No function over 150 lines (a failure); a file over 600 lines is a warning.
 
-    Cohesion decides a file's size (issue 22): past 600 lines the warning asks whether the file
-    still holds one thing; it does not force a split.
+    The hard 80-line cap bent code (issue 37: 20 functions at 71-80 lines against 12 at 61-70,
+    six at exactly 80); ruff's C901 (complexity) and PLR0915 (statements) are the rule now, so a
+    driver can read as its list of stages. The 150-line ceiling stays as a backstop for a function
+    long without branches or statements. Cohesion decides a file's size (issue 22): past 600 lines
+    the warning asks whether the file still holds one thing; it does not force a split.
     """
     text = path.read_text()
     lines = len(text.splitlines())

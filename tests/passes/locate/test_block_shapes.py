@@ -1,8 +1,10 @@
-"""Every block shape of ARCHITECTURES.md: found from the graph, compiled exactly, refused honestly.
+"""Every block shape of block-shapes.md: found from the graph, compiled exactly, refused honestly.
 
 Tiny random models (two or three layers, random norm weights and biases) of every family in
 ``tiny_models.ALL``; a decoder that is not from Transformers; and the refusal cases of MATH.md 5
-(a post norm with nothing trainable, a zero divisor, a zero gate sum).
+(a post norm with nothing trainable, a zero divisor, a zero gate sum). Every rule of the
+vocabulary runs, ``lora`` included: exact on every family, and on the toy decoder's post norm
+(no second linear surface) held to what docs/rules.md says of it.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ import torch
 
 import ctxc
 from ctxc.cli.app import main
+from ctxc.core.vocabulary import LORA_RULE, RULES, STABLE_RULE
 from ctxc.passes.runtime.run_graph import record_targets
-from ctxc.passes.solver.solve import UPDATE_RULES, solve
+from ctxc.passes.solver.solve import solve
 from ctxc.pipeline import traced_blocks
 from testbed.tiny_models import ALL, MOE, VOCAB, build_any, shared, tiny_tokenizer
 from tests.fixtures.custom_decoder import ToyLM
@@ -70,8 +73,10 @@ def test_every_rule_reproduces_the_full_context_logits(name: str) -> None:
     model = shared(name)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     # The rules differ only where a post-norm scale takes the output move (else stable is
-    # standard, op for op).
-    rules = UPDATE_RULES if name in SCALE else tuple(r for r in UPDATE_RULES if r != "stable")
+    # standard, op for op). lora is exact here too: each scaled post norm of these families sits
+    # in a sandwich-norm block, whose attention output projection is the second linear surface
+    # (docs/rules.md, lora; MATH.md 10).
+    rules = RULES if name in SCALE else tuple(r for r in RULES if r != STABLE_RULE)
     for rule in rules:
         rep = ctxc.compile(model, context_ids=IDS, update=rule).report
         msg = f"{name}/{rule}: {_fig(rep)}"
@@ -80,6 +85,8 @@ def test_every_rule_reproduces_the_full_context_logits(name: str) -> None:
         assert rep.emitted.top1_match, msg
         assert rep.control.max_abs_logit_diff > 1e-2, "the context hardly matters: " + msg
         assert all(b.patched for b in rep.blocks) and not rep.rejections, msg
+        if rule == LORA_RULE:  # every block met its target: nothing left for the blocks above
+            assert all(b.reach_gap in (None, 0.0) for b in rep.blocks), msg
     changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
     assert not changed, f"compile left the model modified: {changed[:3]}"
 
@@ -101,7 +108,7 @@ def test_low_rank_actions_give_the_baked_logits(name: str) -> None:
     traced, blocks = traced_blocks(shared(name))
     ids = torch.tensor([IDS])
     full = record_targets(traced, blocks, ids, 1)
-    for rule in UPDATE_RULES:
+    for rule in RULES:
         got = solve(traced, blocks, full, ids[:, -1:], rule, apply="lowrank").logits
         diff = (got - full.logits).abs()
         msg = f"{name}/{rule}: max {float(diff.max()):.3g} mean {float(diff.mean()):.3g}"
@@ -132,11 +139,28 @@ def test_custom_decoder_compiles_exactly(kind: dict) -> None:
     _, blocks = traced_blocks(model)
     assert [b.path for b in blocks.blocks] == ["trunk.0.ffn", "trunk.1.ffn"]
     assert not blocks.rejections, blocks.rejections
-    for rule in UPDATE_RULES:
+    for rule in RULES:
         rep = ctxc.compile(model, context_ids=IDS, update=rule).report
         msg = f"{kind}/{rule}: {_fig(rep)}"
-        assert rep.emitted.max_abs_logit_diff <= TOL, msg
         assert rep.control.max_abs_logit_diff > 1e-2, msg
+        if rule == LORA_RULE and kind.get("post"):
+            _assert_lora_behind_a_lone_post_norm(rep, msg)
+        else:
+            assert rep.emitted.max_abs_logit_diff <= TOL, msg
+
+
+def _assert_lora_behind_a_lone_post_norm(rep, msg: str) -> None:
+    """What docs/rules.md says of lora behind a post norm with no second linear surface (the
+    toy block has no attention): the one-sphere rule, not exact; each block's down projection
+    moves to the reachable point nearest its target, the miss is reported per block and in the
+    summary, the blocks above absorb what they can, and the solver's pass is the emitted model's.
+    """
+    assert all(b.patched for b in rep.blocks) and not rep.rejections, msg
+    assert all(b.reach_gap is None for b in rep.blocks), msg  # no attention surface to reach
+    assert all(b.unreached_norm and b.unreached_norm > 0 for b in rep.blocks), msg
+    assert TOL < rep.emitted.max_abs_logit_diff < rep.control.max_abs_logit_diff, msg
+    assert abs(rep.emitted.max_abs_logit_diff - rep.patched.max_abs_logit_diff) <= TOL, msg
+    assert "behind a post norm with no second linear surface" in rep.summary(), rep.summary()
 
 
 # -- refusals --------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import torch
 
 import ctxc
 from ctxc.passes.solver.multi_scale import fit_shared_scale, shared_scale_targets
-from ctxc.passes.solver.update_rules import SCALE_FLOOR, ConditionError, stable_post_norm_target
+from ctxc.passes.solver.primitive_moves import SCALE_FLOOR, ConditionError, stable_post_norm_target
 from testbed.tiny_models import VOCAB, build_any
 
 EPS = 1e-6

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ctxc.passes.solver.primitive_moves import ConditionError
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
-from ctxc.passes.solver.update_rules import ConditionError
 from tests.fixtures.helpers import diff_msg, max_diff
 
 

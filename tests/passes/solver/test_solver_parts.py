@@ -11,7 +11,7 @@ import ctxc
 from ctxc.core.delta_math import add_in_float32, lowrank_dense
 from ctxc.passes.locate.classify import classify
 from ctxc.passes.locate.graph_view import GraphView
-from ctxc.passes.locate.plan import UPDATE_RULES, plan
+from ctxc.passes.locate.plan import RULES, plan
 from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import run_logits
@@ -30,12 +30,19 @@ def _names(params: tuple[str, ...]) -> list[str]:
 def test_plan_per_rule_on_a_scaled_post_norm() -> None:
     _, blocks = traced_blocks(shared("gemma3"))
     b = blocks.blocks[0]
-    got = {rule: _names(plan(b, rule).params) for rule in UPDATE_RULES}
+    got = {rule: _names(plan(b, rule).params) for rule in RULES}
     scale = "post_feedforward_layernorm.weight"
     assert got == {
         "standard": ["gate_proj.weight", "up_proj.weight", scale],
         "stable": ["gate_proj.weight", "up_proj.weight", "down_proj.weight", scale],
         "output": ["down_proj.weight", scale],
+        # linear weights only: the attention output projection is the second linear surface
+        "lora": [
+            "self_attn.o_proj.weight",
+            "gate_proj.weight",
+            "up_proj.weight",
+            "down_proj.weight",
+        ],
     }, got
     assert plan(b, "stable").stable and not plan(b, "standard").stable
     assert {m.kind for m in plan(b, "stable").moves} == {"matrix", "vector"}
