@@ -35,6 +35,8 @@ from ctxc.pipeline import traced_blocks
 
 __all__ = ["GenerateResult", "GenerateStep", "generate"]
 
+_ABS_MEMO_BYTES = 1 << 30  # the most memory the outer linears' |W| may keep between steps
+
 
 @dataclass(frozen=True)
 class GenerateStep:
@@ -239,6 +241,11 @@ class _Stepper:
         self.cached = False
         self.cache = None
         self.head_op: Callable | None = None
+        # The outer linears' |W|, formed at the first step and read at every later one, when
+        # they take at most _ABS_MEMO_BYTES (a 7B model's down projections are 5.6 GB).
+        params = GraphView.of(traced).param_node
+        outer = sum(params[b.outer.weight].meta["val"].numel() * 4 for b in blocks.blocks)
+        self.abs_memo: dict | None = {} if outer <= _ABS_MEMO_BYTES else None
         # With two or more torch threads on a CPU, the decode step runs on a worker thread
         # while the solver works on the blocks it has recorded (each step computes the same
         # ops on the same values, in the same threads' settings: only their order in time
@@ -297,7 +304,7 @@ class _Stepper:
         # The solver reads the targets only: the baseline's logits are read after it.
         pending = FullRun(targets=targets, logits=torch.empty(0, 0))
         args = (self.traced, self.blocks, pending, current, self.update)
-        return solve(*args, apply=self.apply, ops=ops, wait=wait)
+        return solve(*args, apply=self.apply, ops=ops, wait=wait, abs_memo=self.abs_memo)
 
     def close(self) -> None:
         self.hooks.close()

@@ -23,6 +23,7 @@ from ctxc.passes.solver.multi_scale import SharedScale, shared_scale_targets
 
 __all__ = [
     "MAGNITUDE_CAP",
+    "abs_weight",
     "bank_summed_terms",
     "choose_magnitude",
     "least_rounding_targets",
@@ -36,20 +37,36 @@ MAGNITUDE_CAP = 1024.0
 _ROWS = 4096  # rows of |W| formed at a time (a 70B down projection is 470 MB)
 
 
-def summed_terms(w: torch.Tensor, h: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def summed_terms(
+    w: torch.Tensor, h: torch.Tensor, u: torch.Tensor, abs_w: torch.Tensor | None = None
+) -> torch.Tensor:
     """``m_ji = sum_l |W_il h_jl| + |u_ji|``: what a linear's output rounding scales with.
 
     Args:
         w: the linear's weight [out, in] (any float dtype).
         h: its input [k, in].
         u: its output reached [k, out].
+        abs_w: ``abs_weight(w)`` when the caller keeps it (the same bits: the same products).
 
     Returns:
         [k, out], float32.
     """
     ha = h.float().abs()  # [k, in]
-    parts = [ha @ w[i : i + _ROWS].float().abs().T for i in range(0, w.shape[0], _ROWS)]
+    if abs_w is not None:
+        parts = [ha @ abs_w[i : i + _ROWS].T for i in range(0, w.shape[0], _ROWS)]
+    else:
+        parts = [ha @ w[i : i + _ROWS].float().abs().T for i in range(0, w.shape[0], _ROWS)]
     return torch.cat(parts, dim=1) + u.float().abs()  # [k, out]
+
+
+def abs_weight(w: torch.Tensor) -> torch.Tensor | None:
+    """``|W|`` [out, in] in float32: :func:`summed_terms`'s operand, formed once for a caller
+    that solves again and again on the same weights (``ctxc generate``).
+
+    None for a weight that is not contiguous (an ``in_out`` layout's transpose): its row blocks'
+    ``|W|`` would be laid out unlike the one formed whole, and the products could round apart.
+    """
+    return w.float().abs() if w.is_contiguous() else None
 
 
 def bank_summed_terms(

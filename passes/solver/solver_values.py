@@ -17,7 +17,7 @@ from ctxc.passes.locate.block_map import LinearSite, MlpBlock, NormSite, ScaleSi
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.runtime.reduced_run import ReducedRun
-from ctxc.passes.solver.output_magnitude import bank_summed_terms, summed_terms
+from ctxc.passes.solver.output_magnitude import abs_weight, bank_summed_terms, summed_terms
 
 __all__ = ["ExpertRows", "SolverValues", "rows"]
 
@@ -51,6 +51,9 @@ class SolverValues:
     view: GraphView
     run: ReducedRun
     param_node: dict[str, fx.Node]
+    # parameter name -> |W| [out, in], float32, kept by a caller that solves again on the same
+    # weights (``solve(abs_memo=...)``); None: formed per use.
+    abs_memo: dict[str, torch.Tensor] | None = None
 
     def value(self, name: str) -> torch.Tensor:
         """A node's value as computed (its kept copy, when it has one)."""
@@ -99,12 +102,30 @@ class SolverValues:
         """``m`` [k, d]: the outer function's terms its rounding scales with (MATH.md 12)."""
         site = block.outer
         if block.experts is None:
-            return summed_terms(self.weight(site), rows(self.value(block.activation)), u_now)
+            w = self.weight(site)  # [out, in]
+            h = rows(self.value(block.activation))  # [k, in]
+            return summed_terms(w, h, u_now, self._abs_weight(site.weight, w))
         got = self.expert_rows(block)
         top_k = max(block.experts.top_k, 1)
         tokens = got.tokens if got.tokens is not None else torch.arange(len(got.ids)) // top_k
         bank = self.run.param(self.param_node[site.weight])  # [E, ., .]
         return bank_summed_terms(bank, site.layout, got.ids, got.gates, got.h, tokens, u_now)
+
+    def _abs_weight(self, name: str, w: torch.Tensor) -> torch.Tensor | None:
+        """``|W|`` of parameter ``name`` from :attr:`abs_memo`, formed on first use; None
+        without a memo, or when ``w`` is no longer the parameter's original value (a patch
+        replaced it: its ``|W|`` is another)."""
+        if self.abs_memo is None:
+            return None
+        node = self.param_node[name]
+        if self.run.param(node) is not self.run.original_param(node):
+            return None
+        if name not in self.abs_memo:
+            got = abs_weight(w)
+            if got is None:
+                return None
+            self.abs_memo[name] = got
+        return self.abs_memo[name]
 
     def outer_now(self, block: MlpBlock, h: torch.Tensor) -> torch.Tensor:
         """The outer linear's output [k, d] in float32, from its input ``h`` [k, d_ff]."""

@@ -186,3 +186,32 @@ def test_an_input_changed_in_place_is_recomputed() -> None:
         x = run.env[outer.all_input_nodes[0]]
         x.mul_(1.0)  # the same values, but changed in place: its version moves
         assert run._plain_kept(outer) is None
+
+
+# gpt2: Conv1D's in_out weights (no |W| kept: not contiguous as [out, in]); qwen2_moe: banks.
+@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt2", "qwen2_moe"])
+@pytest.mark.parametrize("apply", ["lowrank", "baked"])
+def test_kept_abs_weights_change_no_bit(family: str, apply: str, monkeypatch) -> None:
+    model = build_any(family)
+    kept: list[dict | None] = []
+    stepper_init = gen._Stepper.__init__
+
+    def spy(self, *args, **kwargs):
+        stepper_init(self, *args, **kwargs)
+        kept.append(self.abs_memo)
+
+    monkeypatch.setattr(gen._Stepper, "__init__", spy)
+    monkeypatch.setattr(gen, "_ABS_MEMO_BYTES", -1)  # none kept: |W| formed at every solve
+    want, want_logits, _ = _generate(model, monkeypatch, apply, plain=True)
+    assert kept == [None], kept
+    monkeypatch.setattr(gen, "_ABS_MEMO_BYTES", 1 << 30)
+    for _ in range(2):  # run twice: the same
+        got, got_logits, _ = _generate(model, monkeypatch, apply, plain=True)
+        assert got == want, f"steps differ:\n{got}\n{want}"
+        for (a, b), (c, d) in zip(got_logits, want_logits, strict=True):
+            assert torch.equal(a, c), diff_msg("patched logits, |W| kept vs formed", a, c)
+            assert torch.equal(b, d), diff_msg("baseline logits, |W| kept vs formed", b, d)
+    _, blocks = traced_blocks(model)
+    dense = family not in ("gpt2", "qwen2_moe")
+    want_kept = len(blocks.blocks) if dense else 0
+    assert len(kept[-1]) == want_kept, f"{len(kept[-1])} |W| kept, want {want_kept}"
