@@ -66,6 +66,24 @@ def _entries(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
+@pytest.fixture(scope="module")
+def cache(tiny_model_dir, tmp_path_factory) -> Path:
+    """One ``CTXC_CACHE`` for the module's processes, its export entry written here once: each
+    process then loads the tiny model's graph, as a user's second run does, instead of
+    exporting it again (about 6 s a process). The races under test are over the output
+    folder; two processes racing on an empty cache are tests/store/test_export_cache.py's."""
+    from tests.fixtures.helpers import run_cli
+
+    cache, work = tmp_path_factory.mktemp("races-cache"), tmp_path_factory.mktemp("races-warm")
+    (work / "a.txt").write_text(CONTEXTS["a.txt"])
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("CTXC_CACHE", str(cache))
+        run = run_cli(*_compile(tiny_model_dir, "a.txt"), cwd=work)
+    assert run.returncode == 0, run.stderr
+    assert list((cache / "exports").glob("*.safetensors")), "the warm-up wrote no export entry"
+    return cache
+
+
 @pytest.fixture
 def work(tmp_path):
     folder = tmp_path / "work"
@@ -97,8 +115,7 @@ def _ids_of(model_dir: Path, context: str) -> list[int]:
 
 
 @pytest.mark.parametrize("force", [False, True], ids=["new", "force"])
-def test_two_compiles_into_one_folder_one_wins(force, work, tiny_model_dir, tmp_path):
-    cache = tmp_path / "cache"
+def test_two_compiles_into_one_folder_one_wins(force, work, tiny_model_dir, cache):
     if force:  # an earlier output both may replace: only the first to place does
         (work / "out").mkdir()
         (work / "out" / "generate.json").write_text("{}")  # an older ctxc output
@@ -121,8 +138,8 @@ def test_two_compiles_into_one_folder_one_wins(force, work, tiny_model_dir, tmp_
     assert sorted(p.name for p in work.iterdir()) == ["a.txt", "b.txt", "out", "out.unplaced"]
 
 
-def test_a_file_put_into_out_during_a_compile_is_never_deleted(work, tiny_model_dir, tmp_path):
-    proc = _start(_compile(tiny_model_dir, "a.txt"), work, tmp_path / "cache", "placing")
+def test_a_file_put_into_out_during_a_compile_is_never_deleted(work, tiny_model_dir, cache):
+    proc = _start(_compile(tiny_model_dir, "a.txt"), work, cache, "placing")
     _wait_paused(proc, "placing")
     (work / "out").mkdir()
     (work / "out" / "notes.txt").write_text("notes")
@@ -139,12 +156,12 @@ def test_a_file_put_into_out_during_a_compile_is_never_deleted(work, tiny_model_
     assert sorted(p.name for p in work.iterdir()) == ["a.txt", "b.txt", "out", "out.unplaced"]
 
 
-def test_force_never_deletes_a_file_put_into_the_earlier_output(work, tiny_model_dir, tmp_path):
+def test_force_never_deletes_a_file_put_into_the_earlier_output(work, tiny_model_dir, cache):
     out = work / "out"
     out.mkdir()
     (out / "generate.json").write_text("{}")  # an earlier ctxc output, which --force replaces
     (out / ".ctxc").write_text(json.dumps({"entries": ["generate.json"]}))
-    proc = _start(_compile(tiny_model_dir, "a.txt", "--force"), work, tmp_path / "cache", "placing")
+    proc = _start(_compile(tiny_model_dir, "a.txt", "--force"), work, cache, "placing")
     _wait_paused(proc, "placing")
     (out / "notes.txt").write_text("notes")
     proc.send_signal(signal.SIGUSR1)
@@ -155,14 +172,14 @@ def test_force_never_deletes_a_file_put_into_the_earlier_output(work, tiny_model
     assert (out / "notes.txt").read_text() == "notes"
 
 
-def test_a_second_contexts_run_into_a_held_folder_is_refused(work, tiny_model_dir, tmp_path):
+def test_a_second_contexts_run_into_a_held_folder_is_refused(work, tiny_model_dir, cache):
     rows = [{"context": CONTEXTS["a.txt"], "name": "a"}, {"context": CONTEXTS["b.txt"]}]
     (work / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = ["compile", "--model", str(tiny_model_dir), "--contexts", "c.jsonl", "--out", "out"]
-    first = _start(args, work, tmp_path / "cache", "line 1 done")
+    first = _start(args, work, cache, "line 1 done")
     _wait_paused(first, "line 1 done")
     for extra in ([], ["--resume"], ["--force"]):
-        second = _start(args + extra, work, tmp_path / "cache", "never")
+        second = _start(args + extra, work, cache, "never")
         rc, lines = _finish(second)
         assert rc == 2 and lines == [
             "ctxc: error: output folder out is being written by another ctxc run"
