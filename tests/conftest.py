@@ -23,6 +23,25 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def warm_cache(tiny_model_dir, tmp_path_factory) -> Path:
+    """A ``CTXC_CACHE`` holding ``tiny_model_dir``'s export, written once per worker: tests
+    that start ``ctxc`` processes on that model point them here, and each loads the graph, as a
+    user's second run does, instead of exporting it again (about 6 s a process). Processes may
+    share it: the cache's writers are atomic (tests/store/test_export_cache.py)."""
+    from tests.fixtures.helpers import run_cli
+
+    cache, work = tmp_path_factory.mktemp("warm-cache"), tmp_path_factory.mktemp("warm-up")
+    (work / "c.txt").write_text("w1 w2 w3 w4 w5 w6 w7 w8")
+    args = ["compile", "--model", str(tiny_model_dir), "--context", "c.txt", "--out", "out"]
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("CTXC_CACHE", str(cache))
+        run = run_cli(*args, cwd=work)
+    assert run.returncode == 0, run.stderr
+    assert list((cache / "exports").glob("*.safetensors")), "the warm-up wrote no export entry"
+    return cache
+
+
+@pytest.fixture(scope="session")
 def real_gemma():
     """The bundled Gemma 3 270M and its tokenizer, loaded once per worker (``slow`` tests only;
     ``ctxc.compile`` leaves the model as it was)."""

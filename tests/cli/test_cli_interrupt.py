@@ -69,9 +69,9 @@ def work(tmp_path):
         ("writing", signal.SIGTERM),
     ],
 )
-def test_compile_interrupted_leaves_a_clean_disk(stage, sig, work, tiny_model_dir, tmp_path):
+def test_compile_interrupted_leaves_a_clean_disk(stage, sig, work, tiny_model_dir, warm_cache):
     args = ["compile", "--model", str(tiny_model_dir), "--context", "context.txt", "--out", "out"]
-    rc, lines = _interrupted(args, stage, sig, work, tmp_path / "cache")
+    rc, lines = _interrupted(args, stage, sig, work, warm_cache)
     assert rc == 128 + sig, lines
     assert lines == ["ctxc: interrupted"]
     assert sorted(p.name for p in work.iterdir()) == ["context.txt"]

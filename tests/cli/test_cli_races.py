@@ -66,22 +66,11 @@ def _entries(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
 
-@pytest.fixture(scope="module")
-def cache(tiny_model_dir, tmp_path_factory) -> Path:
-    """One ``CTXC_CACHE`` for the module's processes, its export entry written here once: each
-    process then loads the tiny model's graph, as a user's second run does, instead of
-    exporting it again (about 6 s a process). The races under test are over the output
-    folder; two processes racing on an empty cache are tests/store/test_export_cache.py's."""
-    from tests.fixtures.helpers import run_cli
-
-    cache, work = tmp_path_factory.mktemp("races-cache"), tmp_path_factory.mktemp("races-warm")
-    (work / "a.txt").write_text(CONTEXTS["a.txt"])
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("CTXC_CACHE", str(cache))
-        run = run_cli(*_compile(tiny_model_dir, "a.txt"), cwd=work)
-    assert run.returncode == 0, run.stderr
-    assert list((cache / "exports").glob("*.safetensors")), "the warm-up wrote no export entry"
-    return cache
+@pytest.fixture
+def cache(warm_cache) -> Path:
+    """The tiny model's export written once (``warm_cache``): the races under test are over the
+    output folder; two processes racing on an empty cache are tests/store/test_export_cache.py's."""
+    return warm_cache
 
 
 @pytest.fixture
