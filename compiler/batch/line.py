@@ -12,6 +12,7 @@ import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ctxc.batch.job import CompileJob, compile_into
 from ctxc.core.checks import ArtefactError
@@ -25,7 +26,7 @@ def record(
     rows: list[dict],
     i: int,
     line: tuple,
-    outcome: tuple[str | None, dict | None],
+    outcome: tuple[str | None, Any],
     on_error: Callable[[int, str], None],
     **extra,
 ) -> None:

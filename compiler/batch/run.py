@@ -152,13 +152,14 @@ def _one(loaded: tuple, folder, entry: dict, run: tuple):
     from ctxc.batch.folder import input_digest
 
     opts, hooks = run
+    net, tokenizer = loaded
     digest = input_digest(entry)
     kept = folder.finished(entry["name"], digest)
     if kept is not None:
         return None, kept, True
     staging = folder.staging(entry["name"])
     try:
-        outcome = compile_line(*loaded, staging, entry, opts, hooks.name_of, hooks.on_emit)
+        outcome = compile_line(net, tokenizer, staging, entry, opts, hooks.name_of, hooks.on_emit)
     except BaseException:
         folder.discard(staging)
         raise
