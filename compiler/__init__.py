@@ -18,7 +18,7 @@ from ctxc._version import __version__
 from ctxc.core.errors import CtxcError, SolveError, UnpatchableError
 
 if TYPE_CHECKING:
-    from ctxc.cli.batch import compile_many
+    from ctxc.batch import compile_many
     from ctxc.core.report import CompileReport
     from ctxc.models.load import load_model
     from ctxc.patch import Delta, Patch, PatchMeta
@@ -47,7 +47,7 @@ _LAZY = {
     "PatchMeta": "ctxc.patch",
     "CompileResult": "ctxc.pipeline",
     "compile": "ctxc.pipeline",
-    "compile_many": "ctxc.cli.batch",
+    "compile_many": "ctxc.batch",
     "CompileReport": "ctxc.core.report",
 }
 

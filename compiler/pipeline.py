@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
 
@@ -23,7 +22,6 @@ from ctxc.core.options import CompileOptions
 from ctxc.core.report import CompileReport, reference_name
 from ctxc.core.tokens import split_tokens
 from ctxc.core.vocabulary import DEFAULT_RULE
-from ctxc.frontend.ladder import Frontend
 from ctxc.frontend.trace import TracedModel
 from ctxc.models.devices import check_on_device, describe
 from ctxc.models.fingerprint import fingerprint
@@ -31,7 +29,6 @@ from ctxc.models.images import ImageContext
 from ctxc.models.load import check_length
 from ctxc.models.offload import input_device
 from ctxc.passes.locate.block_map import BlockMap, Rejection
-from ctxc.passes.locate.locate_blocks import locate_blocks
 from ctxc.passes.runtime.run_graph import run_logits
 from ctxc.passes.solver.solve import solve
 from ctxc.patch import Patch, PatchMeta
@@ -39,13 +36,9 @@ from ctxc.runs.image_run import image_figures, multimodal_full_graph
 from ctxc.runs.patched_forward import patched_logits
 from ctxc.runs.reference_run import full_run
 from ctxc.runs.runtime_attention import runtime_attention
-from ctxc.store.export_cache import frontend_for
+from ctxc.store.traced import traced_blocks
 
-__all__ = ["CompileResult", "compile", "traced_blocks"]
-
-# One frontend per model, reused by every compile of it (the graph reads the model's own tensors):
-# its shared export, or its static exports per length (compiler/frontend/ladder.py).
-_TRACES: weakref.WeakKeyDictionary[torch.nn.Module, Frontend] = weakref.WeakKeyDictionary()
+__all__ = ["CompileResult", "compile"]
 
 
 @dataclass(frozen=True)
@@ -65,23 +58,6 @@ class CompileResult:
     report: CompileReport
     full_logits: torch.Tensor | None = None
     patched_logits: torch.Tensor | None = None
-
-
-def traced_blocks(
-    model: torch.nn.Module, length: int | None = None
-) -> tuple[TracedModel, BlockMap]:
-    """The model's export and block map for inputs of ``length`` tokens, cached per model
-    (and on disk for a model enabled for the export cache: ``compiler/store/export_cache.py``).
-
-    Args:
-        model: the causal LM.
-        length: the input length the export must hold for; None: the shared export (dynamic or
-            bounded), or a static one at 8 tokens when only the static rung works.
-    """
-    frontend = _TRACES.get(model)
-    if frontend is None:
-        frontend = _TRACES[model] = frontend_for(model, locate_blocks)
-    return frontend.traced_for(length)
 
 
 def _matching_runs(model: torch.nn.Module, n: int, k: int) -> tuple:

@@ -40,7 +40,7 @@ from ctxc.bake.evaluate import evaluate_against, reference
 from ctxc.bake.fit import BakeOptions, bake, bake_data
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.patch import Delta, Patch
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 

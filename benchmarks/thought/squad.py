@@ -291,7 +291,7 @@ def _line(i: int, n: int, pid: str, setting: str, row: dict, ref: dict, so_far: 
 
 def _run(args) -> None:
     from ctxc.cli.support import load
-    from ctxc.pipeline import traced_blocks
+    from ctxc.store.traced import traced_blocks
 
     settings = args.settings or ["default"]
     subset = json.loads(DATA.read_text())["paragraphs"][: args.paragraphs]

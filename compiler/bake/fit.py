@@ -36,7 +36,7 @@ from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver.fit_moves import FitOptions
 from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
 from ctxc.patch import Patch, PatchMeta
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 
 __all__ = ["BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]
 

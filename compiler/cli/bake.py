@@ -21,12 +21,12 @@ from ctxc.cli.options import (
     FitRows,
     QuestionPrompt,
 )
-from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
 from ctxc.cli.support import chat_input, check_chat, load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
 from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.store.output import output_folder
 
 __all__ = [
     "DEFAULT_RANK",

@@ -1,8 +1,8 @@
 """``ctxc compile``: one context into patch.safetensors, report.json and the asked artefacts.
 
 The single compile every context goes through, alone or one line of a ``--contexts`` run
-(``compiler/cli/batch.py``), is :func:`ctxc.cli.job.compile_into`. No torch import at module
-level.
+(``compiler/cli/batch.py``, the batch stage ``ctxc.batch``), is
+:func:`ctxc.batch.job.compile_into`. No torch import at module level.
 """
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from pathlib import Path
 import typer
 
 from ctxc.backends import check_rules
+from ctxc.batch.job import CompileJob, compile_into
+from ctxc.cli.batch import compile_batch
 from ctxc.cli.images import image_options, processor_of
-from ctxc.cli.job import CompileJob, compile_into
 from ctxc.cli.options import (
     CHAT,
     DEVICE,
@@ -34,8 +35,7 @@ from ctxc.cli.options import (
     emit_help,
     placement_for,
 )
-from ctxc.cli.output import output_folder
-from ctxc.cli.progress import VERBOSE, say, stage_progress
+from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
 from ctxc.cli.support import (
     chat_input,
     check_chat,
@@ -47,6 +47,7 @@ from ctxc.cli.support import (
 )
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import CompileOptions
+from ctxc.store.output import output_folder
 
 __all__ = ["compile_cmd"]
 
@@ -104,8 +105,6 @@ def compile_cmd(
     verbose: bool = VERBOSE,
 ) -> None:
     """Compile a context into a patch; write patch.safetensors, report.json and artefacts."""
-    from ctxc.cli.batch import compile_batch  # it imports this module
-
     if image and contexts is not None:
         raise CtxcError("--image applies to --context (or to no context: the images alone)")
     conversation = _conversation(
@@ -138,7 +137,15 @@ def compile_cmd(
             tokenizer = processor_of(net, model)
         with stage_progress("compiling", "solving") as (on_stage, on_block):
             report, figures = compile_into(
-                net, tokenizer, tmp, text, query, opts, on_stage=on_stage, on_block=on_block
+                net,
+                tokenizer,
+                tmp,
+                text,
+                query,
+                opts,
+                on_emit=stage,
+                on_stage=on_stage,
+                on_block=on_block,
             )
     say(report.summary(tokenizer.decode if hasattr(tokenizer, "decode") else None))
     for line in summaries(figures.values()):
@@ -163,7 +170,7 @@ def _engine(contexts, resume: bool, engine: str, address, workers, gpus: float):
         if given:
             raise CtxcError(f"{given[0]} applies to --engine ray")
         return None
-    from ctxc.cli.ray_engine import RayEngine, require_ray
+    from ctxc.batch.ray_engine import RayEngine, require_ray
 
     require_ray()
     return RayEngine(address=address, workers=workers, gpus_per_worker=gpus)
@@ -212,6 +219,7 @@ def _compile_chat(model, dtype, where, out_dir: Path, force: bool, opts, convers
                 query,
                 opts,
                 messages=turns,
+                on_emit=stage,
                 on_stage=on_stage,
                 on_block=on_block,
             )

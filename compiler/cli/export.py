@@ -20,13 +20,13 @@ from ctxc.cli.options import (
     emit_help,
     placement_for,
 )
-from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, say, stage
 from ctxc.cli.support import load, parse_emit, summaries
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
 from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.store.output import output_folder
 
 __all__ = ["export_cmd"]
 

@@ -27,10 +27,10 @@ from ctxc.cli.options import (
     Update,
     placement_for,
 )
-from ctxc.cli.output import output_folder
 from ctxc.cli.progress import VERBOSE, err, progress, say
 from ctxc.cli.support import chat_input, check_chat, load, read_context
 from ctxc.core.errors import CtxcError
+from ctxc.store.output import output_folder
 
 __all__ = ["generate_cmd"]
 

@@ -180,6 +180,16 @@ FLAGS: dict[str, str] = {
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
     "attention": "--attention",
+    # The batch run (ctxc.batch, ctxc.compile_many) and its output folder.
+    "contexts": "--contexts",
+    "out": "--out",
+    "force": "--force",
+    "resume": "--resume",
+    "emit": "--emit",
+    "engine": "--engine",
+    "address": "--address",
+    "workers": "--workers",
+    "gpus_per_worker": "--gpus-per-worker",
 }
 
 

@@ -385,7 +385,7 @@ VERBOSE = typer.Option(
 
 
 def is_verbose() -> bool:
-    """Whether ``--verbose`` was given (a Ray worker is told, compiler/cli/ray_engine.py)."""
+    """Whether ``--verbose`` was given (a Ray worker is given its setup, compiler/cli/batch.py)."""
     return bool(_state["verbose"])
 
 

@@ -104,9 +104,8 @@ def parse_emit(emit: str, flag: str = "--emit") -> list[str]:
 def load(model: str | None, dtype: str, placement=None):
     """Load the model, saying so on stderr; a one-time GGUF conversion is announced as such.
 
-    The model is enabled for the export cache (``compiler/store/export_cache.py``) and, its
-    weights being as loaded, for the frozen shards of ``model/``
-    (``compiler/store/frozen_shards.py``).
+    The model is enabled for the export cache and the frozen shards of ``model/``
+    (:func:`ctxc.store.model_load.load_with_stores`).
 
     Args:
         placement: a :class:`~ctxc.models.devices.Placement` (checked already), or None: the CPU.
@@ -117,27 +116,10 @@ def load(model: str | None, dtype: str, placement=None):
     pause_point("loading")
     stage(f"loading {model or 'the bundled model'}, {dtype}")
     quiet_libraries()  # imports torch: seconds, said above
-    from ctxc.models.load import load_model
+    from ctxc.store.model_load import load_with_stores
 
-    where = {}
-    if placement is not None:
-        where = {
-            "device": placement.device,
-            "device_map": placement.device_map,
-            "max_memory": placement.max_memory,
-        }
     # Conversion steps take minutes: each stays as a line, on a terminal too.
-    net, tokenizer = load_model(model, dtype, on_stage=lambda line: stage(line, keep=True), **where)
-    from ctxc.store import export_cache, frozen_shards
-
-    export_cache.enable(net)  # every command is a new process: reuse the export on disk (issue 11)
-    frozen_shards.enable(net)  # its weights are as loaded: model/ links the unpatched ones
-    source = str(getattr(tokenizer, "name_or_path", "") or "")
-    if source and Path(source).is_dir():
-        # Loaded from this folder and never changed by the command line: an emitted model
-        # copies its tokenizer files (backends/torch/model.py: save_tokenizer).
-        tokenizer.ctxc_files = Path(source)
-    return net, tokenizer
+    return load_with_stores(model, dtype, placement, on_stage=lambda line: stage(line, keep=True))
 
 
 def summaries(figures) -> list[str]:

@@ -22,7 +22,7 @@ __all__ = [
     "received",
 ]
 
-# The test hooks' variables: a Ray worker (compiler/cli/ray_engine.py) is given them too.
+# The test hooks' variables: a Ray worker (compiler/batch/ray_engine.py) is given them too.
 TEST_HOOKS = ("CTXC_TEST_PAUSE_AT", "CTXC_TEST_PAUSE_ONCE")
 
 _RECEIVED: list[int] = []

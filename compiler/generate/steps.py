@@ -31,7 +31,7 @@ from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.run_graph import BlockTargets, FullRun, record_targets
 from ctxc.passes.solver.solve import Solution, solve
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 
 __all__ = ["GenerateResult", "GenerateStep", "generate"]
 

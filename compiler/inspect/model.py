@@ -34,6 +34,7 @@ from ctxc.passes.locate.classify import (
     classify,
 )
 from ctxc.passes.locate.plan import plan
+from ctxc.store.traced import traced_blocks
 
 __all__ = ["ModelInspection", "describe", "inspect_model"]
 
@@ -56,8 +57,6 @@ def inspect_model(model: torch.nn.Module) -> ModelInspection:
     Returns:
         its :class:`ModelInspection`.
     """
-    from ctxc.pipeline import traced_blocks  # the pipeline imports the solver: load on use
-
     traced, blocks = traced_blocks(model)
     info = describe(model, blocks)
     # A vision tower and projector are not on the text path: say so (compiler/models/vlm.py).

@@ -141,7 +141,7 @@ def _refusal(model, exc) -> dict:
     else:
         reasons = [str(exc)]
         try:  # the locator's reasons one by one (the error joins them)
-            from ctxc.pipeline import traced_blocks
+            from ctxc.store.traced import traced_blocks
 
             rejections = traced_blocks(model)[1].rejections
             if rejections:
@@ -154,7 +154,7 @@ def _refusal(model, exc) -> dict:
 def _block_kinds(model) -> dict:
     """Count of located blocks by shape (output control, parallel, trailing norm, gain, ...)."""
     try:
-        from ctxc.pipeline import traced_blocks
+        from ctxc.store.traced import traced_blocks
 
         blocks = traced_blocks(model)[1]
     except Exception as exc:

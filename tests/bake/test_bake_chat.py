@@ -17,7 +17,7 @@ from ctxc.bake.fit import BakeOptions, _query_rows, bake, bake_data
 from ctxc.bake.selfstudy import SEED_PROMPTS
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.chat import template_ids
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer
 
 pytestmark = pytest.mark.tiny

@@ -13,7 +13,7 @@ from ctxc.bake.fit import BakeOptions, bake
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from ctxc.passes.solver.fit_solve import effective_rank
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.helpers import diff_msg, random_ids
 

@@ -166,7 +166,7 @@ def test_empty_file_is_a_usage_error(tmp_path) -> None:
     ],
 )
 def test_bad_line_messages(tmp_path, line, first) -> None:
-    from ctxc.cli.batch import read_lines
+    from ctxc.batch.lines import read_lines
 
     src = tmp_path / "c.jsonl"
     src.write_text('{"context": "w1", "name": "a"}\n' + line + "\n")
@@ -176,7 +176,7 @@ def test_bad_line_messages(tmp_path, line, first) -> None:
 
 def test_progress_shows_rate(capsys) -> None:
     """Contexts done of all and the rate, on the plain trail of a stderr that is no terminal."""
-    from ctxc.cli.batch_line import batch_progress
+    from ctxc.cli.batch import batch_progress
     from ctxc.cli.progress import command_trail
 
     with command_trail(), batch_progress() as bar:

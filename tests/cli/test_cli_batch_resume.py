@@ -107,16 +107,16 @@ def test_interrupted_after_k_lines_then_resumed_is_byte_identical(whole, tiny_mo
 
 
 def test_an_unexpected_error_is_that_lines_alone(tiny_model_dir, tmp_path, monkeypatch):
-    import ctxc.cli.batch_line as cli_batch
+    import ctxc.batch.line as batch_line
 
-    real = cli_batch.compile_into
+    real = batch_line.compile_into
 
     def broken(net, tokenizer, tmp, text, *args, **kwargs):
         if text == ROWS[1]["context"]:
             raise RuntimeError("boom\nsecond line")
         return real(net, tokenizer, tmp, text, *args, **kwargs)
 
-    monkeypatch.setattr(cli_batch, "compile_into", broken)
+    monkeypatch.setattr(batch_line, "compile_into", broken)
     _jsonl(tmp_path, ROWS[:3])
     run = run_cli(*_args(tiny_model_dir, "out"), cwd=tmp_path)
     assert run.returncode == 1, run.stderr

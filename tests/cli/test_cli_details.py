@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ctxc.cli.batch import _parse
+from ctxc.batch.lines import _parse
 from ctxc.core.tokens import split_tokens
 from tests.fixtures.helpers import run_cli
 

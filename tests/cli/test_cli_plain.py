@@ -130,7 +130,7 @@ def test_resume_rate_counts_only_the_lines_compiled(capsys) -> None:
     import re
     import time
 
-    from ctxc.cli.batch_line import batch_progress
+    from ctxc.cli.batch import batch_progress
     from ctxc.cli.progress import command_trail
 
     with command_trail(), batch_progress() as bar:
@@ -149,7 +149,7 @@ def test_ray_token_notice_is_dropped_and_its_security_warning_kept(caplog) -> No
     authentication is disabled still shows (no ray import needed: the logger's name)."""
     import logging
 
-    from ctxc.cli.ray_engine import quiet_ray_notices
+    from ctxc.batch.ray_engine import quiet_ray_notices
 
     quiet_ray_notices()
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")

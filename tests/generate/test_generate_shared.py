@@ -18,7 +18,7 @@ from ctxc.passes.runtime import reduced_run
 from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.passes.solver import solve as solve_mod
 from ctxc.passes.solver.solve import solve
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import build_any
 from tests.fixtures.helpers import diff_msg, random_ids
 

@@ -12,7 +12,7 @@ import torch
 
 from ctxc.inspect.model import inspect_model
 from ctxc.inspect.render_text import render_text
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 
 pytestmark = pytest.mark.tiny
 

@@ -8,8 +8,8 @@ import torch
 import ctxc
 from ctxc.passes.runtime import run_graph
 from ctxc.passes.runtime.run_graph import record_targets
-from ctxc.pipeline import traced_blocks
 from ctxc.runs.patched_forward import patched_logits
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import build
 from tests.fixtures.helpers import diff_msg, random_ids
 

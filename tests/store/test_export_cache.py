@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 import ctxc
-from ctxc.pipeline import traced_blocks
 from ctxc.store import export_cache
 from ctxc.store.export_cache import StoredProgram, enable, entry_key, entry_path
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import build_any as build
 from testbed.tiny_models import tiny_tokenizer
 from tests.fixtures.helpers import diff_msg, full_logits, logits, max_diff, random_ids

@@ -19,7 +19,7 @@ from ctxc.cli.app import main
 from ctxc.core.vocabulary import LORA_RULE, RULES, STABLE_RULE
 from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.passes.solver.solve import solve
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import ALL, MOE, VOCAB, build_any, shared, tiny_tokenizer
 from tests.fixtures.custom_decoder import ToyLM
 

@@ -10,7 +10,7 @@ from ctxc.passes.runtime import reduced_run
 from ctxc.passes.runtime.compile_segments import compile_segments, compiled
 from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.passes.solver.solve import solve
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import shared
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids
 

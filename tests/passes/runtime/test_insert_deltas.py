@@ -25,7 +25,7 @@ from ctxc.core.errors import CtxcError
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.runtime.insert_deltas import DELTA_PREFIX, delta_attr_name, insert_deltas
 from ctxc.patch import Delta, Patch
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import build_any
 
 pytestmark = pytest.mark.tiny

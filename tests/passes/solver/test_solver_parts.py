@@ -16,7 +16,7 @@ from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import run_logits
 from ctxc.passes.solver import block_moves as moves
-from ctxc.pipeline import traced_blocks
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import VOCAB, shared
 
 IDS = torch.randint(4, VOCAB, (16,), generator=torch.Generator().manual_seed(7)).tolist()

@@ -1,13 +1,13 @@
 """One compile into a staging folder: the single compile every context goes through, alone
-(``ctxc compile``) or one line of a ``--contexts`` run. No torch import at module level."""
+(``ctxc compile``) or one line of a batch run. No torch import at module level."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ctxc.cli.progress import stage
 from ctxc.core.checks import ArtefactError
 from ctxc.core.interrupts import pause_point
 from ctxc.core.options import CompileOptions
@@ -39,7 +39,15 @@ class CompileJob:
 
 
 def compile_into(
-    net, tokenizer, tmp: Path, text: str | None, query, job: CompileJob, messages=None, **hooks
+    net,
+    tokenizer,
+    tmp: Path,
+    text: str | None,
+    query,
+    job: CompileJob,
+    messages=None,
+    on_emit: Callable[[str], None] | None = None,
+    **hooks,
 ):
     """Compile one context and write patch.safetensors, report.json and artefacts into ``tmp``.
 
@@ -50,6 +58,7 @@ def compile_into(
         job: the run's options and artefacts.
         messages: a chat context's turns instead of ``text`` (``ctxc.compile(messages=...)``):
             ``query`` is then the next user message.
+        on_emit: told each artefact's status line as it is written and checked, or None.
         hooks: ``on_stage``/``on_block`` for :func:`ctxc.compile`.
 
     Returns:
@@ -60,11 +69,11 @@ def compile_into(
         ArtefactError: an artefact failed; ``tmp`` then holds the patch, the artefacts that
             passed and report.json with the failure under ``"failed"``.
     """
-    import ctxc
     from ctxc.backends import emit_checked, precheck
+    from ctxc.pipeline import compile as compile_context
 
     precheck(net, job.kinds)
-    result = ctxc.compile(
+    result = compile_context(
         net,
         tokenizer,
         context=text,
@@ -87,7 +96,7 @@ def compile_into(
             tmp,
             job.kinds,
             full=result.full_logits,
-            on_stage=stage,
+            on_stage=on_emit,
             tokenizer=tokenizer,
             gguf_type=job.gguf_type,
             baked=result.patched_logits,

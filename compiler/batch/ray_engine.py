@@ -1,10 +1,11 @@
-"""``ctxc compile --contexts FILE.jsonl --engine ray``: the lines compiled by a Ray actor pool.
+"""A batch run on Ray (``ctxc compile --contexts FILE.jsonl --engine ray``): the lines compiled
+by a Ray actor pool.
 
 Each worker is a Ray actor that loads and traces the model once (through the export cache,
 ``compiler/store/export_cache.py``: with ``CTXC_CACHE`` on a shared path, one trace serves every
 worker) and compiles one line at a time with the local run's own per-line step
-(:func:`ctxc.cli.batch_line.compile_line`). The driver (this process) keeps everything else of the
-local run (``compiler/cli/batch_out.py``): it holds DIR, creates each line's staging folder,
+(:func:`ctxc.batch.line.compile_line`). The driver (this process) keeps everything else of the
+local run (``compiler/batch/folder.py``): it holds DIR, creates each line's staging folder,
 hands lines to whichever worker is free (in any order), and moves a finished line into place, so
 every line's folder is what the local run writes and only the driver ever renames into DIR.
 DIR must therefore be on a path every worker sees (one machine, or a shared file system).
@@ -13,7 +14,8 @@ A worker that dies (killed, out of memory, its node lost) loses only the line it
 staging folder is removed, the line goes back to the queue for another worker, a new worker
 takes the dead one's place, and the line's row in index.json says ``"attempts"``. A line whose
 workers die :data:`MAX_ATTEMPTS` times is an error of that line. Ctrl-C kills the workers and
-removes the staging folders; the lines finished stay, and ``--resume`` skips them.
+removes the staging folders; the lines finished stay, and ``resume`` skips them. Messages name
+the library's parameters (``workers``); the CLI prints its flags (``--workers``).
 
 ``ray`` is an optional extra (``ctxc[ray]``), imported only here and only when asked for.
 """
@@ -25,7 +27,8 @@ import os
 from collections import deque
 from pathlib import Path
 
-from ctxc.core.errors import CtxcError
+from ctxc.batch.hooks import BatchHooks
+from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.interrupts import TEST_HOOKS, deferred_signals, pause_point
 
 __all__ = [
@@ -51,15 +54,11 @@ class _DropNotices:
 
 
 def quiet_ray_notices() -> None:
-    """Drop Ray's token-authentication notice from its logger, unless ``--verbose``; its
-    warning that authentication is *disabled* still shows. Side effects: a filter on Ray's
-    authentication logger, installed once."""
+    """Drop Ray's token-authentication notice from its logger; its warning that authentication
+    is *disabled* still shows. Side effects: a filter on Ray's authentication logger, installed
+    once."""
     import logging
 
-    from ctxc.cli.progress import is_verbose
-
-    if is_verbose():
-        return
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _DropNotices) for f in logger.filters):
         logger.addFilter(_DropNotices())
@@ -71,7 +70,7 @@ KILL_WAIT_S = 30.0  # how long an interrupted run waits for its killed workers t
 
 @dataclasses.dataclass(frozen=True)
 class RayEngine:
-    """Where and how wide a ``--engine ray`` run goes.
+    """Where and how wide a Ray run goes (``engine="ray"``).
 
     Attributes:
         address: the cluster (``ray.init(address=...)``: ``auto``, ``ray://host:10001``...);
@@ -89,11 +88,11 @@ class RayEngine:
 
     def __post_init__(self) -> None:
         if self.workers is not None and self.workers < 1:
-            raise CtxcError(f"--workers must be at least 1, not {self.workers}")
+            raise OptionError("{workers} must be at least 1, not {}", self.workers)
         if self.gpus_per_worker < 0:
-            raise CtxcError(f"--gpus-per-worker must be 0 or more, not {self.gpus_per_worker}")
+            raise OptionError("{gpus_per_worker} must be 0 or more, not {}", self.gpus_per_worker)
         if self.cpus_per_worker <= 0:
-            raise CtxcError(f"cpus_per_worker must be more than 0, not {self.cpus_per_worker}")
+            raise OptionError("{cpus_per_worker} must be more than 0, not {}", self.cpus_per_worker)
 
 
 def require_ray():
@@ -101,7 +100,7 @@ def require_ray():
     try:
         import ray
     except ImportError:
-        raise CtxcError("--engine ray needs ray: pip install 'ctxc[ray]'") from None
+        raise CtxcError().naming("{engine} ray needs ray: pip install 'ctxc[ray]'") from None
     return ray
 
 
@@ -111,29 +110,29 @@ class LineWorker:
     Wrapped by ``ray.remote`` when a run starts (this module imports no ray at load).
     """
 
-    def __init__(self, model, dtype: str, placement, threads: int, verbose: bool, hooks) -> None:
+    def __init__(
+        self, model, dtype: str, placement, threads: int, env: dict, hooks: BatchHooks
+    ) -> None:
         """Load the model; a CtxcError is kept for :meth:`ready` (the driver says it).
 
         Args:
             threads: torch's intra-op threads: the local run's, as the count decides the
                 rounding of every parallel sum, so the folders are byte-identical to it.
-            verbose: ``--verbose``: the libraries' warnings and bars are kept.
-            hooks: the driver's test-hook variables (``TEST_HOOKS``): a worker of a Ray
+            env: the driver's test-hook variables (``TEST_HOOKS``): a worker of a Ray
                 started earlier has that Ray's environment, not the driver's.
+            hooks: the run's ``load``, ``setup`` and ``name_of`` (:func:`_worker_hooks`).
         """
         import torch
 
-        os.environ.update(hooks)
-        from ctxc.cli.progress import quiet_defaults
-        from ctxc.cli.support import load
-
-        if not verbose:
-            quiet_defaults()  # this process never ran ctxc's main: its bars and warnings off
+        os.environ.update(env)
+        if hooks.setup is not None:
+            hooks.setup()  # this process never ran the caller's setup (the CLI: quiet libraries)
         torch.set_num_threads(threads)
+        self.name_of = hooks.name_of
         self.net = self.tokenizer = None
         self.problem: str | None = None
         try:
-            self.net, self.tokenizer = load(model, dtype, placement)
+            self.net, self.tokenizer = hooks.load(model, dtype, placement)
         except CtxcError as exc:  # said by the driver in one line, as the local run does
             self.problem = " ".join(str(exc).split())
 
@@ -146,72 +145,79 @@ class LineWorker:
         return fingerprint(self.net), None, os.getpid()
 
     def compile(self, staging: str, entry: dict, opts):
-        """Compile ``entry`` into ``staging`` (:func:`ctxc.cli.batch_line.compile_line`)."""
+        """Compile ``entry`` into ``staging`` (:func:`ctxc.batch.line.compile_line`)."""
         import socket
 
-        from ctxc.cli.batch_line import LineOutcome, compile_line
+        from ctxc.batch.line import LineOutcome, compile_line
 
         pause_point(f"compiling {entry['name']}")
         if not Path(staging).is_dir():  # the driver made it: DIR is not shared with this node
-            return LineOutcome(
-                "error",
-                f"the output folder is not visible on {socket.gethostname()}: with --engine "
-                "ray, --out must be on a path every worker sees",
+            unseen = CtxcError().naming(
+                "the output folder is not visible on {}: with {engine} ray, {out} must be on a "
+                "path every worker sees",
+                socket.gethostname(),
             )
-        return compile_line(self.net, self.tokenizer, Path(staging), entry, opts)
+            return LineOutcome("error", unseen.render(self.name_of))
+        return compile_line(self.net, self.tokenizer, Path(staging), entry, opts, self.name_of)
 
 
-def run_on_ray(engine: RayEngine, model: tuple, folder, lines, rows: list[dict], opts) -> None:
+def run_on_ray(
+    engine: RayEngine, model: tuple, folder, lines, rows: list[dict], opts, hooks: BatchHooks
+) -> None:
     """Compile ``lines`` on Ray workers, updating ``rows`` and index.json after each line.
 
     Args:
         engine: the cluster and the pool's size.
-        model: ``(model, dtype)`` as given to ``ctxc compile``.
-        folder: the run's :class:`~ctxc.cli.batch_out.BatchFolder` (held here).
-        lines: :func:`~ctxc.cli.batch.read_lines`'s lines; ``rows``: index.json's rows.
-        opts: the run's :class:`~ctxc.cli.job.CompileJob`.
+        model: ``(model, dtype)`` as given to ``ctxc.compile_many``.
+        folder: the run's :class:`~ctxc.batch.folder.BatchFolder` (held here).
+        lines: :func:`~ctxc.batch.lines.read_lines`'s lines; ``rows``: index.json's rows.
+        opts: the run's :class:`~ctxc.batch.job.CompileJob`.
+        hooks: the run's callbacks (``load``, ``setup`` and ``name_of`` go to each worker).
 
     Side effects:
         starts a local Ray (shut down at the end) unless one is initialised or ``address``
         is given; starts and ends the workers; writes DIR as the local run does.
     """
-    from ctxc.cli.batch_line import batch_progress, record
-    from ctxc.cli.batch_out import input_digest
+    from ctxc.batch.folder import input_digest
+    from ctxc.batch.line import record
 
     ray = require_ray()
     queue: deque[int] = deque()
-    with batch_progress() as bar:
-        task = bar.add_task("contexts", total=len(lines))
-        for i, (n, entry, problem) in enumerate(lines):
-            kept = None if entry is None else folder.finished(entry["name"], input_digest(entry))
-            if entry is not None and kept is None:
-                queue.append(i)
-                continue
-            record(rows, i, (n, entry), problem, kept)
-            bar.update(task, advance=1, kept=True)  # kept (--resume): not in the rate
-        if not queue:
-            folder.write_index(rows)
-            return
-        started = _connect(ray, engine)
-        pool = None
-        try:
-            pool = _Pool(ray, engine, model, opts, min(len(queue), _width(ray, engine)))
-            folder.check_model(pool.start())
-            folder.write_index(rows)
-            pool.drain(queue, folder, lines, rows, lambda: bar.update(task, advance=1))
-        finally:
-            if pool is not None:
-                pool.close(folder)
-            if started:
-                ray.shutdown()
+    done = 0
+    hooks.on_lines(0, len(lines), False)
+    for i, (n, entry, problem) in enumerate(lines):
+        kept = None if entry is None else folder.finished(entry["name"], input_digest(entry))
+        if entry is not None and kept is None:
+            queue.append(i)
+            continue
+        record(rows, i, (n, entry), (problem, kept), hooks.on_error)
+        done += 1
+        hooks.on_lines(done, len(lines), True)  # kept (resume): not in the rate
+    if not queue:
+        folder.write_index(rows)
+        return
+    started = _connect(ray, engine, hooks)
+    pool = None
+    try:
+        width = _width(ray, engine, hooks)
+        pool = _Pool(ray, engine, model, opts, min(len(queue), width), hooks)
+        folder.check_model(pool.start())
+        folder.write_index(rows)
+        pool.drain(queue, folder, lines, rows, done)
+    finally:
+        if pool is not None:
+            pool.close(folder)
+        if started:
+            ray.shutdown()
 
 
-def _connect(ray, engine: RayEngine) -> bool:
+def _connect(ray, engine: RayEngine, hooks: BatchHooks) -> bool:
     """Join ``engine.address`` (or start a local Ray); True when this call started it."""
     if ray.is_initialized():
         return False
     env = {k: os.environ[k] for k in ("CTXC_CACHE", "HF_HOME") if k in os.environ}
-    quiet_ray_notices()
+    if hooks.quiet_ray:
+        quiet_ray_notices()
     try:
         ray.init(
             address=engine.address,
@@ -221,12 +227,12 @@ def _connect(ray, engine: RayEngine) -> bool:
             configure_logging=False,
         )
     except (ConnectionError, RuntimeError, ValueError) as exc:
-        raise CtxcError(f"--engine ray: cannot reach the Ray cluster: {exc}") from None
+        raise CtxcError().naming("{engine} ray: cannot reach the Ray cluster: {}", exc) from None
     return True
 
 
-def _width(ray, engine: RayEngine) -> int:
-    """The pool's size: ``--workers``, else what the cluster's CPUs (or GPUs) hold, at most
+def _width(ray, engine: RayEngine, hooks: BatchHooks) -> int:
+    """The pool's size: ``workers``, else what the cluster's CPUs (or GPUs) hold, at most
     what it holds now (a worker that never gets its CPU or GPU would hold its line forever).
 
     Raises:
@@ -237,23 +243,28 @@ def _width(ray, engine: RayEngine) -> int:
     if engine.gpus_per_worker > 0:
         fit = min(fit, int(have.get("GPU", 0) // engine.gpus_per_worker))
         if fit < 1:
-            raise CtxcError(
-                f"--gpus-per-worker {engine.gpus_per_worker:g}: the Ray cluster has "
-                f"{have.get('GPU', 0):g} GPUs"
+            raise CtxcError().naming(
+                "{gpus_per_worker} {:g}: the Ray cluster has {:g} GPUs",
+                engine.gpus_per_worker,
+                have.get("GPU", 0),
             )
     fit = max(1, fit)
     if engine.workers is not None and engine.workers > fit:
-        from ctxc.cli.progress import stage
-
-        stage(f"--workers {engine.workers}: the Ray cluster holds {fit}; using {fit}", keep=True)
+        notice = CtxcError().naming(
+            "{workers} {}: the Ray cluster holds {}; using {}", engine.workers, fit, fit
+        )
+        hooks.on_stage(notice.render(hooks.name_of), True)
     return fit if engine.workers is None else min(engine.workers, fit)
 
 
 class _Pool:
     """The workers of a run, a line in flight on each; a dead one replaced by a new one."""
 
-    def __init__(self, ray, engine: RayEngine, model: tuple, opts, width: int) -> None:
+    def __init__(
+        self, ray, engine: RayEngine, model: tuple, opts, width: int, hooks: BatchHooks
+    ) -> None:
         self.ray = ray
+        self.hooks = hooks
         placement = opts.placement
         if engine.gpus_per_worker > 0 and (placement is None or placement.device is None):
             from ctxc.models.devices import Placement
@@ -261,12 +272,10 @@ class _Pool:
             placement = Placement(device="cuda")  # the GPU Ray gave this worker
         import torch
 
-        from ctxc.cli.progress import is_verbose
-
         # Ray starts a worker with one thread per reserved CPU; the local run uses torch's
         # default here (OMP_NUM_THREADS, else the cores), and the count changes the bytes.
-        hooks = {k: os.environ[k] for k in TEST_HOOKS if k in os.environ}
-        self.args = (*model, placement, torch.get_num_threads(), is_verbose(), hooks)
+        env = {k: os.environ[k] for k in TEST_HOOKS if k in os.environ}
+        self.args = (*model, placement, torch.get_num_threads(), env, _worker_hooks(hooks))
         self.opts = dataclasses.replace(opts, placement=placement)
         self.remote = ray.remote(LineWorker).options(
             num_cpus=engine.cpus_per_worker, num_gpus=engine.gpus_per_worker
@@ -284,10 +293,14 @@ class _Pool:
                 raise CtxcError(problem)
         return ready[0][0]
 
-    def drain(self, queue: deque, folder, lines, rows: list[dict], advance) -> None:
-        """Hand out the queued lines until every one is settled (see the module docstring)."""
-        from ctxc.cli.batch_line import LineOutcome, record, settle
-        from ctxc.cli.batch_out import input_digest
+    def drain(self, queue: deque, folder, lines, rows: list[dict], done: int) -> None:
+        """Hand out the queued lines until every one is settled (see the module docstring).
+
+        Args:
+            done: the lines settled already (kept by ``resume``).
+        """
+        from ctxc.batch.folder import input_digest
+        from ctxc.batch.line import LineOutcome, record, settle
 
         idle = list(self.workers)
         attempts: dict[int, list[str]] = {}
@@ -302,11 +315,11 @@ class _Pool:
                     staging,
                 )
                 attempts.setdefault(i, [])
-            [done], _ = self.ray.wait(list(self.flight), num_returns=1)
-            worker, i, staging = self.flight.pop(done)
+            [ref], _ = self.ray.wait(list(self.flight), num_returns=1)
+            worker, i, staging = self.flight.pop(ref)
             n, entry, _ = lines[i]
             try:
-                outcome = self.ray.get(done)
+                outcome = self.ray.get(ref)
                 idle.append(worker)
             except self.ray.exceptions.RayActorError as exc:  # the worker's process is gone
                 folder.discard(staging)  # the dead worker's half-written line
@@ -319,12 +332,14 @@ class _Pool:
             except BaseException:  # an interrupt, or an error that escaped the line's step
                 folder.discard(staging)
                 raise
-            problem, figures = settle(folder, staging, entry, input_digest(entry), outcome)
+            digest = input_digest(entry)
+            settled = settle(folder, staging, entry, digest, outcome, self.hooks.name_of)
             lost = attempts[i]
             extra = {"attempts": len(lost) + 1, "workers_lost": lost} if lost else {}
-            record(rows, i, (n, entry), problem, figures, **extra)
+            record(rows, i, (n, entry), settled, self.hooks.on_error, **extra)
             folder.write_index(rows)
-            advance()
+            done += 1
+            self.hooks.on_lines(done, len(lines), False)
             pause_point(f"line {n} done")
 
     def _replace(self, dead):
@@ -352,6 +367,12 @@ class _Pool:
             for _, _, staging in self.flight.values():
                 folder.discard(staging)
         self.flight.clear()
+
+
+def _worker_hooks(hooks: BatchHooks) -> BatchHooks:
+    """What a worker needs of the run's hooks (a Ray worker is sent them: the callbacks that
+    report stay in this process)."""
+    return BatchHooks(load=hooks.load, setup=hooks.setup, name_of=hooks.name_of)
 
 
 def _cause(exc: BaseException) -> str:

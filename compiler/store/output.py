@@ -1,4 +1,4 @@
-"""Output folders of the CLI: what may be replaced, staging beside it, and the final rename.
+"""Output folders ctxc writes: what may be replaced, staging beside it, and the final rename.
 
 A folder ctxc writes carries a marker file, ``.ctxc``, that lists the entries ctxc put there.
 ``--force`` replaces only such a folder (or an empty one); a folder that holds anything else,
@@ -159,25 +159,34 @@ def check_out(path: Path, force: bool) -> Path:
     cwd = Path.cwd().resolve()
     cache = cache_dir().expanduser().resolve()
     if final == cwd:
-        raise CtxcError(f"--out {path} is the current folder: name a new folder for the output")
+        raise CtxcError().naming(
+            "{out} {} is the current folder: name a new folder for the output", path
+        )
     if cwd.is_relative_to(final):
-        raise CtxcError(f"--out {path} holds the current folder: name a new folder for the output")
+        raise CtxcError().naming(
+            "{out} {} holds the current folder: name a new folder for the output", path
+        )
     if final.is_relative_to(cache) or cache.is_relative_to(final):
-        raise CtxcError(f"--out {path} overlaps the ctxc cache {cache}: name another folder")
+        raise CtxcError().naming(
+            "{out} {} overlaps the ctxc cache {}: name another folder", path, cache
+        )
     if final.exists() and not final.is_dir():
         raise CtxcError(f"output path exists and is not a folder: {path}")
     if final.is_dir() and any(final.iterdir()):
         if not is_ctxc_output(final):
-            raise CtxcError(
-                f"output folder {path} holds files ctxc did not write ({foreign(final)!r}): "
-                "name another folder (--force replaces only an earlier ctxc output)"
+            raise CtxcError().naming(
+                "output folder {} holds files ctxc did not write ({!r}): name another folder "
+                "({force} replaces only an earlier ctxc output)",
+                path,
+                foreign(final),
             )
         if is_busy(final):
             raise CtxcError(f"output folder {path} is being written by another ctxc run")
         if not force:
-            more = "; --resume keeps its finished lines" if _is_batch(final) else ""
-            raise CtxcError(
-                f"output folder {path} holds an earlier ctxc output (--force replaces it{more})"
+            more = "; {resume} keeps its finished lines" if _is_batch(final) else ""
+            raise CtxcError().naming(
+                "output folder {} holds an earlier ctxc output ({force} replaces it" + more + ")",
+                path,
             )
     if final.is_dir() and not os.access(final, os.W_OK | os.X_OK):
         raise CtxcError(f"output folder {path} is not writable")

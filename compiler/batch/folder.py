@@ -1,4 +1,5 @@
-"""The output folder of ``ctxc compile --contexts``: every finished line kept as it completes.
+"""The output folder of a batch run (``ctxc compile --contexts``): every finished line kept as
+it completes.
 
 DIR is created (or taken over, with ``--resume`` or ``--force``) at the start and held for the
 whole run by an ``flock`` on the folder itself, so a second run into it is refused in one line.
@@ -26,7 +27,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ctxc.cli.output import (
+from ctxc.core.errors import CtxcError
+from ctxc.core.interrupts import deferred_signals
+from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.store.output import (
     MARKER,
     check_out,
     clean_dead,
@@ -41,9 +45,6 @@ from ctxc.cli.output import (
     replace_text,
     write_marker,
 )
-from ctxc.core.errors import CtxcError
-from ctxc.core.interrupts import deferred_signals
-from ctxc.core.vocabulary import PATCH_FILE
 
 __all__ = ["BatchFolder", "batch_folder", "input_digest"]
 
@@ -84,9 +85,10 @@ class BatchFolder:
     def check_model(self, fingerprint: dict) -> None:
         """Refuse to resume lines computed on another model; record this one's fingerprint."""
         if self.resuming and self._model not in (None, fingerprint):
-            raise CtxcError(
-                f"--resume: output folder {self.shown} was compiled on another model (its "
-                "fingerprint differs): give the same model, or --force to start afresh"
+            raise CtxcError().naming(
+                "{resume}: output folder {} was compiled on another model (its fingerprint "
+                "differs): give the same model, or {force} to start afresh",
+                self.shown,
             )
         self._model = fingerprint
         self._marker()
@@ -223,13 +225,13 @@ def batch_folder(path: Path, force: bool, resume: bool, options: dict) -> Iterat
         the :class:`BatchFolder`.
 
     Raises:
-        CtxcError: DIR is refused (see :func:`~ctxc.cli.output.check_out`), is held by another
+        CtxcError: DIR is refused (see :func:`~ctxc.store.output.check_out`), is held by another
             run, holds no ``--contexts`` run to resume, or one with other options.
     """
     if force and resume:
-        raise CtxcError(
-            "--resume and --force are exclusive: --resume keeps the lines written, "
-            "--force starts afresh"
+        raise CtxcError().naming(
+            "{resume} and {force} are exclusive: {resume} keeps the lines written, "
+            "{force} starts afresh"
         )
     final = check_out(path, force or resume)
     created = missing_parents(final)
@@ -302,16 +304,19 @@ def _resumable(final: Path, shown: Path, options: dict) -> dict:
         earlier = marker["batch"]["options"]
         entries = [str(e) for e in marker["entries"]]
     except (OSError, ValueError, KeyError, TypeError):
-        raise CtxcError(
-            f"--resume: output folder {shown} holds no --contexts run to resume "
-            "(--force replaces it)"
+        raise CtxcError().naming(
+            "{resume}: output folder {} holds no {contexts} run to resume ({force} replaces it)",
+            shown,
         ) from None
     differ = sorted(k for k in {*earlier, *options} if earlier.get(k) != options.get(k))
     if differ:
         key = differ[0]
-        raise CtxcError(
-            f"--resume: output folder {shown} was compiled with other options ({key} "
-            f"{earlier.get(key)!r}, now {options.get(key)!r}): give the same options, or "
-            "--force to start afresh"
+        raise CtxcError().naming(
+            "{resume}: output folder {} was compiled with other options ({} {!r}, now {!r}): "
+            "give the same options, or {force} to start afresh",
+            shown,
+            key,
+            earlier.get(key),
+            options.get(key),
         )
     return {"entries": entries, "model_fingerprint": marker["batch"].get("model_fingerprint")}
