@@ -40,7 +40,7 @@ __all__ = [
 
 # The backends' folders, in the order ``--help`` lists their backends: each declares its own in
 # its ``__init__.py`` (``DECLARED``, torch-free). A new backend is a folder and its name here.
-FOLDERS = ("torch", "onnx", "peft", "gguf")
+FOLDERS = ("torch", "onnx", "peft", "gguf", "delta")
 
 
 def _declared() -> dict[str, Backend]:
