@@ -1,7 +1,8 @@
 """Emitters: Transformers model, ONNX, PEFT and serving LoRA, GGUF; the registry the CLI reads.
 
-The registry names each backend, what it writes and the extra that brings its dependencies,
-without importing them: ``ctxc --help`` and a usage error must not load torch or onnx.
+The registry gathers what each backend folder declares of itself (``backends/base.py``: its name,
+what it writes, the extra that brings its dependencies, its emitter), without importing what it
+writes with: ``ctxc --help`` and a usage error must not load torch or onnx.
 :func:`emit_checked` writes the asked artefacts, each checked where a user runs it and held to
 the patch's own figure: ``ctxc compile`` (each context of a batch), ``ctxc export`` and ``ctxc
 bake`` all emit through it, the torch model folder too (reloaded by plain Transformers).
@@ -10,14 +11,12 @@ bake`` all emit through it, the torch model folder too (reloaded by plain Transf
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
+from ctxc.backends.base import Backend, Emitter, Figures
 from ctxc.core.errors import CtxcError
-from ctxc.core.vocabulary import LORA_RULE
 
 if TYPE_CHECKING:
     import torch
@@ -26,171 +25,47 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BACKENDS",
+    "FOLDERS",
     "Backend",
     "Emitter",
     "Figures",
     "backend",
     "check_rules",
     "emit_checked",
+    "emitted_by",
     "parse_backends",
     "precheck",
 ]
 
 
-class Figures(Protocol):
-    """What an emitter measured of its artefact: JSON for report.json, one line for the user."""
-
-    def to_dict(self) -> dict: ...
-
-    def summary(self) -> str: ...
+# The backends' folders, in the order ``--help`` lists their backends: each declares its own in
+# its ``__init__.py`` (``DECLARED``, torch-free). A new backend is a folder and its name here.
+FOLDERS = ("torch", "onnx", "peft", "gguf", "delta")
 
 
-class Emitter(Protocol):
-    """A backend's emitter: writes its artefact into ``out_dir`` and checks it.
-
-    Called as ``emitter(model, patch, out_dir, full=logits, **takes)``: ``full`` is the
-    full-context logits at the query positions [k, vocab]; ``takes`` the keyword arguments the
-    backend declares (:attr:`Backend.takes`). Returns the artefact's path and its figures;
-    raises a CtxcError (a CheckFailed for a figure beyond its bound).
-    """
-
-    def __call__(
-        self,
-        model: torch.nn.Module,
-        patch: Patch,
-        out_dir: Path,
-        *,
-        full: torch.Tensor | None = ...,
-        **takes: Any,
-    ) -> tuple[Path, Figures]: ...
+def _declared() -> dict[str, Backend]:
+    """Every folder's declarations by name, in :data:`FOLDERS`' order."""
+    found: dict[str, Backend] = {}
+    for folder in FOLDERS:
+        for b in importlib.import_module(f"{__name__}.{folder}").DECLARED:
+            if b.name in found:
+                raise ValueError(f"backend {b.name!r} declared twice (backends/{folder}/)")
+            found[b.name] = b
+    return found
 
 
-@dataclass(frozen=True)
-class Backend:
-    """One artefact kind of ``--emit`` / ``--to``.
-
-    Attributes:
-        name: the value on the command line.
-        writes: what it adds to a ``ctxc compile`` output folder.
-        status: the progress line while it runs.
-        emitter: ``"module:function"``, imported on first use: an :class:`Emitter`.
-        patchable: the same for ``--patchable``, when the backend has such a variant.
-        extra: the pip extra that brings ``requires`` (``None``: the plain install has them).
-        requires: import names the emitter needs.
-        takes: keyword arguments the emitter takes besides ``full`` (``tokenizer``,
-            ``gguf_type``, ``baked``: the compile's patched logits, ``folder``: where the torch
-            model folder goes), passed by :func:`emit_checked` when given.
-        precheck: ``"module:function"`` taking the model, run before any compile: raises a
-            CtxcError for a model the backend cannot write (an unknown GGUF architecture).
-        alone: ``(artefact name, status)`` when the artefact is the output folder itself
-            (``folder=""``: ``ctxc export --to torch``), for a backend that can be.
-        also: the other files it writes beside ``writes``, for the closing ``wrote`` line.
-        rules: the update rules whose patch it can hold (``None``: every rule), checked with
-            the options before anything loads (:func:`check_rules`).
-    """
-
-    name: str
-    writes: str
-    status: str
-    emitter: str
-    patchable: str | None = None
-    extra: str | None = None
-    requires: tuple[str, ...] = ()
-    takes: tuple[str, ...] = ()
-    precheck: str | None = None
-    alone: tuple[str, str] | None = None
-    rules: tuple[str, ...] | None = None
-    also: tuple[str, ...] = ()
-
-    def require(self, flag: str = "--emit") -> None:
-        """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
-        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
-        if missing:
-            raise CtxcError(
-                f"{flag} {self.name} needs {', '.join(missing)}: pip install 'ctxc[{self.extra}]'"
-            )
-
-    def load(self, patchable: bool = False) -> Emitter:
-        """The emitter function (the ``--patchable`` variant when asked and available)."""
-        target = self.patchable if patchable and self.patchable else self.emitter
-        module, function = target.split(":")
-        return getattr(importlib.import_module(module), function)
-
-
-# One entry per name of ``ctxc.core.vocabulary.BACKEND_NAMES``, in its order (what each name
-# means is said there; tests/core/test_vocabulary.py holds them equal).
-BACKENDS: dict[str, Backend] = {
-    b.name: b
-    for b in (
-        Backend(
-            "torch",
-            writes="model/",
-            status="writing model/ and reloading it",
-            emitter="ctxc.backends.torch.check:emit_torch_checked",
-            takes=("tokenizer", "folder", "baked"),
-            alone=("model folder", "writing the model folder and reloading it"),
-        ),
-        Backend(
-            "onnx",
-            writes="model.onnx",
-            status="exporting model.onnx and checking it with onnxruntime",
-            emitter="ctxc.backends.onnx.model:emit_onnx",
-            patchable="ctxc.backends.onnx.patchable:emit_onnx_patchable",
-            extra="onnx",
-            requires=("onnx", "onnxruntime", "onnxscript"),
-        ),
-        Backend(
-            "ort-adapter",
-            writes="context.onnx_adapter",
-            status="writing the onnxruntime adapter (and patchable.onnx) and checking it",
-            emitter="ctxc.backends.onnx.ort_adapter:emit_ort_adapter",
-            extra="onnx",
-            requires=("onnx", "onnxruntime", "onnxscript"),
-            also=("context.onnx_adapter.json", "patchable.onnx"),  # its record, its graph
-        ),
-        Backend(
-            "peft",
-            writes="adapter/",
-            status="writing the PEFT adapter and checking it",
-            emitter="ctxc.backends.peft.adapter:emit_peft",
-            extra="peft",
-            requires=("peft",),
-            takes=("baked",),
-        ),
-        Backend(
-            "lora",
-            writes="lora/",
-            status="writing the serving LoRA adapter and checking it",
-            emitter="ctxc.backends.peft.lora_adapter:emit_lora",
-            extra="peft",
-            requires=("peft",),
-            takes=("baked",),
-            rules=(LORA_RULE,),  # linear weights only: no norm scale, bias or expert bank
-        ),
-        Backend(
-            "gguf",
-            writes="model.gguf",
-            status="writing model.gguf and reloading it with Transformers",
-            emitter="ctxc.backends.gguf.model:emit_gguf",
-            takes=("tokenizer", "gguf_type"),
-            precheck="ctxc.backends.gguf.names:gguf_arch",
-        ),
-        Backend(
-            "gguf-lora",
-            writes="lora.gguf",
-            status="writing the llama.cpp LoRA GGUF and checking it",
-            emitter="ctxc.backends.gguf.lora:emit_gguf_lora",
-            takes=("tokenizer", "gguf_type"),
-            precheck="ctxc.backends.gguf.names:gguf_arch",
-            rules=(LORA_RULE,),
-        ),
-    )
-}
+BACKENDS: dict[str, Backend] = _declared()
 
 
 def backend(name: str) -> Backend:
     """The registered backend called ``name``."""
     return BACKENDS[name]
+
+
+def emitted_by(kinds: list[str]) -> str | None:
+    """The kind among ``kinds`` whose figure is the report's ``emitted`` (:attr:`Backend.emitted`:
+    the model folder reloaded), or None."""
+    return next((k for k in kinds if BACKENDS[k].emitted), None)
 
 
 def parse_backends(spec: str, flag: str = "--emit") -> list[str]:
@@ -264,10 +139,11 @@ def emit_checked(
 ) -> dict[str, Figures]:
     """Write the artefacts of ``kinds`` into ``out_dir``, each checked; their figures by kind.
 
-    ``torch`` goes first (the model folder, reloaded), then the others in the order asked. Each
-    emitter checks its artefact where a user runs it, and its fidelity to the full context is
-    held to the patch's solver figure (``ctxc.core.checks.gate``); each writes into a folder
-    of its own, moved into ``out_dir`` only once it passed.
+    The backend whose figure is the report's ``emitted`` goes first (``torch``: the model folder,
+    reloaded), then the others in the order asked. Each emitter checks its artefact where a user
+    runs it, and its fidelities to the full context (:meth:`Figures.fidelities`) are held to the
+    patch's solver figure (``ctxc.core.checks.gate``); each writes into a folder of its own,
+    moved into ``out_dir`` only once it passed.
 
     Args:
         model: the model the patch was computed on (unpatched).
@@ -293,11 +169,11 @@ def emit_checked(
     if not kinds:
         return {}
     if full is None:
-        from ctxc.backends.torch.verify import reference_logits
+        from ctxc.backends.reference import reference_logits
 
         full = reference_logits(model, patch)
     figures: dict[str, Figures] = {}
-    for b in (BACKENDS[k] for k in sorted(kinds, key=lambda k: k != "torch")):
+    for b in (BACKENDS[k] for k in sorted(kinds, key=lambda k: not BACKENDS[k].emitted)):
         alone = b.alone is not None and extra.get("folder") == ""
         artefact, status = b.alone if alone and b.alone else (b.writes, b.status)
         if on_stage is not None:
@@ -305,6 +181,7 @@ def emit_checked(
         with staged(out_dir, b.name, artefact, figures) as sub:
             given = {k: extra[k] for k in b.takes if extra.get(k) is not None}
             _, found = b.load(patchable)(model, patch, sub, full=full, **given)
-            gate(b.name, artefact, found, patch.meta, full, extra.get("gguf_type"))
+            rounds = extra.get("gguf_type") if "gguf_type" in b.takes else None
+            gate(artefact, found, patch.meta, full, rounds)
         figures[b.name] = found
     return figures

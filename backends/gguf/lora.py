@@ -26,8 +26,8 @@ from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures
 from ctxc.backends.gguf.model import GGUF_ATOL
 from ctxc.backends.gguf.names import gguf_arch, gguf_name
 from ctxc.backends.gguf.write import tensor_array
-from ctxc.backends.peft.lora_adapter import servable_deltas
-from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
+from ctxc.backends.lora_pairs import servable_deltas
+from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
@@ -78,6 +78,10 @@ class GgufLoraFigures:
     def to_dict(self) -> dict:
         """The JSON form written under ``"gguf-lora"`` in ``report.json``."""
         return asdict(self)
+
+    def fidelities(self) -> dict[str, Fidelity]:
+        """The deltas as llama.cpp applies them, held to the patch's figure by the gate."""
+        return {"applied": self.applied}
 
     def summary(self) -> str:
         """One line for a terminal."""

@@ -25,7 +25,7 @@ from ctxc.backends.gguf.llama_cpp.check import run_in_llama_cpp
 from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures
 from ctxc.backends.gguf.names import gguf_arch
 from ctxc.backends.gguf.write import write_gguf
-from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
+from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
@@ -82,6 +82,10 @@ class GgufFigures:
     def to_dict(self) -> dict:
         """The JSON form written under ``"gguf"`` in ``report.json``."""
         return asdict(self)
+
+    def fidelities(self) -> dict[str, Fidelity]:
+        """The file reloaded by Transformers, held to the patch's figure by the gate."""
+        return {"reloaded": self.reloaded}
 
     def summary(self) -> str:
         """One line for a terminal."""

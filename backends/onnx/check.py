@@ -101,6 +101,10 @@ class OnnxFigures:
         """The JSON form written under ``"onnx"`` in ``report.json``."""
         return asdict(self)
 
+    def fidelities(self) -> dict[str, Fidelity]:
+        """onnxruntime fed the query alone, held to the patch's figure by the gate."""
+        return {"fidelity": self.fidelity}
+
     def summary(self) -> str:
         """One line for a terminal."""
         checks = ", ".join(
@@ -237,7 +241,7 @@ def verify_export(
 
     Args:
         path: the written ``model.onnx``.
-        ids: the check inputs (:func:`ctxc.backends.torch.verify.check_ids`).
+        ids: the check inputs (:func:`ctxc.backends.reference.check_ids`).
         expected: the torch patched model's logits [n, vocab] for each input.
         full: the full-context logits at the query positions [k, vocab].
         feeds: session -> the inputs besides ``input_ids`` (the patch's factors, when

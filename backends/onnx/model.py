@@ -26,7 +26,7 @@ from ctxc.backends.onnx.export import (
     seq_dim,
 )
 from ctxc.backends.onnx.files import ONNX_FILE, patch_metadata, save_program
-from ctxc.backends.torch.verify import check_ids, reference_logits
+from ctxc.backends.reference import check_ids, reference_logits
 from ctxc.patch import Patch
 
 # The CLI reaches the backend through this module: require_onnx and ONNX_FILE stay importable.

@@ -38,7 +38,7 @@ from ctxc.backends.onnx.check import (
 from ctxc.backends.onnx.export import export_settings, patched_logits, require_onnx
 from ctxc.backends.onnx.files import file_size
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, inputs_of, patch_feeds
-from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
+from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
@@ -211,6 +211,10 @@ class AdapterFigures:
     def to_dict(self) -> dict:
         """The JSON form written under ``"ort-adapter"`` in ``report.json``."""
         return asdict(self)
+
+    def fidelities(self) -> dict[str, Fidelity]:
+        """onnxruntime with the adapter active, held to the patch's figure by the gate."""
+        return {"fidelity": self.fidelity}
 
     def summary(self) -> str:
         """One line for a terminal."""

@@ -43,7 +43,7 @@ from ctxc.backends.onnx.export import (
     seq_dim,
 )
 from ctxc.backends.onnx.files import ONNX_FILE, patch_metadata, save_program
-from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
+from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.delta_math import add_in_float32, lowrank_dense
 from ctxc.core.errors import CtxcError
 from ctxc.patch import Delta, Patch

@@ -27,7 +27,7 @@ import torch
 
 from ctxc.backends import backend
 from ctxc.backends.peft.write import fill_adapter, flags_kept, shared_copy, write_card
-from ctxc.backends.torch.verify import check_ids, reference_logits, torch_logits
+from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
@@ -105,6 +105,10 @@ class PeftFigures:
     def to_dict(self) -> dict:
         """The JSON form written under ``"peft"`` in ``report.json``."""
         return asdict(self)
+
+    def fidelities(self) -> dict[str, Fidelity]:
+        """The adapter as loaded and merged, each held to the patch's figure by the gate."""
+        return {"lora": self.lora, "merged": self.merged}
 
     def summary(self) -> str:
         """One line for a terminal or a log: what the adapter holds, and its figures."""

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import torch
 
+from ctxc.backends.lora_pairs import servable_deltas
 from ctxc.backends.peft.adapter import PeftFigures, emit_peft
 from ctxc.backends.peft.lora_rules import VllmCheck, check_vllm_adapter
-from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import top1_word
-from ctxc.patch import Delta, Patch
+from ctxc.core.metrics import Fidelity, top1_word
+from ctxc.patch import Patch
 
-__all__ = ["LORA_DIR", "LoraFigures", "emit_lora", "refuse_unservable", "servable_deltas"]
+__all__ = ["LORA_DIR", "LoraFigures", "emit_lora"]
 
 LORA_DIR = "lora"
 
@@ -36,6 +36,10 @@ class LoraFigures:
         """The JSON form written under ``"lora"`` in ``report.json``."""
         return asdict(self)
 
+    def fidelities(self) -> dict[str, Fidelity]:
+        """As the PEFT adapter's: as loaded and merged, each held to the patch's figure."""
+        return self.peft.fidelities()
+
     def summary(self) -> str:
         """One line for a terminal."""
         a = self.peft.lora
@@ -45,53 +49,6 @@ class LoraFigures:
             f"as loaded vs full context max {a.max_abs_logit_diff:.3g}, top-1 "
             f"{top1_word(a.top1_match)}"
         )
-
-
-def refuse_unservable(patch: Patch, what: str) -> None:
-    """Refuse a patch with a norm-scale, bias or expert-bank delta, from the patch alone (no
-    model: ``ctxc export`` says so before the model loads).
-
-    Raises:
-        CtxcError: one line naming the first such parameter and the rule to use.
-    """
-    for name, delta in patch.deltas.items():
-        if delta.vector is not None or delta.experts or not name.endswith(".weight"):
-            kind = "an expert bank" if delta.experts else "a norm scale or bias"
-            raise CtxcError(
-                f"{what} holds linear weights only; this patch changes {name} ({kind}, from "
-                f"--update {patch.meta.update}): compile with --update lora"
-            )
-
-
-def servable_deltas(model: torch.nn.Module, patch: Patch, what: str) -> dict[str, Delta]:
-    """The patch's deltas by module, when every one is a serving engine's LoRA pair.
-
-    Args:
-        model: the model the patch applies to.
-        patch: the patch.
-        what: the artefact, for the message (``--emit lora``).
-
-    Returns:
-        module name -> its weight's delta (all of one rank).
-
-    Raises:
-        CtxcError: a norm scale, bias or expert-bank delta, a delta of a module that is not a
-            ``nn.Linear``, or mixed ranks: one line that names the rule to use.
-    """
-    refuse_unservable(patch, what)
-    found: dict[str, Delta] = {}
-    for name, delta in patch.deltas.items():
-        module = name.rpartition(".")[0]
-        layer = model.get_submodule(module)
-        if not isinstance(layer, torch.nn.Linear) or delta.layout != "out_in":
-            raise CtxcError(f"{what} holds nn.Linear weights only; {name} is not one")
-        found[module] = delta
-    ranks = {d.rank for d in found.values()}
-    if len(ranks) > 1:
-        raise CtxcError(f"{what} needs one rank for every module; this patch has {sorted(ranks)}")
-    if not found:
-        raise CtxcError(f"{what}: the patch changes no weight")
-    return found
 
 
 def emit_lora(

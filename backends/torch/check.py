@@ -16,19 +16,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ctxc.backends.reference import reference_logits, torch_logits
 from ctxc.backends.torch.model import emit_torch
-from ctxc.backends.torch.verify import reference_logits, reloaded_logits
 from ctxc.core.checks import enforce, fidelity_limit
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.report import reference_name
 from ctxc.core.thresholds import reload_bound
+from ctxc.frontend.trace import trace
+from ctxc.models.devices import block_device_map, placement_of
+from ctxc.models.offload import input_device
+from ctxc.passes.runtime.run_graph import run_logits
 from ctxc.patch import Patch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = ["TorchFigures", "emit_torch_checked", "reload_fidelity"]
+__all__ = ["TorchFigures", "emit_torch_checked", "reload_fidelity", "reloaded_logits"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,10 @@ class TorchFigures:
             data["vs_patched"] = self.vs_patched
         return data
 
+    def fidelities(self) -> dict[str, Fidelity]:
+        """The folder reloaded, held to the patch's figure by the gate."""
+        return {"reloaded": self.reloaded}
+
     def summary(self) -> str:
         name = f"{self.folder}/" if self.folder else "model folder"
         r = self.reloaded
@@ -67,6 +75,44 @@ class TorchFigures:
             f"{name}, reloaded, fed the query alone: max |logit diff| "
             f"{r.max_abs_logit_diff:.3g}, top-1 {top}"
         )
+
+
+def reloaded_logits(
+    folder: Path, query_ids: list[int], dtype: str, like: torch.nn.Module | None = None
+) -> torch.Tensor:
+    """A written model folder as a user loads it (plain ``from_pretrained``), fed the query.
+
+    The report's ``emitted`` figures come from here: a model loaded from disk can take other
+    kernel paths than the one patched in memory (see README, Backends), so only the reloaded
+    folder measures what a user gets.
+
+    Args:
+        folder: a Transformers model folder.
+        query_ids: the token ids to feed.
+        dtype: ``float32`` | ``bfloat16`` | ``float16``.
+        like: load it placed as this model was (its device, or accelerate's ``device_map`` and
+            ``max_memory``: a dispersed model is never reloaded whole into memory).
+
+    Returns:
+        float32 [k, vocab] on the CPU.
+    """
+    from transformers import AutoConfig
+
+    from ctxc.models.vlm import auto_model_class  # AutoModelForImageTextToText for a VLM
+
+    auto = auto_model_class(AutoConfig.from_pretrained(str(folder)))
+    placement = placement_of(like)
+    kwargs = placement.load_kwargs()
+    if placement.device_map is not None:  # reloaded dispersed, as it was compiled
+        torch_dtype = getattr(torch, dtype)
+        memory = kwargs.get("max_memory")
+        kwargs["device_map"] = block_device_map(folder, torch_dtype, placement.device_map, memory)
+        model = auto.from_pretrained(str(folder), dtype=torch_dtype, **kwargs)
+        ids = torch.tensor([query_ids], device=input_device(model))
+        k = len(query_ids)
+        return run_logits(trace(model.eval(), k, (k, k), "static"), ids).cpu()
+    model = auto.from_pretrained(str(folder), dtype=getattr(torch, dtype), **kwargs).eval()
+    return torch_logits(model, [torch.tensor([query_ids])])[0]
 
 
 def reload_fidelity(

@@ -29,7 +29,7 @@ import ctxc
 from ctxc.backends.onnx.model import emit_onnx
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
 from ctxc.backends.peft.adapter import emit_peft
-from ctxc.backends.torch.verify import reference_logits
+from ctxc.backends.reference import reference_logits
 from ctxc.core.metrics import Fidelity, fidelity
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -38,7 +38,7 @@ from ctxc.backends.gguf.llama_cpp.run import (
 )
 from ctxc.backends.gguf.lora import write_gguf_lora
 from ctxc.backends.gguf.write import write_gguf
-from ctxc.backends.torch.verify import reference_logits, torch_logits
+from ctxc.backends.reference import reference_logits, torch_logits
 from ctxc.core.metrics import fidelity
 from ctxc.models.load import source_gguf
 from testbed.tables import invocation, write_table

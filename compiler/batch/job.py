@@ -69,7 +69,7 @@ def compile_into(
         ArtefactError: an artefact failed; ``tmp`` then holds the patch, the artefacts that
             passed and report.json with the failure under ``"failed"``.
     """
-    from ctxc.backends import emit_checked, precheck
+    from ctxc.backends import emit_checked, emitted_by, precheck
     from ctxc.pipeline import compile as compile_context
 
     precheck(net, job.kinds)
@@ -83,7 +83,7 @@ def compile_into(
         # With model/ written, its reload measures the same weights at the same alignment
         # (compiler/runs/patched_forward.py): the in-memory run would be a second forward pass
         # and a second materialisation of every patched weight for the same figure.
-        verify="torch" not in job.kinds,
+        verify=emitted_by(job.kinds) is None,
         options=job.compile,
         **hooks,
     )
@@ -114,14 +114,16 @@ def _write_report(tmp: Path, report, kinds: list[str], figures: dict, failed=Non
     Returns:
         (the report as written, the figures but torch's).
     """
+    from ctxc.backends import emitted_by
     from ctxc.core.report import write_report
 
     figures = dict(figures)
-    folder = figures.pop("torch", None)  # model/, reloaded: what a user loads
+    kind = emitted_by(kinds)
+    folder = figures.pop(kind, None) if kind else None  # model/, reloaded: what a user loads
     if folder is not None:
         report = dataclasses.replace(report, emitted=folder.reloaded)
         measured = folder.measured_on
-    elif "torch" in kinds:
+    elif kind is not None:
         measured = "the solver's pass (model/ failed its check)"
     else:
         measured = "the patched model in memory (no model/ written)"

@@ -97,6 +97,6 @@ def _refuse_before_load(patch, kinds: list[str]) -> None:
 
     for kind in kinds:
         if backend(kind).rules is not None:
-            from ctxc.backends.peft.lora_adapter import refuse_unservable
+            from ctxc.backends.lora_pairs import refuse_unservable
 
             refuse_unservable(patch, f"--to {kind}")

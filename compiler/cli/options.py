@@ -16,7 +16,6 @@ import typer
 
 from ctxc.core.errors import CtxcError
 from ctxc.core.vocabulary import (
-    BACKEND_NAMES,
     BAKE_DATA,
     BAKE_METHODS,
     DEFAULT_RULE,
@@ -133,8 +132,10 @@ def placement_for(
     Args:
         kinds: the artefacts asked for: ONNX and PEFT need the model in one place.
     """
+    from ctxc.backends import backend
+
     placement = Placement.parse(device, device_map, max_memory)
-    other = [k for k in kinds if k != "torch"]
+    other = [k for k in kinds if not backend(k).dispersed]
     if placement.device_map is not None and other:
         raise CtxcError(
             f"--device-map writes the torch model folder only, not {', '.join(other)}: "
@@ -145,7 +146,9 @@ def placement_for(
 
 def emit_help(head: str) -> str:
     """``HEAD: torch (model/), onnx (model.onnx), ...``: the backends and what each writes."""
-    kinds = ", ".join(f"{name} ({what.split(':')[0]})" for name, what in BACKEND_NAMES.items())
+    from ctxc.backends import BACKENDS  # the folders' declarations, torch-free
+
+    kinds = ", ".join(f"{name} ({b.writes})" for name, b in BACKENDS.items())
     return f"{head}: {kinds}."
 
 

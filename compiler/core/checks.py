@@ -18,6 +18,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from ctxc.core.errors import CtxcError, environment_oserror
@@ -38,28 +39,9 @@ __all__ = [
 
 FAIL_ENV = "CTXC_TEST_FAIL_CHECK"
 
-# Artefact name (as in messages) -> its --emit kind, for CTXC_TEST_FAIL_CHECK.
-_KIND = {
-    "model/": "torch",
-    "model folder": "torch",
-    "model.onnx": "onnx",
-    "patchable.onnx": "ort-adapter",
-    "context.onnx_adapter": "ort-adapter",
-    "adapter/": "peft",
-    "lora/": "lora",
-    "model.gguf": "gguf",
-    "lora.gguf": "gguf-lora",
-}
-# --emit kind -> the figures' attributes that hold a Fidelity against the full context.
-_FIDELITIES = {
-    "torch": ("reloaded",),
-    "onnx": ("fidelity",),
-    "ort-adapter": ("fidelity",),
-    "peft": ("lora", "merged"),
-    "lora": ("peft.lora", "peft.merged"),
-    "gguf": ("reloaded",),
-    "gguf-lora": ("applied",),
-}
+# The --emit kind whose artefact :func:`staged` is writing: ``CTXC_TEST_FAIL_CHECK=KIND`` fails
+# every check met inside it, whatever the artefact's name (``patchable.onnx`` of ort-adapter).
+_STAGING: ContextVar[str | None] = ContextVar("ctxc_staging", default=None)
 _HALF = {"F16": "float16", "BF16": "bfloat16"}
 
 
@@ -93,10 +75,11 @@ def enforce(artefact: str, figure: str, value: float, limit: float, detail: str 
 
     Raises:
         CheckFailed: ``model.onnx check failed: FIGURE VALUE > LIMIT (DETAIL)``; also when
-            ``CTXC_TEST_FAIL_CHECK`` names the artefact or its kind (the message says so).
+            ``CTXC_TEST_FAIL_CHECK`` names the artefact or the kind being staged (the message
+            says so).
     """
     forced = os.environ.get(FAIL_ENV, "")
-    is_forced = bool(forced) and forced in (artefact, _KIND.get(artefact))
+    is_forced = bool(forced) and forced in (artefact, _STAGING.get())
     if value <= limit and not is_forced:
         return
     notes = [detail] if detail else []
@@ -130,26 +113,24 @@ def fidelity_limit(meta, full, gguf_type: str | None = None) -> float | None:
     return float(expected) + slack * max(1.0, float(full.abs().max()))
 
 
-def gate(kind: str, artefact: str, figures, meta, full, gguf_type: str | None = None) -> None:
+def gate(artefact: str, figures, meta, full, gguf_type: str | None = None) -> None:
     """Check each fidelity of an artefact's figures against :func:`fidelity_limit`.
 
     Args:
-        kind: the ``--emit`` kind.
         artefact: its name in the message.
-        figures: the emitter's figures.
+        figures: the emitter's figures: their ``fidelities()`` (``ctxc.backends.base.Figures``)
+            name what is held to the bound.
         meta: the patch's metadata.
         full: the full-context logits at the query positions [k, vocab].
-        gguf_type: the GGUF matrix type, for ``gguf`` and ``gguf-lora``.
+        gguf_type: the matrix type the artefact rounds its weights to (``gguf``, ``gguf-lora``).
 
     Raises:
         CheckFailed: a fidelity beyond its bound (or forced by ``CTXC_TEST_FAIL_CHECK``).
     """
-    limit = fidelity_limit(meta, full, gguf_type if kind.startswith("gguf") else None)
-    for path in _FIDELITIES.get(kind, ("",)):
-        fid = figures
-        for attr in filter(None, path.split(".")):
-            fid = getattr(fid, attr)
-        where = f" ({path.split('.')[-1]})" if path and len(_FIDELITIES[kind]) > 1 else ""
+    limit = fidelity_limit(meta, full, gguf_type)
+    held = figures.fidelities()
+    for name, fid in held.items():
+        where = f" ({name})" if len(held) > 1 else ""
         enforce(
             artefact,
             f"max |logit diff| from the full context{where}",
@@ -180,6 +161,7 @@ def staged(tmp: Path, kind: str, artefact: str, passed: dict | None = None) -> I
     """
     sub = tmp / f".emit-{kind}"
     sub.mkdir()
+    staging = _STAGING.set(kind)
     try:
         yield sub
     except CtxcError as exc:
@@ -198,6 +180,8 @@ def staged(tmp: Path, kind: str, artefact: str, passed: dict | None = None) -> I
     except BaseException:
         shutil.rmtree(sub, ignore_errors=True)
         raise
+    finally:
+        _STAGING.reset(staging)
     for entry in sorted(sub.iterdir()):
         entry.rename(tmp / entry.name)
     sub.rmdir()

@@ -1,5 +1,5 @@
-"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, backends, formats
-(and the name of the file a patch is saved as).
+"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, formats (and the name
+of the file a patch is saved as); the backends declare themselves (``backends/base.py``).
 
 Each choice is a name and a one-line meaning, in the order the help lists them. The CLI builds its
 option choices from here (``compiler/cli/options.py``); the library validates a value against
@@ -16,7 +16,6 @@ from ctxc.core.errors import OptionError
 
 __all__ = [
     "APPLY_MODES",
-    "BACKEND_NAMES",
     "BAKE_DATA",
     "BAKE_METHODS",
     "DEFAULT_RULE",
@@ -79,18 +78,6 @@ GGUF_TYPES: dict[str, str] = {
     "F32": "float32 matrices (exact)",
     "F16": "float16 matrices",
     "BF16": "bfloat16 matrices",
-}
-
-# The artefacts of ``--emit`` / ``--to``; how each is written: the registry in
-# ``backends/__init__.py`` (one entry per name, in this order).
-BACKEND_NAMES: dict[str, str] = {
-    "torch": "model/: a Transformers model folder",
-    "onnx": "model.onnx: an ONNX model checked in onnxruntime",
-    "ort-adapter": "context.onnx_adapter: an onnxruntime LoRA adapter (and patchable.onnx)",
-    "peft": "adapter/: a PEFT adapter",
-    "lora": "lora/: a serving LoRA adapter (vLLM, SGLang)",
-    "gguf": "model.gguf: a GGUF model for llama.cpp",
-    "gguf-lora": "lora.gguf: a llama.cpp LoRA GGUF",
 }
 
 # ``ctxc inspect --format``.

@@ -14,7 +14,7 @@ from ctxc.backends.gguf.llama_cpp.run import llama_cpp_logits, llama_cpp_unavail
 from ctxc.backends.gguf.lora import write_gguf_lora
 from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.peft.lora_adapter import emit_lora
-from ctxc.backends.torch.verify import torch_logits
+from ctxc.backends.reference import torch_logits
 from ctxc.patch import Delta, Patch
 from testbed.tiny_models import bpe_tokenizer, shared
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids

@@ -30,6 +30,7 @@ KINDS = {
     "ort-adapter": ("stable", "patchable.onnx", ["context.onnx_adapter", "patchable.onnx"]),
     "gguf": ("stable", "model.gguf", ["model.gguf"]),
     "gguf-lora": ("lora", "lora.gguf", ["lora.gguf"]),
+    "safetensors-delta": ("stable", "deltas.safetensors", ["deltas.safetensors"]),
 }
 SLOW = {"onnx", "ort-adapter"}
 # The digests a patch file holds; a patch written before them has neither.
@@ -58,6 +59,12 @@ def _ctxc_lines(stderr: str) -> list[str]:
 
 def _leftovers(folder: Path) -> list[str]:
     return [p.name for p in folder.rglob("*") if ".partial-" in p.name or ".emit-" in p.name]
+
+
+def test_every_backend_has_its_forced_failure() -> None:
+    from ctxc.backends import BACKENDS
+
+    assert set(KINDS) == set(BACKENDS), f"untested: {set(BACKENDS) - set(KINDS)}"
 
 
 @pytest.mark.parametrize(
@@ -156,7 +163,10 @@ def test_a_scaled_value_is_refused_by_the_digest(scaled, tiny_model_dir):
 
 
 @pytest.mark.tiny
-@pytest.mark.parametrize(("to", "artefact"), [("torch", "model folder"), ("peft", "adapter/")])
+@pytest.mark.parametrize(
+    ("to", "artefact"),
+    [("torch", "model folder"), ("peft", "adapter/"), ("safetensors-delta", "deltas.safetensors")],
+)
 def test_a_scaled_value_without_digest_fails_the_gate(scaled, tiny_model_dir, to, artefact):
     work, tensors, meta = scaled
     old = {k: v for k, v in meta.items() if k not in DIGESTS}  # as an older patch

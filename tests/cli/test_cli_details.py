@@ -39,7 +39,7 @@ def test_emit_with_an_empty_item_is_refused(emit, tmp_path) -> None:
     assert run.returncode == 2
     assert run.stderr.splitlines() == [
         f"ctxc: error: invalid value for '--emit': {emit!r} has an empty item; expected a comma "
-        "list of torch, onnx, ort-adapter, peft, lora, gguf, gguf-lora"
+        "list of torch, onnx, ort-adapter, peft, lora, gguf, gguf-lora, safetensors-delta"
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.txt"]
 

@@ -52,7 +52,7 @@ CASES = {
     "unknown emitter": (
         ["compile", "--context", "c.txt", "--emit", "torch,tflite"],
         "ctxc: error: invalid value for '--emit': 'tflite'; expected a comma list of "
-        "torch, onnx, ort-adapter, peft, lora, gguf, gguf-lora",
+        "torch, onnx, ort-adapter, peft, lora, gguf, gguf-lora, safetensors-delta",
     ),
     "export without --out": (
         ["export", "--patch", "p.safetensors"],

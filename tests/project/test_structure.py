@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import ast
 import os
+import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: tomli, which import-linter itself needs there
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 # Import name -> source folder, as pyproject's package-dir maps them.
@@ -54,11 +60,15 @@ def _imports(tree: ast.AST) -> list[tuple[str, list[str]]]:
 SOURCES = _sources()
 
 
-def _installed_view(dest: Path) -> Path:
+def _installed_view(dest: Path, backends: Path = PACKAGES["ctxc.backends"]) -> Path:
     """A folder holding ``ctxc`` as an installed copy would, made of links to the sources.
 
     pyproject's package-dir maps ``ctxc`` onto three folders; import-linter finds a package
     through its import spec, which in an editable install sees ``compiler/`` alone.
+
+    Args:
+        dest: the folder to make.
+        backends: the folder ``ctxc.backends`` is (a seeded copy, for a contract that must fail).
     """
     package = dest / "ctxc"
     package.mkdir(parents=True)
@@ -66,32 +76,86 @@ def _installed_view(dest: Path) -> Path:
         if entry.name != "__pycache__":
             (package / entry.name).symlink_to(entry)
     (package / "passes").symlink_to(PACKAGES["ctxc.passes"])
-    (package / "backends").symlink_to(PACKAGES["ctxc.backends"])
+    (package / "backends").symlink_to(backends)
     return dest
 
 
-def test_layer_contracts(tmp_path: Path) -> None:
-    """pyproject's import-linter contracts hold: layers, transitively, lazy imports included.
+def _lint_imports(site: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """import-linter over pyproject's contracts, the ``ctxc`` of ``site`` analysed.
 
     Run in a fresh interpreter (under a second), so that the ``ctxc`` it analyses is the linked
     tree, not the editable install this process may already have imported.
     """
-    site = _installed_view(tmp_path / "site")
     check = (
         "import sys; from importlinter.cli import lint_imports; "
         "sys.exit(lint_imports(sys.argv[1], no_cache=True))"
     )
     env = {**os.environ, "PYTHONPATH": str(site)}
-    run = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", check, str(ROOT / "pyproject.toml")],
-        cwd=tmp_path,
+        cwd=cwd,
         env=env,
         capture_output=True,
         text=True,
         check=False,
     )
+
+
+def test_layer_contracts(tmp_path: Path) -> None:
+    """pyproject's import-linter contracts hold: layers, transitively, lazy imports included."""
+    run = _lint_imports(_installed_view(tmp_path / "site"), tmp_path)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
     assert "0 broken" in run.stdout, run.stdout[-4000:]
+    assert f"{FORMATS_CONTRACT} KEPT" in run.stdout, run.stdout[-4000:]
+
+
+# pyproject's contract that no backend format imports another (issue 37).
+FORMATS_CONTRACT = "backend formats independent of each other"
+
+
+def _contract_modules(name: str) -> list[str]:
+    """The ``modules`` of pyproject's import-linter contract called ``name``."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    (contract,) = [c for c in config["tool"]["importlinter"]["contracts"] if c["name"] == name]
+    return contract["modules"]
+
+
+@pytest.mark.parametrize(
+    ("into", "seed", "imported"),
+    [
+        # A lazy import inside a function counts as well as one at the top of a module.
+        ("gguf/lora.py", "def _seeded():\n    from ctxc.backends.peft import write\n", "peft"),
+        ("onnx/files.py", "import ctxc.backends.torch.model\n", "torch"),
+    ],
+)
+def test_a_cross_format_import_breaks_the_formats_contract(tmp_path, into, seed, imported):
+    """One import seeded from one format into another, in a copy of backends/: the formats
+    contract fails, naming the two formats, and the other contracts still hold."""
+    backends = tmp_path / "backends"
+    shutil.copytree(PACKAGES["ctxc.backends"], backends, ignore=shutil.ignore_patterns("__py*"))
+    seeded = backends / into
+    seeded.write_text(seeded.read_text() + "\n\n" + seed)
+    run = _lint_imports(_installed_view(tmp_path / "site", backends), tmp_path)
+    importer = f"ctxc.backends.{into.split('/')[0]}"
+    assert run.returncode == 1, f"rc {run.returncode}: " + run.stdout[-4000:] + run.stderr[-2000:]
+    assert f"{FORMATS_CONTRACT} BROKEN" in run.stdout, run.stdout[-4000:]
+    assert "Contracts: 2 kept, 1 broken." in run.stdout, run.stdout[-4000:]
+    want = f"{importer} is not allowed to import ctxc.backends.{imported}"
+    assert want in run.stdout, run.stdout[-4000:]
+
+
+def test_every_backend_folder_is_packaged_and_held_independent() -> None:
+    """Each folder of backends/ (a format) is in pyproject's ``packages`` and in the formats
+    contract: a new format cannot be left out of the wheel or out of the contract."""
+    folders = sorted(
+        p.name for p in PACKAGES["ctxc.backends"].iterdir() if (p / "__init__.py").is_file()
+    )
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    held = _contract_modules(FORMATS_CONTRACT)
+    assert len(folders) >= 4, folders
+    for folder in folders:
+        assert f"ctxc.backends.{folder}" in packages["packages"], f"{folder} not in packages"
+        assert f"ctxc.backends.{folder}" in held, f"{folder} not in {FORMATS_CONTRACT!r}: {held}"
 
 
 @pytest.mark.parametrize(("module", "path"), SOURCES, ids=[m for m, _ in SOURCES])

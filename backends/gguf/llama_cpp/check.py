@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures, llama_cpp_check, llama_cpp_unavailable
-from ctxc.backends.torch.verify import torch_logits
+from ctxc.backends.reference import torch_logits
 from ctxc.models.load import source_gguf
 from ctxc.patch import Patch
 

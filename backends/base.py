@@ -1,0 +1,125 @@
+"""What a backend declares of itself, and what its emitter and figures look like.
+
+Each backend folder (``backends/torch/``, ``backends/onnx/``, ...) declares its backends in its
+``__init__.py`` as :class:`Backend` values (``DECLARED``), torch-free: the registry
+(``backends/__init__.py``) reads them without importing what they write with, so ``ctxc --help``
+and a usage error load neither torch nor onnx. A declaration is the one place a backend's facts
+live: its name, what it writes, the extra it needs, its emitter (which writes the artefact and
+checks it where a user runs it) and how the rest of ctxc treats it (:attr:`Backend.emitted`,
+:attr:`Backend.dispersed`); its figures say which of their fidelities the gate holds to the
+patch's figure (:meth:`Figures.fidelities`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ctxc.core.errors import CtxcError
+
+if TYPE_CHECKING:
+    import torch
+
+    from ctxc.core.metrics import Fidelity
+    from ctxc.patch import Patch
+
+__all__ = ["Backend", "Emitter", "Figures"]
+
+
+class Figures(Protocol):
+    """What an emitter measured of its artefact: JSON for report.json, one line for the user."""
+
+    def to_dict(self) -> dict: ...
+
+    def summary(self) -> str: ...
+
+    def fidelities(self) -> dict[str, Fidelity]:
+        """The artefact's fidelities to the full context, by name, that ``ctxc.core.checks.gate``
+        holds to the patch's own figure (a name is shown when there are several)."""
+        ...
+
+
+class Emitter(Protocol):
+    """A backend's emitter: writes its artefact into ``out_dir`` and checks it.
+
+    Called as ``emitter(model, patch, out_dir, full=logits, **takes)``: ``full`` is the
+    full-context logits at the query positions [k, vocab]; ``takes`` the keyword arguments the
+    backend declares (:attr:`Backend.takes`). Returns the artefact's path and its figures;
+    raises a CtxcError (a CheckFailed for a figure beyond its bound).
+    """
+
+    def __call__(
+        self,
+        model: torch.nn.Module,
+        patch: Patch,
+        out_dir: Path,
+        *,
+        full: torch.Tensor | None = ...,
+        **takes: Any,
+    ) -> tuple[Path, Figures]: ...
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One artefact kind of ``--emit`` / ``--to``, as its folder declares it.
+
+    Attributes:
+        name: the value on the command line.
+        writes: what it adds to a ``ctxc compile`` output folder.
+        meaning: what that is, in a few words (``a Transformers model folder``).
+        status: the progress line while it runs.
+        emitter: ``"module:function"``, imported on first use: an :class:`Emitter`.
+        patchable: the same for ``--patchable``, when the backend has such a variant.
+        extra: the pip extra that brings ``requires`` (``None``: the plain install has them).
+        requires: import names the emitter needs.
+        takes: keyword arguments the emitter takes besides ``full`` (``tokenizer``,
+            ``gguf_type``, ``baked``: the compile's patched logits, ``folder``: where the torch
+            model folder goes), passed by the emit loop when given; a backend that takes
+            ``gguf_type`` rounds its weights to it, and the gate's bound widens to match.
+        precheck: ``"module:function"`` taking the model, run before any compile: raises a
+            CtxcError for a model the backend cannot write (an unknown GGUF architecture).
+        alone: ``(artefact name, status)`` when the artefact is the output folder itself
+            (``folder=""``: ``ctxc export --to torch``), for a backend that can be.
+        also: the other files it writes beside ``writes``, for the closing ``wrote`` line (and
+            the names its checks may give, as ``writes`` and ``alone``'s do).
+        rules: the update rules whose patch it can hold (``None``: every rule), checked with
+            the options before anything loads.
+        emitted: its check reloads the patched model as a user loads it: that figure is the
+            report's ``emitted``, so it is written first, and a compile asked for it skips its
+            own in-memory check (the same weights, measured twice).
+        dispersed: it can write a model dispersed over devices (``--device-map``); the others
+            need the whole model in one place.
+    """
+
+    name: str
+    writes: str
+    meaning: str
+    status: str
+    emitter: str
+    patchable: str | None = None
+    extra: str | None = None
+    requires: tuple[str, ...] = ()
+    takes: tuple[str, ...] = ()
+    precheck: str | None = None
+    alone: tuple[str, str] | None = None
+    rules: tuple[str, ...] | None = None
+    also: tuple[str, ...] = ()
+    emitted: bool = False
+    dispersed: bool = False
+
+    def require(self, flag: str = "--emit") -> None:
+        """Raise a one-line CtxcError naming the extra when a dependency is not installed."""
+        missing = [m for m in self.requires if importlib.util.find_spec(m) is None]
+        if missing:
+            raise CtxcError(
+                f"{flag} {self.name} needs {', '.join(missing)}: pip install 'ctxc[{self.extra}]'"
+            )
+
+    def load(self, patchable: bool = False) -> Emitter:
+        """The emitter function (the ``--patchable`` variant when asked and available)."""
+        target = self.patchable if patchable and self.patchable else self.emitter
+        module, function = target.split(":")
+        return getattr(importlib.import_module(module), function)

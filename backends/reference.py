@@ -1,0 +1,65 @@
+"""Reference runs every emitter checks its artefact against (torch, on the CPU).
+
+Shared by every backend folder, so that no format imports another's: the inputs an artefact is
+checked at, the unpatched model fed context + query (what every fidelity is measured against),
+and a model's logits for given inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ctxc.frontend.trace import no_cache
+from ctxc.models.offload import input_device
+from ctxc.patch import Patch
+
+__all__ = ["check_ids", "reference_logits", "torch_logits"]
+
+# The second length an export is checked at (the exporter can fix a length silently).
+_SECOND_LENGTH = 16
+
+
+def check_ids(patch: Patch) -> list[torch.Tensor]:
+    """The inputs an artefact is checked at: the query, and a longer tail of the full input.
+
+    Returns:
+        ``[query [1, k], tail [1, n]]`` int64, ``k < n <= max(k + 1, 16)`` (a context is never
+        empty, so the tail is always longer than the query).
+    """
+    full = patch.meta.context_ids + patch.meta.query_ids
+    k = len(patch.meta.query_ids)
+    n = min(len(full), max(k + 1, _SECOND_LENGTH))
+    return [torch.tensor([patch.meta.query_ids]), torch.tensor([full[-n:]])]
+
+
+def reference_logits(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
+    """The unpatched model fed context + query: its logits at the query positions.
+
+    Args:
+        model: the model the patch was computed on, unpatched.
+        patch: its context and query ids are used.
+
+    Returns:
+        float32 [k, vocab] on the CPU.
+    """
+    ids = torch.tensor([patch.meta.context_ids + patch.meta.query_ids])
+    k = len(patch.meta.query_ids)
+    with no_cache(model):
+        return torch_logits(model, [ids])[0][-k:]
+
+
+def torch_logits(model: torch.nn.Module, ids: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``model``'s logits for each input.
+
+    Args:
+        model: a causal LM.
+        ids: int64 inputs, each [1, n].
+
+    Returns:
+        float32 [n, vocab] on the CPU, one per input.
+    """
+    device = input_device(model)  # a dispersed model's hooks move the rest
+    with torch.no_grad():
+        return [model(input_ids=x.to(device)).logits[0].float().cpu() for x in ids]
