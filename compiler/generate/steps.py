@@ -30,6 +30,7 @@ from ctxc.models.offload import input_device
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.run_graph import BlockTargets, FullRun, record_targets
+from ctxc.passes.solver.output_magnitude import AbsWeights
 from ctxc.passes.solver.solve import Solution, solve
 from ctxc.store.traced import traced_blocks
 
@@ -241,11 +242,9 @@ class _Stepper:
         self.cached = False
         self.cache = None
         self.head_op: Callable | None = None
-        # The outer linears' |W|, formed at the first step and read at every later one, when
-        # they take at most _ABS_MEMO_BYTES (a 7B model's down projections are 5.6 GB).
-        params = GraphView.of(traced).param_node
-        outer = sum(params[b.outer.weight].meta["val"].numel() * 4 for b in blocks.blocks)
-        self.abs_memo: dict | None = {} if outer <= _ABS_MEMO_BYTES else None
+        # The outer linears' |W|, formed at the first step and read at every later one, as
+        # far as _ABS_MEMO_BYTES goes (a 7B model's down projections are 5.6 GB).
+        self.abs_memo = AbsWeights(_ABS_MEMO_BYTES)
         # With two or more torch threads on a CPU, the decode step runs on a worker thread
         # while the solver works on the blocks it has recorded (each step computes the same
         # ops on the same values, in the same threads' settings: only their order in time

@@ -23,6 +23,7 @@ from ctxc.passes.solver.multi_scale import SharedScale, shared_scale_targets
 
 __all__ = [
     "MAGNITUDE_CAP",
+    "AbsWeights",
     "abs_weight",
     "bank_summed_terms",
     "choose_magnitude",
@@ -57,6 +58,30 @@ def summed_terms(
     else:
         parts = [ha @ w[i : i + _ROWS].float().abs().T for i in range(0, w.shape[0], _ROWS)]
     return torch.cat(parts, dim=1) + u.float().abs()  # [k, out]
+
+
+class AbsWeights:
+    """``|W|`` of the weights a caller solves on again and again (``ctxc generate``: every
+    token), formed at first use and kept while they fit in ``budget`` bytes.
+
+    Mutable: :meth:`get` fills :attr:`kept`.
+    """
+
+    def __init__(self, budget: int) -> None:
+        self.budget, self.used = budget, 0
+        self.kept: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, w: torch.Tensor) -> torch.Tensor | None:
+        """``abs_weight(w)`` for parameter ``name`` (kept), or None past the budget."""
+        if name in self.kept:
+            return self.kept[name]
+        if self.used + 4 * w.numel() > self.budget:
+            return None
+        got = abs_weight(w)
+        if got is not None:
+            self.kept[name] = got
+            self.used += 4 * w.numel()
+        return got
 
 
 def abs_weight(w: torch.Tensor) -> torch.Tensor | None:

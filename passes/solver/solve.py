@@ -34,7 +34,12 @@ from ctxc.passes.runtime.delta_actions import linear_action, vector_action
 from ctxc.passes.runtime.reduced_run import Action, ReducedRun
 from ctxc.passes.runtime.run_graph import FullRun
 from ctxc.passes.solver import block_moves as moves
-from ctxc.passes.solver.output_magnitude import choose_magnitude, rounding_gain, summed_terms
+from ctxc.passes.solver.output_magnitude import (
+    AbsWeights,
+    choose_magnitude,
+    rounding_gain,
+    summed_terms,
+)
 from ctxc.passes.solver.primitive_moves import ConditionError, ScaleMove
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
 from ctxc.passes.solver.reach_two_norms import TwoNormReach, two_norm_targets
@@ -87,7 +92,7 @@ class _Solver(SolverValues):
         keep: set[str],
         stops: set[str],  # node names the run stops at, reads or acts on
         ops: Mapping[str, Callable],  # node name -> what computes it instead of its op
-        abs_memo: dict[str, torch.Tensor] | None = None,
+        abs_memo: AbsWeights | None = None,
     ) -> None:
         self.full, self.apply, self.abs_memo = full, apply, abs_memo
         self.view = view = GraphView.of(traced)
@@ -424,7 +429,7 @@ def solve(
     skip: Mapping[str, str] | None = None,
     ops: Mapping[str, Callable] | None = None,
     wait: Callable[[str], None] | None = None,
-    abs_memo: dict[str, torch.Tensor] | None = None,
+    abs_memo: AbsWeights | None = None,
 ) -> Solution:
     """Compute every block's patch in one reduced pass (pure: the model is not modified).
 
@@ -447,9 +452,9 @@ def solve(
             (``ctxc generate`` computes the LM head with the baseline's, one weight read).
         wait: ``wait(block path)`` returns once that block's targets are in ``full.targets``
             (``ctxc generate`` records them on another thread while the solver runs).
-        abs_memo: a dict the caller keeps between solves on the same weights: the outer
-            linears' ``|W|`` (MATH.md 12), formed once instead of at every solve (``ctxc
-            generate``: 18 x 5 MB on Gemma 3 270M, a fifth of a step's solve). Filled here.
+        abs_memo: kept by the caller between solves on the same weights: the outer linears'
+            ``|W|`` (MATH.md 12), formed once instead of at every solve (``ctxc generate``:
+            18 x 5 MB on Gemma 3 270M, a fifth of a step's solve). Filled here.
 
     Returns:
         the :class:`Solution`.

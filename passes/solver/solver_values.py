@@ -17,7 +17,7 @@ from ctxc.passes.locate.block_map import LinearSite, MlpBlock, NormSite, ScaleSi
 from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.delta_actions import row_experts
 from ctxc.passes.runtime.reduced_run import ReducedRun
-from ctxc.passes.solver.output_magnitude import abs_weight, bank_summed_terms, summed_terms
+from ctxc.passes.solver.output_magnitude import AbsWeights, bank_summed_terms, summed_terms
 
 __all__ = ["ExpertRows", "SolverValues", "rows"]
 
@@ -51,9 +51,9 @@ class SolverValues:
     view: GraphView
     run: ReducedRun
     param_node: dict[str, fx.Node]
-    # parameter name -> |W| [out, in], float32, kept by a caller that solves again on the same
-    # weights (``solve(abs_memo=...)``); None: formed per use.
-    abs_memo: dict[str, torch.Tensor] | None = None
+    # the outer linears' |W|, kept by a caller that solves again on the same weights
+    # (``solve(abs_memo=...)``); None: formed per use.
+    abs_memo: AbsWeights | None = None
 
     def value(self, name: str) -> torch.Tensor:
         """A node's value as computed (its kept copy, when it has one)."""
@@ -112,20 +112,14 @@ class SolverValues:
         return bank_summed_terms(bank, site.layout, got.ids, got.gates, got.h, tokens, u_now)
 
     def _abs_weight(self, name: str, w: torch.Tensor) -> torch.Tensor | None:
-        """``|W|`` of parameter ``name`` from :attr:`abs_memo`, formed on first use; None
-        without a memo, or when ``w`` is no longer the parameter's original value (a patch
-        replaced it: its ``|W|`` is another)."""
+        """``|W|`` of parameter ``name`` from :attr:`abs_memo`; None without one, or when
+        ``w`` is no longer the parameter's original value (a patch replaced it)."""
         if self.abs_memo is None:
             return None
         node = self.param_node[name]
         if self.run.param(node) is not self.run.original_param(node):
             return None
-        if name not in self.abs_memo:
-            got = abs_weight(w)
-            if got is None:
-                return None
-            self.abs_memo[name] = got
-        return self.abs_memo[name]
+        return self.abs_memo.get(name, w)
 
     def outer_now(self, block: MlpBlock, h: torch.Tensor) -> torch.Tensor:
         """The outer linear's output [k, d] in float32, from its input ``h`` [k, d_ff]."""
