@@ -34,8 +34,8 @@ from ctxc.passes.solver.solve import solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.runs.image_run import image_figures, multimodal_full_graph
 from ctxc.runs.patched_forward import patched_logits
+from ctxc.runs.plain_attention import plain_attention
 from ctxc.runs.reference_run import full_run
-from ctxc.runs.runtime_attention import runtime_attention
 from ctxc.store.traced import traced_blocks
 
 __all__ = ["CompileResult", "compile"]
@@ -248,7 +248,7 @@ def _compile_ids(
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
     # The control: the model's own forward on the query, as the user's runtime computes it.
-    attention = runtime_attention(model, traced, query)
+    attention = plain_attention(model, traced, query)
     lap("control_run")
     stage("full run")
     full, reference = full_run(
@@ -357,7 +357,7 @@ def _solve_skipping(runs: tuple, o: _Run, ops: dict | None = None) -> tuple:
         runs: ``(traced, blocks, full run, query ids)``.
         o: the compile's options and its ``on_block`` hook.
         ops: the reduced run's attention calls as the runtime makes them
-            (``compiler/runs/runtime_attention.py``).
+            (``compiler/runs/plain_attention.py``).
     """
     opt = o.options
     traced, blocks, full, query = runs

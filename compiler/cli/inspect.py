@@ -29,7 +29,7 @@ def inspect_cmd(
     """Report every residual MLP block: its shape, parts and roles, what ctxc patches per
     update rule, or why a block cannot be patched."""
     net, _ = load(model, "float32", placement_for(device, device_map, max_memory))
-    from ctxc.inspect.model import inspect_model
+    from ctxc.inspect.inspection import inspect_model
     from ctxc.inspect.render_html import render_html
     from ctxc.inspect.render_json import render_json
     from ctxc.inspect.render_text import render_text

@@ -1,6 +1,6 @@
 """The inspection model: what ``ctxc inspect`` reports about a model, as frozen dataclasses.
 
-Built by :func:`ctxc.inspect.model.describe` from the block map (never from the graph), and
+Built by :func:`ctxc.inspect.inspection.describe` from the block map (never from the graph), and
 written by one renderer per format: :mod:`ctxc.inspect.render_text`,
 :mod:`ctxc.inspect.render_json` and
 :mod:`ctxc.inspect.render_html`. Everything here names modules, parameters and op kinds, never fx

@@ -27,7 +27,7 @@ from ctxc.core.errors import CtxcError
 from ctxc.frontend.trace import WRAPPED, TracedModel, no_cache, trace
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.locate.locate_blocks import locate_blocks
-from ctxc.runs.runtime_attention import recording
+from ctxc.runs.plain_attention import recording
 
 __all__ = ["MultimodalRun", "decoder_path", "image_figures", "multimodal_full_graph"]
 
@@ -45,7 +45,7 @@ class MultimodalRun:
             float32 [k, vocab]: what the graph's full run must reproduce.
         decoder: module path of the language model whose arguments were captured.
         attention: the language model's attention calls in that forward, in order
-            (``compiler/runs/runtime_attention.py``: the full run takes them when the runtime's
+            (``compiler/runs/plain_attention.py``: the full run takes them when the runtime's
             attention differs from the graph's).
     """
 

@@ -5,7 +5,7 @@ query: plain Transformers, the model's default attention, every position's logit
 "Which reference"). The full run over the traced graph gives those values at the query
 positions: its blocks compute the forward's ops, its head is applied as the default forward
 applies it (``passes/runtime/plain_head.py``), and its attention calls are the runtime's where the
-runtime's attention differs from the graph's (``compiler/runs/runtime_attention.py``).
+runtime's attention differs from the graph's (``compiler/runs/plain_attention.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.run_graph import FullRun, record_targets
 from ctxc.runs.image_run import MultimodalRun
-from ctxc.runs.runtime_attention import RuntimeAttention, graph_ops, sdpa_calls
+from ctxc.runs.plain_attention import PlainAttention, graph_ops, sdpa_calls
 
 __all__ = ["full_run"]
 
@@ -28,7 +28,7 @@ def full_run(
     full_ids: torch.Tensor,
     k: int,
     image_run: MultimodalRun | None,
-    attention: RuntimeAttention,
+    attention: PlainAttention,
 ) -> tuple[FullRun, torch.Tensor]:
     """The full run's targets, and the reference logits at the query positions [k, vocab]: the
     model's own default forward on context + query (images included), bit for bit.
@@ -45,7 +45,7 @@ def full_run(
         full_ids: int64 [1, n], context + query (for an image context, its token ids).
         k: the query's length.
         image_run: the image context's multimodal run, or None.
-        attention: the runtime's attention on the query (:func:`runtime_attention`).
+        attention: the runtime's attention on the query (:func:`plain_attention`).
 
     Returns:
         (the :class:`FullRun`, the reference [k, vocab] float32).

@@ -73,7 +73,7 @@ class _Recorder(PlacingInterpreter):
         reference: also compute the head's query rows as the default forward does (the head's
             output is then ``[1, 2k, vocab]``: the query rows alone, then those).
         ops: node name -> ``fn(*args, **kwargs)`` computing that node instead of its op (an
-            attention call given the runtime's own mask: ``compiler/runs/runtime_attention.py``).
+            attention call given the runtime's own mask: ``compiler/runs/plain_attention.py``).
     """
 
     def __init__(

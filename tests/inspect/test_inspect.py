@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ctxc.cli.app import main
-from ctxc.inspect.model import inspect_model
+from ctxc.inspect.inspection import inspect_model
 from ctxc.inspect.render_html import render_html
 from ctxc.inspect.render_json import inspection_dict
 from ctxc.inspect.render_text import render_text

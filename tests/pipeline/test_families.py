@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ctxc.inspect.model import inspect_model
+from ctxc.inspect.inspection import inspect_model
 from ctxc.inspect.render_text import render_text
 from ctxc.store.traced import traced_blocks
 

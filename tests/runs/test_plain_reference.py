@@ -199,15 +199,15 @@ def test_image_report_is_what_a_fresh_process_measures(tmp_path) -> None:
 
 def test_a_graph_that_is_not_the_runtime_is_refused(tmp_path, monkeypatch) -> None:
     """When the graph cannot compute what the runtime computes on the query, no folder."""
-    from ctxc.runs import runtime_attention
+    from ctxc.runs import plain_attention
 
-    real = runtime_attention.sdpa_calls
+    real = plain_attention.sdpa_calls
 
     def shifted(model, ids):  # a runtime that differs from the graph by 0.5 everywhere
         logits, calls = real(model, ids)
         return logits + 0.5, calls
 
-    monkeypatch.setattr(runtime_attention, "sdpa_calls", shifted)
+    monkeypatch.setattr(plain_attention, "sdpa_calls", shifted)
     folder = tmp_path / "llama"
     build("llama").save_pretrained(str(folder))
     tiny_tokenizer().save_pretrained(str(folder))

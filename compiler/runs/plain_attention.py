@@ -1,4 +1,4 @@
-"""Attention as the user's runtime computes it: semantics from the config it reads.
+"""Attention as the plain runtime (Transformers, its defaults) computes it, from its config.
 
 ``torch.export`` builds every attention mask in the graph. Transformers' default (SDPA) path
 skips the mask where it can (no padding, as many keys as queries) and passes the attention
@@ -18,7 +18,7 @@ So the runtime is run, and the graph follows it:
   masks differ, every attention call of the graph is given the runtime's own mask and flag:
   the reduced run's from the query run, the full run's from the model's own forward over
   context + query (:func:`graph_ops`). The graph so corrected must reproduce the runtime's
-  logits on the query; else the compile stops with one line (:func:`runtime_attention`).
+  logits on the query; else the compile stops with one line (:func:`plain_attention`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ctxc.frontend.trace import WRAPPED, TracedModel, no_cache
 from ctxc.models.placement import PlacingInterpreter
 from ctxc.passes.runtime.banded_attention import sdpa_call
 
-__all__ = ["RuntimeAttention", "SdpaCall", "graph_ops", "runtime_attention", "sdpa_calls"]
+__all__ = ["PlainAttention", "SdpaCall", "graph_ops", "plain_attention", "sdpa_calls"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 # The largest gap between the graph's run on the query and the runtime's that is rounding (a
@@ -58,7 +58,7 @@ class SdpaCall:
 
 
 @dataclass(frozen=True)
-class RuntimeAttention:
+class PlainAttention:
     """The runtime's run on the query, and what the graph needs to compute the same.
 
     Attributes:
@@ -199,9 +199,9 @@ def _graph_run(traced: TracedModel, ids: torch.Tensor, ops: dict) -> tuple[torch
     return out[0].float(), run.calls
 
 
-def runtime_attention(
+def plain_attention(
     model: torch.nn.Module, traced: TracedModel, query: torch.Tensor
-) -> RuntimeAttention:
+) -> PlainAttention:
     """Run the model and its graph on the query; what the graph needs to compute the same.
 
     Args:
@@ -210,7 +210,7 @@ def runtime_attention(
         query: int64 [1, k].
 
     Returns:
-        the :class:`RuntimeAttention`.
+        the :class:`PlainAttention`.
 
     Raises:
         CtxcError: the graph, given the runtime's attention calls, still does not reproduce
@@ -236,7 +236,7 @@ def runtime_attention(
             f"{float((graph - control.to(graph.device)).abs().mean()):.3g}; at most {tol:.2g}): "
             "no patch solved through it would hold where the model runs"
         )
-    return RuntimeAttention(control, ops, bool(ops), gap, bidirectional)
+    return PlainAttention(control, ops, bool(ops), gap, bidirectional)
 
 
 def _bidirectional(model: torch.nn.Module, traced: TracedModel) -> tuple[str, ...]:
