@@ -27,6 +27,8 @@ from ctxc.bake.data import (
     text_queries,
 )
 from ctxc.bake.selfstudy import as_question, context_run, self_study
+from ctxc.bake.serve import pad_to_rank
+from ctxc.bake.statistics import Statistics
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
@@ -51,6 +53,8 @@ class BakeResult:
         fit: the fit's per-block figures (None for ``distill`` from scratch).
         report: JSON-ready figures: options, sizes, per-block fit figures, timings.
         chat: the chat format of a chat context (``messages``), else None.
+        stats: ``method="additive"``: the :class:`~ctxc.bake.statistics.Statistics` the patch
+            was solved from (kept beside it: chunks add to them), else None.
     """
 
     patch: Patch
@@ -58,6 +62,7 @@ class BakeResult:
     fit: FitSolution | None
     report: dict
     chat: ChatFormat | None = None
+    stats: Statistics | None = None
 
 
 def bake_data(
@@ -234,6 +239,9 @@ def bake(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     chat = _chat(tokenizer, messages, context, context_ids)
+    if o.method == "additive":
+        return _additive(model, tokenizer, context, context_ids, queries, o, data, chat, stage,
+                         on_block)  # fmt: skip
     if data is None:
         ids = chat.context_ids if chat else _context_ids(tokenizer, context, context_ids)
         data = _fit_data(model, tokenizer, ids, queries, o, stage, chat)
@@ -252,6 +260,8 @@ def bake(
         timings["fit"] = round(time.perf_counter() - clock, 3)
     meta = _meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
+    if patch is not None and o.linear_only and o.rank is not None:
+        patch = pad_to_rank(patch, o.rank)  # one rank for every module, as a LoRA has
     if o.method == "distill":
         from ctxc.bake.distill import distill
 
@@ -266,6 +276,20 @@ def bake(
     if chat is not None:
         extra["chat"] = chat.to_dict()
     return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra}, chat)
+
+
+def _additive(model, tokenizer, context, context_ids, queries, o, data, chat, stage, on_block):
+    """:func:`bake` of ``method="additive"``: one chunk (:mod:`ctxc.bake.chunks`)."""
+    from ctxc.bake.chunks import bake_chunks
+
+    if chat is not None:
+        raise OptionError("{method} additive takes a plain context, not chat turns")
+    ids = data.context_ids if data is not None else _context_ids(tokenizer, context, context_ids)
+    got = bake_chunks(model, tokenizer, [("context", ids)], queries, options=o,
+                      datas=None if data is None else [data], on_stage=stage,
+                      on_block=on_block)  # fmt: skip
+    assert got.data is not None
+    return BakeResult(got.patch, got.data, None, got.report, None, got.stats)
 
 
 def _chat(tokenizer, messages, context, context_ids) -> ChatFormat | None:
@@ -283,8 +307,9 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
     """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
     opts = FitOptions(
-        o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention
-    )
+        o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention,
+        o.linear_only,
+    )  # fmt: skip
     answers = o.fit_rows == "answers"
     whole = o.fit_prefix and not data.opening and not answers
     rows = None if whole else _query_rows(data, o.fit_prefix, answers)

@@ -180,6 +180,7 @@ FLAGS: dict[str, str] = {
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
     "attention": "--attention",
+    "linear_only": "--linear-only",
 }
 
 
