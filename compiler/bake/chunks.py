@@ -28,7 +28,7 @@ from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.options import BakeOptions
 from ctxc.patch import Patch
 
-__all__ = ["ChunkBake", "bake_chunks", "fit_rows", "remove_chunk"]
+__all__ = ["ChunkBake", "bake_chunks", "find_chunk", "fit_rows", "remove_chunk"]
 
 
 @dataclass(frozen=True)
@@ -134,6 +134,22 @@ def remove_chunk(
         CtxcError: no such chunk, or the patch's only one.
     """
     o = BakeOptions(**stats.options)
+    chunk = find_chunk(stats, which)
+    timings: dict[str, float] = {}
+    traced, blocks = _fit_blocks(model, o)
+    share = _gather(
+        model, traced, blocks, chunk.data, o, chunk.name, on_stage or (lambda _n: None),
+        on_block, timings,
+    )  # fmt: skip
+    return _solved(model, traced.dtype, stats.minus(share), o, None, timings)
+
+
+def find_chunk(stats: Statistics, which: str) -> Chunk:
+    """The chunk ``which`` (its id, or its name when unique) that can be removed from ``stats``.
+
+    Raises:
+        CtxcError: no such chunk, several, or the patch's only one.
+    """
     found = [c for c in stats.chunks if which in (c.id, c.name)]
     if len(found) != 1:
         have = ", ".join(f"{c.id} ({c.name})" for c in stats.chunks)
@@ -141,14 +157,7 @@ def remove_chunk(
         raise CtxcError(f"{got} is {which!r}; the patch holds {have}")
     if len(stats.chunks) == 1:
         raise CtxcError(f"chunk {found[0].id} is the patch's only one: nothing would be left")
-    timings: dict[str, float] = {}
-    traced, blocks = _fit_blocks(model, o)
-    chunk = found[0]
-    share = _gather(
-        model, traced, blocks, chunk.data, o, chunk.name, on_stage or (lambda _n: None),
-        on_block, timings,
-    )  # fmt: skip
-    return _solved(model, traced.dtype, stats.minus(share), o, None, timings)
+    return found[0]
 
 
 def _gather(model, traced, blocks, data, o, name, stage, on_block, timings) -> Statistics:

@@ -262,10 +262,13 @@ def _additive_cmd(named, fit_texts, opts, held, eval_samples, seed, kinds, model
 def _chunk_cmd(folder: Path, named_paths, fit_texts, chunk, held, eval_samples, kinds, model):
     """``--add DIR`` / ``--remove DIR``: DIR's statistics with a chunk more or less, the patch
     solved again from them, DIR replaced once all of it is written."""
+    from ctxc.bake.chunks import find_chunk
     from ctxc.bake.statistics import STATS_FILE, Statistics
     from ctxc.patch import Patch
 
     stats = Statistics.load(folder / STATS_FILE)
+    if chunk is not None:
+        find_chunk(stats, chunk)  # one line before the model loads
     named = [(p.name, read_context(p)) for p in named_paths]
     with output_folder(folder, True, "bake") as tmp:
         from ctxc.bake.chunks import bake_chunks, remove_chunk
