@@ -20,7 +20,7 @@ import torch
 
 from ctxc._version import __version__
 from ctxc.bake.data import FitData
-from ctxc.bake.fit import _fit_blocks, _fit_data, _meta, _query_rows
+from ctxc.bake.fit import fit_blocks, fit_data, patch_meta, query_rows
 from ctxc.bake.serve import pad_to_rank
 from ctxc.bake.statistics import Chunk, Statistics, chunk_id, gather, solve
 from ctxc.bake.targets import cached_fit_targets
@@ -54,7 +54,7 @@ def fit_rows(data: FitData, o: BakeOptions) -> torch.Tensor:
     answers = o.fit_rows == "answers"
     if o.fit_prefix and not data.opening and not answers:
         return torch.ones(data.positions, dtype=torch.bool)
-    return _query_rows(data, o.fit_prefix, answers)
+    return query_rows(data, o.fit_prefix, answers)
 
 
 def bake_chunks(
@@ -107,11 +107,11 @@ def bake_chunks(
             raise CtxcError(f"{name}: chunk {chunk_id(ids)} is in the patch already")
         have.add(chunk_id(ids))
     timings: dict[str, float] = {}
-    traced, blocks = _fit_blocks(model, o)
+    traced, blocks = fit_blocks(model, o)
     total, data = start, None
     for name, ids, ready in items:
         clock = time.perf_counter()
-        data = ready if ready is not None else _fit_data(model, tokenizer, ids, queries, o, stage)
+        data = ready if ready is not None else fit_data(model, tokenizer, ids, queries, o, stage)
         _tick(timings, "data", clock)
         stats = _gather(model, traced, blocks, data, o, name, stage, on_block, timings)
         total = stats if total is None else total.plus(stats)
@@ -136,7 +136,7 @@ def remove_chunk(
     o = BakeOptions(**stats.options)
     chunk = find_chunk(stats, which)
     timings: dict[str, float] = {}
-    traced, blocks = _fit_blocks(model, o)
+    traced, blocks = fit_blocks(model, o)
     share = _gather(
         model, traced, blocks, chunk.data, o, chunk.name, on_stage or (lambda _n: None),
         on_block, timings,
@@ -178,7 +178,8 @@ def _solved(model, dtype, total: Statistics, o, data, timings) -> ChunkBake:
     clock = time.perf_counter()
     deltas, residuals = solve(total, o.ridge, o.rank)
     first = total.chunks[0].data
-    meta = dataclasses.replace(_meta(model, dtype, first, o), context_ids=_joined(total.chunks))
+    meta = patch_meta(model, dtype, first, o)
+    meta = dataclasses.replace(meta, context_ids=_joined(total.chunks))
     patch = Patch(deltas, meta)
     if o.rank is not None:
         patch = pad_to_rank(patch, o.rank)

@@ -28,7 +28,6 @@ from ctxc.bake.data import (
 )
 from ctxc.bake.selfstudy import as_question, context_run, self_study
 from ctxc.bake.serve import pad_to_rank
-from ctxc.bake.statistics import Statistics
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
@@ -40,7 +39,17 @@ from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.pipeline import traced_blocks
 
-__all__ = ["BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]
+__all__ = [
+    "BakeOptions",
+    "BakeResult",
+    "bake",
+    "bake_data",
+    "check_rank",
+    "fit_blocks",
+    "fit_data",
+    "patch_meta",
+    "query_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -53,8 +62,6 @@ class BakeResult:
         fit: the fit's per-block figures (None for ``distill`` from scratch).
         report: JSON-ready figures: options, sizes, per-block fit figures, timings.
         chat: the chat format of a chat context (``messages``), else None.
-        stats: ``method="additive"``: the :class:`~ctxc.bake.statistics.Statistics` the patch
-            was solved from (kept beside it: chunks add to them), else None.
     """
 
     patch: Patch
@@ -62,7 +69,6 @@ class BakeResult:
     fit: FitSolution | None
     report: dict
     chat: ChatFormat | None = None
-    stats: Statistics | None = None
 
 
 def bake_data(
@@ -240,8 +246,7 @@ def bake(
     clock = time.perf_counter()
     chat = _chat(tokenizer, messages, context, context_ids)
     if o.method == "additive":
-        return _additive(model, tokenizer, context, context_ids, queries, o, data, chat, stage,
-                         on_block)  # fmt: skip
+        raise OptionError("{method} additive bakes chunks: ctxc.bake.chunks.bake_chunks")
     if data is None:
         ids = chat.context_ids if chat else _context_ids(tokenizer, context, context_ids)
         data = _fit_data(model, tokenizer, ids, queries, o, stage, chat)
@@ -276,20 +281,6 @@ def bake(
     if chat is not None:
         extra["chat"] = chat.to_dict()
     return BakeResult(patch, data, fit, {**_report(o, data, fit, timings), **extra}, chat)
-
-
-def _additive(model, tokenizer, context, context_ids, queries, o, data, chat, stage, on_block):
-    """:func:`bake` of ``method="additive"``: one chunk (:mod:`ctxc.bake.chunks`)."""
-    from ctxc.bake.chunks import bake_chunks
-
-    if chat is not None:
-        raise OptionError("{method} additive takes a plain context, not chat turns")
-    ids = data.context_ids if data is not None else _context_ids(tokenizer, context, context_ids)
-    got = bake_chunks(model, tokenizer, [("context", ids)], queries, options=o,
-                      datas=None if data is None else [data], on_stage=stage,
-                      on_block=on_block)  # fmt: skip
-    assert got.data is not None
-    return BakeResult(got.patch, got.data, None, got.report, None, got.stats)
 
 
 def _chat(tokenizer, messages, context, context_ids) -> ChatFormat | None:
@@ -405,3 +396,11 @@ def _report(o: BakeOptions, data: FitData, fit: FitSolution | None, timings: dic
         "timings": timings,
         "ctxc_version": __version__,
     }
+
+
+# What the additive bake (ctxc.bake.chunks) shares with this one: the same blocks, fit data,
+# metadata and fitted rows.
+fit_blocks = _fit_blocks
+fit_data = _fit_data
+patch_meta = _meta
+query_rows = _query_rows

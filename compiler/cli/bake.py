@@ -299,7 +299,7 @@ def _write_chunks(net, tokenizer, got, tmp: Path, kinds, held, eval_samples, see
     held_chunks = ", ".join(f"{c['id']} ({c['name']})" for c in report["chunks"])
     lines = [f"chunks: {held_chunks}"]
     if got.data is not None:
-        result = BakeResult(got.patch, got.data, None, report, None, got.stats)
+        result = BakeResult(got.patch, got.data, None, report)
         report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
         report["figures_chunk"] = report["chunks"][-1]["id"]
         lines += _summary(report["figures"])

@@ -88,17 +88,17 @@ def test_removing_a_chunk_restores_the_patch(tmp_path) -> None:
         remove_chunk(model, only.stats, only.stats.ids[0])
 
 
-def test_bake_method_additive_is_one_chunk() -> None:
-    """``bake(method="additive")`` is :func:`bake_chunks` of one chunk, linear moves only."""
+def test_additive_patch_is_linear_and_refused_by_bake() -> None:
+    """An additive patch moves linear weights only; ``bake`` points to ``bake_chunks``."""
     model = shared("gemma3")
     (data,) = _chunks(1, seed=3)
-    got = bake(model, data=data, options=ADDITIVE)
-    same = bake_chunks(model, None, [], options=ADDITIVE, datas=[data])
-    assert _max_rel(got.patch, same.patch) == 0.0
-    assert got.stats is not None and got.patch.meta.update == "bake-additive"
+    got = bake_chunks(model, None, [], options=ADDITIVE, datas=[data])
+    assert got.patch.meta.update == "bake-additive"
     assert all(d.vector is None for d in got.patch.deltas.values())
     # Gemma's sandwich blocks: the attention output projections carry it, the MLPs see v_C.
     assert all(name.endswith("self_attn.o_proj.weight") for name in got.patch.deltas)
+    with pytest.raises(CtxcError, match="bake_chunks"):
+        bake(model, data=data, options=ADDITIVE)
     with pytest.raises(CtxcError, match="refit_passes"):
         BakeOptions(method="additive", refit_passes=1)
 
@@ -129,7 +129,8 @@ def test_one_position_additive_gives_the_full_context() -> None:
     ids = random_ids(1, 20)
     exact = ctxc.compile(model, context_ids=ids[:-1], query_ids=ids[-1:])
     data = FitData(ids[:-1], [], [ids[-1:]], ["file"])
-    got = bake(model, data=data, options=BakeOptions(method="additive", ridge=0.0, rank=None))
+    opts = BakeOptions(method="additive", ridge=0.0, rank=None)
+    got = bake_chunks(model, None, [], options=opts, datas=[data])
     assert_gives_full(model, got.patch, ids[-1:], exact, "additive llama vs full")
 
 
@@ -142,7 +143,8 @@ def test_one_position_additive_post_norm_is_near() -> None:
     ids = random_ids(1, 20)
     exact = ctxc.compile(model, context_ids=ids[:-1], query_ids=ids[-1:])
     data = FitData(ids[:-1], [], [ids[-1:]], ["file"])
-    got = bake(model, data=data, options=BakeOptions(method="additive", ridge=0.0, rank=None))
+    opts = BakeOptions(method="additive", ridge=0.0, rank=None)
+    got = bake_chunks(model, None, [], options=opts, datas=[data])
     diff = float((logits(model, ids[-1:], got.patch).float() - exact.full_logits).abs().max())
     control = exact.report.control.max_abs_logit_diff
     assert diff <= 0.05 * control, f"patched max |diff| {diff:.3g}, control {control:.3g}"
