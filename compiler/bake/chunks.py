@@ -93,6 +93,7 @@ def bake_chunks(
     if o.method != "additive":
         raise OptionError("chunks add up in {method} additive only (the fit is sequential)")
     stage = on_stage or (lambda _name: None)
+    items: list[tuple[str, list[int], FitData | None]]
     if datas is not None:
         items = [(f"chunk-{i}", d.context_ids, d) for i, d in enumerate(datas)]
     else:
