@@ -27,6 +27,7 @@ from ctxc.bake.data import (
     text_queries,
 )
 from ctxc.bake.selfstudy import as_question, context_run, self_study
+from ctxc.bake.serve import pad_to_rank
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
@@ -38,7 +39,17 @@ from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.store.traced import traced_blocks
 
-__all__ = ["BakeOptions", "BakeResult", "bake", "bake_data", "check_rank"]
+__all__ = [
+    "BakeOptions",
+    "BakeResult",
+    "bake",
+    "bake_data",
+    "check_rank",
+    "fit_blocks",
+    "fit_data",
+    "patch_meta",
+    "query_rows",
+]
 
 
 @dataclass(frozen=True)
@@ -234,6 +245,8 @@ def bake(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     chat = _chat(tokenizer, messages, context, context_ids)
+    if o.method == "additive":
+        raise OptionError("{method} additive bakes chunks: ctxc.bake.chunks.bake_chunks")
     if data is None:
         ids = chat.context_ids if chat else _context_ids(tokenizer, context, context_ids)
         data = _fit_data(model, tokenizer, ids, queries, o, stage, chat)
@@ -252,6 +265,8 @@ def bake(
         timings["fit"] = round(time.perf_counter() - clock, 3)
     meta = _meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
+    if patch is not None and o.linear_only and o.rank is not None:
+        patch = pad_to_rank(patch, o.rank)  # one rank for every module, as a LoRA has
     if o.method == "distill":
         from ctxc.bake.distill import distill
 
@@ -283,8 +298,9 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
     """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
     opts = FitOptions(
-        o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention
-    )
+        o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention,
+        o.linear_only,
+    )  # fmt: skip
     answers = o.fit_rows == "answers"
     whole = o.fit_prefix and not data.opening and not answers
     rows = None if whole else _query_rows(data, o.fit_prefix, answers)
@@ -380,3 +396,11 @@ def _report(o: BakeOptions, data: FitData, fit: FitSolution | None, timings: dic
         "timings": timings,
         "ctxc_version": __version__,
     }
+
+
+# What the additive bake (ctxc.bake.chunks) shares with this one: the same blocks, fit data,
+# metadata and fitted rows.
+fit_blocks = _fit_blocks
+fit_data = _fit_data
+patch_meta = _meta
+query_rows = _query_rows

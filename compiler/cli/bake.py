@@ -98,6 +98,20 @@ _EVAL_QUESTIONS = typer.Option(
 _MESSAGES = typer.Option(
     None, "--messages", help="With --chat: JSON file, a list of {role, content}: the context turns."
 )
+_LINEAR_ONLY = typer.Option(
+    False,
+    "--linear-only",
+    help="fit: move linear weights only, no norm scale (servable: --emit lora,gguf-lora).",
+)
+_ADD = typer.Option(
+    None,
+    "--add",
+    help="Add the --context chunk(s) to the additive bake in this folder (in place).",
+)
+_REMOVE = typer.Option(
+    None, "--remove", help="Remove --chunk from the additive bake in this folder (in place)."
+)
+_CHUNK = typer.Option(None, "--chunk", help="With --remove: the chunk's id (or file name).")
 # The user turn --chat splits the context turns with before the model loads (any query would do:
 # the context's ids are the same for every one).
 _PROBE = "What is it about?"
@@ -115,7 +129,9 @@ def parse_rank(rank: str) -> int | None:
 
 
 def bake_cmd(
-    context: Path = typer.Option(None, "--context", help="UTF-8 text file with the context."),
+    context: list[Path] = typer.Option(
+        None, "--context", help="UTF-8 text file with the context; repeat: chunks (additive)."
+    ),
     chat: bool = CHAT,
     system: Path = SYSTEM,
     document: Path = DOCUMENT,
@@ -146,32 +162,58 @@ def bake_cmd(
     lr: float = _LR,
     refit_passes: int = _REFIT,
     attention: bool | None = _ATTENTION,
+    linear_only: bool = _LINEAR_ONLY,
+    add: Path = _ADD,
+    remove: Path = _REMOVE,
+    chunk: str = _CHUNK,
     eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
     eval_questions: Path = _EVAL_QUESTIONS,
     eval_samples: int = typer.Option(
         EVAL_SAMPLES, "--eval-samples", help="Held-out samples (seed + 1)."
     ),
     model: str | None = MODEL,
-    emit: str = typer.Option("torch", "--emit", help="Comma list: torch, onnx, peft."),
+    emit: str = typer.Option(
+        "torch", "--emit", help="Comma list: torch, onnx, peft, lora, gguf-lora, ort-adapter."
+    ),
     out_dir: Path = typer.Option(Path("ctxc-bake"), "--out", help="Output folder."),
     force: bool = FORCE,
     verbose: bool = VERBOSE,
 ) -> None:
     """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
     from ctxc.bake.data import read_queries
+    from ctxc.bake.serve import check_servable
 
-    text, turns = _context(chat, context, system, document, messages)
-    fit_texts = read_queries(queries) if queries is not None else None
+    contexts = list(context or [])
     held = _held_out(eval_queries, eval_questions, eval_samples)
+    fit_texts = read_queries(queries) if queries is not None else None
+    kinds = parse_emit(emit)
+    if add is not None or remove is not None:
+        _check_chunk_flags(add, remove, chunk, contexts, chat)
+        _chunk_cmd(add or remove, contexts, fit_texts, chunk, held, eval_samples, kinds, model)
+        return
+    if chunk is not None:
+        raise CtxcError("--chunk goes with --remove DIR")
     opts = _bake_options(
         rank, data=data, samples=samples, sample_tokens=sample_tokens, questions=questions,
         answer_tokens=answer_tokens, question_prompt=question_prompt,
         question_temperature=question_temperature, topics=topics, fit_rows=fit_rows,
         method=method, ridge=ridge,
         seed=seed, distill_steps=steps, distill_seconds=seconds, distill_from_fit=from_fit,
-        distill_lr=lr, refit_passes=refit_passes, attention=attention,
+        distill_lr=lr, refit_passes=refit_passes, attention=attention, linear_only=linear_only,
     )  # fmt: skip
-    kinds = parse_emit(emit)
+    check_servable(kinds, opts, rank)
+    if len(contexts) > 1 or method == "additive":
+        if chat:
+            raise CtxcError("--method additive takes --context files (chunks), not --chat turns")
+        if len(contexts) > 1 and method != "additive":
+            raise CtxcError("several --context files are chunks: they need --method additive")
+        named = [(p.name, read_context(p)) for p in contexts]
+        if not named:
+            raise CtxcError("missing option '--context'")
+        _additive_cmd(named, fit_texts, opts, held, eval_samples, seed, kinds, model, out_dir,
+                      force)  # fmt: skip
+        return
+    text, turns = _context(chat, contexts[0] if contexts else None, system, document, messages)
     if turns is not None:
         check_chat(model, turns, _PROBE)  # no template, or no split: one line, before the load
     with output_folder(out_dir, force, "bake") as tmp:
@@ -188,6 +230,84 @@ def bake_cmd(
         artefacts = _emit(net, tokenizer, result.patch, tmp, kinds)
         write_report(tmp, report, artefacts, under="artefacts")
     _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])
+
+
+def _check_chunk_flags(add, remove, chunk, contexts: list, chat: bool) -> None:
+    """Refuse a ``--add``/``--remove`` that is not one of: ``--add DIR --context F...``,
+    ``--remove DIR --chunk ID``."""
+    if add is not None and remove is not None:
+        raise CtxcError("give --add DIR or --remove DIR, not both")
+    if chat:
+        raise CtxcError("--add and --remove take --context chunks, not --chat turns")
+    if add is not None and (not contexts or chunk is not None):
+        raise CtxcError("--add DIR takes the new chunk as --context FILE (and no --chunk)")
+    if remove is not None and (contexts or chunk is None):
+        raise CtxcError("--remove DIR takes --chunk ID (and no --context)")
+
+
+def _additive_cmd(named, fit_texts, opts, held, eval_samples, seed, kinds, model, out_dir, force):
+    """``ctxc bake --method additive``: the chunks' statistics summed, the patch solved."""
+    with output_folder(out_dir, force, "bake") as tmp:
+        from ctxc.bake.chunks import bake_chunks
+
+        net, tokenizer = load(model, "float32")
+        contexts = [(name, list(tokenizer(text).input_ids)) for name, text in named]
+        with stage_progress("gathering", "statistics") as (on_stage, on_block):
+            got = bake_chunks(net, tokenizer, contexts, fit_texts, options=opts,
+                              on_stage=on_stage, on_block=on_block)  # fmt: skip
+        lines = _write_chunks(net, tokenizer, got, tmp, kinds, held, eval_samples, seed)
+    _say_all([*lines, f"wrote {out_dir}/"])
+
+
+def _chunk_cmd(folder: Path, named_paths, fit_texts, chunk, held, eval_samples, kinds, model):
+    """``--add DIR`` / ``--remove DIR``: DIR's statistics with a chunk more or less, the patch
+    solved again from them, DIR replaced once all of it is written."""
+    from ctxc.bake.chunks import find_chunk
+    from ctxc.bake.statistics import STATS_FILE, Statistics
+    from ctxc.patch import Patch
+
+    stats = Statistics.load(folder / STATS_FILE)
+    if chunk is not None:
+        find_chunk(stats, chunk)  # one line before the model loads
+    named = [(p.name, read_context(p)) for p in named_paths]
+    with output_folder(folder, True, "bake") as tmp:
+        from ctxc.bake.chunks import bake_chunks, remove_chunk
+
+        before = Patch.load(folder)
+        net, tokenizer = load(model, before.meta.dtype)
+        before.check(net)
+        with stage_progress("gathering", "statistics") as (on_stage, on_block):
+            if chunk is not None:
+                got = remove_chunk(net, stats, chunk, on_stage=on_stage, on_block=on_block)
+            else:
+                contexts = [(name, list(tokenizer(text).input_ids)) for name, text in named]
+                got = bake_chunks(net, tokenizer, contexts, fit_texts, start=stats,
+                                  on_stage=on_stage, on_block=on_block)  # fmt: skip
+        seed = int(stats.options.get("seed", 0))
+        lines = _write_chunks(net, tokenizer, got, tmp, kinds, held, eval_samples, seed)
+    _say_all([*lines, f"wrote {folder}/"])
+
+
+def _write_chunks(net, tokenizer, got, tmp: Path, kinds, held, eval_samples, seed) -> list[str]:
+    """Write an additive bake's patch, statistics, artefacts and report; its summary lines
+    (the figures are on the last chunk gathered; none after a removal)."""
+    from ctxc.bake.fit import BakeResult
+    from ctxc.bake.statistics import STATS_FILE
+    from ctxc.core.report import write_report
+
+    report = got.report
+    held_chunks = ", ".join(f"{c['id']} ({c['name']})" for c in report["chunks"])
+    lines = [f"chunks: {held_chunks}"]
+    if got.data is not None:
+        result = BakeResult(got.patch, got.data, None, report)
+        report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
+        report["figures_chunk"] = report["chunks"][-1]["id"]
+        lines += _summary(report["figures"])
+    got.patch.save(tmp / PATCH_FILE)
+    got.stats.save(tmp / STATS_FILE)
+    artefacts = _emit(net, tokenizer, got.patch, tmp, kinds)
+    write_report(tmp, report, artefacts, under="artefacts")
+    return lines
 
 
 def _bake_options(rank: str, **fields) -> BakeOptions:

@@ -193,6 +193,7 @@ FLAGS: dict[str, str] = {
     "address": "--address",
     "workers": "--workers",
     "gpus_per_worker": "--gpus-per-worker",
+    "linear_only": "--linear-only",
 }
 
 

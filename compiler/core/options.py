@@ -145,6 +145,9 @@ class BakeOptions:
             ``fit``; a LoRA on them, in ``distill``) where a block has that surface (sandwich
             norms: Gemma 2/3, OLMo 2). None: wherever the model has it; True: the same, and a
             model with none refuses it; False: the MLPs only.
+        linear_only: ``fit``: move linear weights only, no post-norm scale (a serving LoRA
+            holds no norm weight: vLLM and llama.cpp refuse them); the output move is the
+            outer linear's alone. ``additive`` is linear-only whatever this says.
 
     Raises:
         OptionError: a bad value, naming its attribute.
@@ -173,6 +176,7 @@ class BakeOptions:
     question_temperature: float = 1.0
     topics: int = 0
     fit_rows: str = "all"
+    linear_only: bool = False
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
@@ -198,6 +202,11 @@ class BakeOptions:
             raise OptionError("{distill_seconds} must be positive (got {})", self.distill_seconds)
         if self.rank_per_block and self.method != "fit":
             raise OptionError("{rank_per_block} is for {method} fit: a LoRA has one rank")
+        if self.method == "additive" and (self.refit_passes or self.rank_per_block):
+            what = "{refit_passes}" if self.refit_passes else "{rank_per_block}"
+            raise OptionError(
+                what + " is not additive (it depends on the whole patch): use {method} fit"
+            )
         if self.method == "distill" and importlib.util.find_spec("peft") is None:
             raise OptionError("{method} distill needs peft: pip install 'ctxc[peft]'")
 

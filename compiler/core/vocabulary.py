@@ -91,6 +91,7 @@ FORMATS: dict[str, str] = {
 BAKE_METHODS: dict[str, str] = {
     "fit": "closed-form least squares over every fit position",
     "distill": "a LoRA trained by context distillation (needs peft)",
+    "additive": "linear moves from sums over teacher-forced runs: chunks add and remove",
 }
 
 # What ``ctxc bake`` fits on (issue 25).

@@ -48,6 +48,8 @@ class FitOptions:
         attention_moves: fit the attention output projection and its post-norm scale too,
             where a block has that surface (sandwich norms: Gemma 2/3, OLMo 2), so the residual
             after the attention reaches the full run's before the MLP's moves.
+        linear_only: move linear weights only: no post-norm scale (the output move is the
+            outer linear's), and a block whose output is set by a norm bias is refused.
     """
 
     ridge: float = 0.0
@@ -56,6 +58,7 @@ class FitOptions:
     input_moves: bool = True
     rank_per_block: bool = False
     attention_moves: bool = False
+    linear_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -243,7 +243,8 @@ class _Fitter:
                 effective_rank(self._fit_rows(move), af / _sq_norms(af))
             )
         self._put_linear(block.path, att.site, a, move, att.add, "attention a")
-        self._put_scale(block.path, att.norm, s, t, att.add)
+        if not self.opts.linear_only:
+            self._put_scale(block.path, att.norm, s, t, att.add)
 
     def _output(self, block: MlpBlock) -> None:
         y_c = self.targets[block.path].y  # [N, d]
@@ -254,6 +255,8 @@ class _Fitter:
             h = self.runs.values(block.activation).float()  # [N, d_ff]
             self._put_outer(block, t - self._outer_now(site, h), h)
         elif ctl == "bias":
+            if self.opts.linear_only:
+                raise SolveError(block.path, "its output is set by a norm bias: not linear-only")
             assert block.norm is not None and block.norm.bias is not None
             now = self.runs.values(block.control).float()  # [N, d]
             delta = Delta(block.norm.bias, block.path, vector=fit_bias(self._fit_rows(t - now)))
@@ -278,7 +281,8 @@ class _Fitter:
             else:
                 want = stable_targets(s, t, u_now)  # [N, d]
             self._put_outer(block, want - u_now, h)
-            self._put_scale(block.path, block.norm, s, t, block.residual_add)
+            if not self.opts.linear_only:
+                self._put_scale(block.path, block.norm, s, t, block.residual_add)
         else:  # pragma: no cover - the locator makes only the kinds above
             raise SolveError(block.path, f"unknown output control {ctl!r}")
 

@@ -1,0 +1,70 @@
+"""``ctxc.bake.serve``: a thought patch a serving engine's LoRA loader takes (issue 36).
+
+vLLM and llama.cpp load LoRA pairs of linear weights, one rank for every module, and refuse
+norm weights and ``modules_to_save``: a servable bake is ``--linear-only`` (or ``--method
+additive``, linear by construction) at an integer rank, every delta padded to it with zero
+columns (they change nothing). ``--emit lora`` is for vLLM, whose ``--max-lora-rank`` takes
+:data:`VLLM_RANKS` only. The artefacts themselves are written and checked by the backends
+``ctxc compile --emit`` uses (:func:`~ctxc.backends.emit_checked`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ctxc.core.errors import CtxcError
+from ctxc.core.options import BakeOptions
+from ctxc.patch import Patch
+
+__all__ = ["LINEAR_KINDS", "VLLM_RANKS", "check_servable", "pad_to_rank"]
+
+VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks, past 1
+LINEAR_KINDS = ("lora", "gguf-lora")  # the --emit kinds that hold linear weights only
+
+
+def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
+    """Refuse, before the model loads, a LoRA artefact the bake's patch cannot go into.
+
+    Args:
+        kinds: the ``--emit`` kinds.
+        options: the bake's options.
+        rank: the ``--rank`` text (``full`` and ``auto`` give matrices of several ranks).
+
+    Raises:
+        CtxcError: one line: a fit that moves norm scales, a rank that is not one number, or
+            (``lora``) a rank vLLM does not take.
+    """
+    asked = [k for k in kinds if k in LINEAR_KINDS]
+    if not asked:
+        return
+    what = f"--emit {asked[0]}"
+    if options.method == "distill":
+        raise CtxcError(f"{what} takes a fitted bake: --method fit --linear-only, or additive")
+    if not (options.linear_only or options.method == "additive"):
+        raise CtxcError(
+            f"{what} holds linear weights only, and this bake moves norm scales: bake with "
+            "--linear-only (or --method additive)"
+        )
+    if options.rank is None or options.rank_per_block:
+        raise CtxcError(f"{what} needs one rank for every module: give --rank N, not {rank}")
+    if "lora" in asked and options.rank not in VLLM_RANKS:
+        raise CtxcError(
+            f"--emit lora is for vLLM, whose --max-lora-rank takes "
+            f"{', '.join(map(str, VLLM_RANKS))}: --rank {options.rank} is not one"
+        )
+
+
+def pad_to_rank(patch: Patch, rank: int) -> Patch:
+    """``patch`` with every matrix delta of rank below ``rank`` padded to it by zero columns
+    (the same weights; a serving LoRA has one rank for every module)."""
+    deltas = {}
+    for name, d in patch.deltas.items():
+        if d.u is not None and d.v is not None and d.u.shape[-1] < rank:
+            pad = rank - d.u.shape[-1]
+            u = torch.cat([d.u, d.u.new_zeros(*d.u.shape[:-1], pad)], -1)
+            v = torch.cat([d.v, d.v.new_zeros(*d.v.shape[:-1], pad)], -1)
+            d = dataclasses.replace(d, u=u, v=v)
+        deltas[name] = d
+    return Patch(deltas, patch.meta)
