@@ -231,6 +231,7 @@ def emit_gguf_lora(
         gguf_type=gguf_type,
         lora=path,
         own=applied_fid.max_abs_logit_diff,
+        transformers_patched=patched,
     )
     figures = GgufLoraFigures(
         file=GGUF_LORA_FILE,

@@ -203,6 +203,7 @@ def emit_gguf(
         gguf_type=gguf_type,
         patched=path,
         own=reloaded_fid.max_abs_logit_diff,
+        transformers_patched=patched,
     )
     figures = GgufFigures(
         file=GGUF_FILE,

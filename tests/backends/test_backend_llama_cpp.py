@@ -6,9 +6,11 @@ skip, with the reason, where its library cannot load.
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
+import torch
 
 import ctxc
 from ctxc.backends.gguf.llama_cpp import check as gguf_llama_cpp
@@ -117,3 +119,55 @@ def test_without_a_tokenizer_the_check_says_why(tmp_path) -> None:
     assert figures.llama_cpp_skipped is not None, figures
     if _REASON is None:
         assert "no tokenizer" in figures.llama_cpp_skipped, figures.llama_cpp_skipped
+
+
+@needs_llama_cpp
+def test_an_adapter_that_changes_nothing_fails_beside_a_patch_far_from_the_full_context(
+    tmp_path,
+) -> None:
+    """A baked patch is tens of logits from the full-context run, and so is an adapter that
+    changes nothing: the bound against the full context alone (plus the patch's own distance)
+    passes both. Held to ctxc's patched model too, the empty adapter fails (issue 36)."""
+    import dataclasses
+
+    from ctxc.backends.gguf.lora import write_gguf_lora
+    from ctxc.backends.reference import check_ids, reference_logits, torch_logits
+    from ctxc.core.errors import CtxcError
+
+    model, tokenizer = shared("llama"), bpe_tokenizer()
+    patch = ctxc.compile(model, context_ids=random_ids(8, 24), update="lora").patch
+    empty = dataclasses.replace(
+        patch,
+        deltas={
+            k: dataclasses.replace(d, u=torch.zeros_like(d.u)) for k, d in patch.deltas.items()
+        },
+    )
+    path = tmp_path / "lora.gguf"
+    write_gguf_lora(model, empty, path)
+    full = reference_logits(model, patch)
+    query = check_ids(patch)[:1]
+    (alone,) = torch_logits(model, query)
+    with patch.applied(model, check=False):
+        (patched,) = torch_logits(model, query)
+    own = 10 * float((alone - full).abs().max())  # as far as a bake may be
+    run = functools.partial(
+        gguf_llama_cpp.run_in_llama_cpp,
+        model,
+        patch,
+        what="lora.gguf",
+        full=full,
+        tokenizer=tokenizer,
+        lora=path,
+        own=own,
+    )
+    vacuous = run().same_type  # the full-context bound alone: passed
+    assert vacuous is not None and vacuous.vs_patched is None, vacuous
+    with pytest.raises(CtxcError, match="vs ctxc's patched model in Transformers") as caught:
+        run(transformers_patched=patched)
+    assert "of the patch's effect" in str(caught.value), caught.value
+    # The real adapter meets it.
+    write_gguf_lora(model, patch, path)
+    held = run(transformers_patched=patched).same_type
+    assert held is not None and held.vs_patched is not None and held.patch_effect is not None
+    assert held.vs_patched.max_abs_logit_diff <= held.patched_tolerance, _fig(held)
+    assert held.vs_patched.max_abs_logit_diff < 0.01 * held.patch_effect, _fig(held)

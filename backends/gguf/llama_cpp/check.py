@@ -50,6 +50,7 @@ def run_in_llama_cpp(
     patched: Path | None = None,
     lora: Path | None = None,
     own: float = 0.0,
+    transformers_patched: torch.Tensor | None = None,
 ) -> LlamaCppRuns:
     """Run ``patched`` (a model GGUF) or ``lora`` (a LoRA GGUF) in llama.cpp, when it loads.
 
@@ -66,6 +67,8 @@ def run_in_llama_cpp(
         patched: the patched model GGUF, or None with ``lora``.
         lora: the LoRA GGUF, or None with ``patched``.
         own: the artefact's own distance from the full-context run in Transformers.
+        transformers_patched: ctxc's patched model fed the query [k, vocab]: the artefact is
+            held to it too (:func:`llama_cpp_check`).
 
     Returns:
         the :class:`LlamaCppRuns`.
@@ -84,7 +87,12 @@ def run_in_llama_cpp(
     ids = (list(patch.meta.context_ids), list(patch.meta.query_ids))
     (alone,) = torch_logits(model, [torch.tensor([ids[1]])])
     check = functools.partial(
-        llama_cpp_check, ids=ids, transformers_query=alone, transformers_full=full, own=own
+        llama_cpp_check,
+        ids=ids,
+        transformers_query=alone,
+        transformers_full=full,
+        own=own,
+        transformers_patched=transformers_patched,
     )
     with tempfile.TemporaryDirectory(prefix="ctxc-gguf-base-") as tmp:
         base = Path(tmp) / "base.gguf"

@@ -24,6 +24,7 @@ runs many adapters on one model the way a server does (issue 23, check 3: each l
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -42,7 +43,7 @@ import torch
 from ctxc.core.checks import enforce as enforce_bound
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import LLAMA_CPP_FACTOR, LLAMA_CPP_MIN_FLOOR
+from ctxc.core.thresholds import LLAMA_CPP_FACTOR, LLAMA_CPP_MIN_FLOOR, LLAMA_CPP_PATCH_SHARE
 
 __all__ = [
     "LLAMA_CPP_FACTOR",
@@ -244,6 +245,12 @@ class LlamaCppFigures:
         tolerance: ``LLAMA_CPP_FACTOR * max(floor, full_vs_transformers, LLAMA_CPP_MIN_FLOOR)
             + own``, the bound ``patched`` met; None: reported only.
         seconds: wall time of the writing and the runs.
+        vs_patched: the artefact fed the query against ctxc's patched model in Transformers (the
+            same query): what a served adapter must reproduce, or None where not given.
+        patch_effect: max |diff| of that patched model from the unpatched one, query alone.
+        patched_tolerance: ``LLAMA_CPP_FACTOR * max(...) + LLAMA_CPP_PATCH_SHARE *
+            patch_effect``, the bound ``vs_patched`` met (an adapter that changes nothing is
+            ``patch_effect`` away); None: reported only.
     """
 
     runtime: str
@@ -256,6 +263,9 @@ class LlamaCppFigures:
     own: float
     tolerance: float | None
     seconds: float
+    vs_patched: Fidelity | None = None
+    patch_effect: float | None = None
+    patched_tolerance: float | None = None
 
     def to_dict(self) -> dict:
         """The JSON form (under ``llama_cpp`` of the GGUF backends' figures)."""
@@ -265,10 +275,13 @@ class LlamaCppFigures:
         """A clause for the terminal line."""
         p = self.patched
         bound = "" if self.tolerance is None else f" (bound {self.tolerance:.3g})"
-        return (
+        line = (
             f"in {self.runtime} on {self.base} vs its full-context run max "
             f"{p.max_abs_logit_diff:.3g}{bound}, top-1 {top1_word(p.top1_match)}"
         )
+        if self.vs_patched is not None:
+            line += f"; vs ctxc's patched model max {self.vs_patched.max_abs_logit_diff:.3g}"
+        return line
 
 
 def llama_cpp_check(
@@ -283,6 +296,7 @@ def llama_cpp_check(
     base_name: str,
     own: float = 0.0,
     enforce: bool = True,
+    transformers_patched: torch.Tensor | None = None,
 ) -> LlamaCppFigures:
     """Run the artefact and the unpatched ``base`` in llama.cpp; check the bound.
 
@@ -298,6 +312,9 @@ def llama_cpp_check(
         own: the artefact's own distance from the full-context run in Transformers, added to
             the bound (a rule that is not exact cannot be closer in llama.cpp).
         enforce: raise when the bound fails (else the figures are reported only).
+        transformers_patched: ctxc's patched model fed the query, in Transformers [k, vocab]:
+            the artefact is also held to it (``LLAMA_CPP_PATCH_SHARE``), so that one which
+            changes nothing fails whatever the patch's distance from the full context.
 
     Returns:
         the :class:`LlamaCppFigures`.
@@ -336,6 +353,15 @@ def llama_cpp_check(
         tolerance=LLAMA_CPP_FACTOR * scale + own if enforce else None,
         seconds=round(time.perf_counter() - clock, 3),
     )
+    if transformers_patched is not None:
+        effect = float((transformers_patched - transformers_query).abs().max())
+        bound = LLAMA_CPP_FACTOR * scale + LLAMA_CPP_PATCH_SHARE * effect
+        figures = dataclasses.replace(
+            figures,
+            vs_patched=fidelity(got, transformers_patched),
+            patch_effect=effect,
+            patched_tolerance=bound if enforce else None,
+        )
     worst = figures.patched.max_abs_logit_diff
     if figures.tolerance is not None:  # NaN fails too (ctxc.core.checks.enforce)
         enforce_bound(
@@ -347,5 +373,15 @@ def llama_cpp_check(
             f"mean {figures.patched.mean_abs_logit_diff:.3g}; bound {LLAMA_CPP_FACTOR:g}x "
             f"llama.cpp's own distance from Transformers ({scale:.3g}) plus the artefact's own "
             f"({own:.3g})",
+        )
+    if figures.vs_patched is not None and figures.patched_tolerance is not None:
+        enforce_bound(
+            what,
+            f"in {runtime}, fed the query, vs ctxc's patched model in Transformers: max |diff|",
+            figures.vs_patched.max_abs_logit_diff,
+            figures.patched_tolerance,
+            f"mean {figures.vs_patched.mean_abs_logit_diff:.3g}; bound {LLAMA_CPP_FACTOR:g}x "
+            f"llama.cpp's own distance from Transformers ({scale:.3g}) plus "
+            f"{LLAMA_CPP_PATCH_SHARE:g} of the patch's effect ({figures.patch_effect:.3g})",
         )
     return figures
