@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 import ctxc
+from ctxc.bake.driver import BakeOptions, bake, bake_data
 from ctxc.bake.evaluate import evaluate_against, reference
-from ctxc.bake.fit import BakeOptions, bake, bake_data
 from ctxc.bake.selfstudy import as_question
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ import torch
 
 import ctxc
 from benchmarks.thought.patches import Bench
-from ctxc.bake.fit import BakeOptions
+from ctxc.bake.driver import BakeOptions
 
 
 def main() -> None:

@@ -36,8 +36,8 @@ import torch
 import ctxc
 from ctxc.bake.data import FitData, read_queries, record_fit_targets
 from ctxc.bake.distill import teacher_top
+from ctxc.bake.driver import BakeOptions, bake, bake_data
 from ctxc.bake.evaluate import evaluate_against, reference
-from ctxc.bake.fit import BakeOptions, bake, bake_data
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.patch import Delta, Patch
 from ctxc.store.traced import traced_blocks

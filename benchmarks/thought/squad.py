@@ -7,7 +7,7 @@ by default):
 
 - ``full``: the original model fed the context's ids, then the query's ids (no second BOS);
 - ``none``: the original model fed BOS + the query's ids (no context);
-- ``baked``: :func:`~ctxc.bake.fit.bake` of the context with the setting, then the patched
+- ``baked``: :func:`~ctxc.bake.driver.bake` of the context with the setting, then the patched
   model fed BOS + the query's ids.
 
 The context is the paragraph's text alone (no title), tokenized as ``ctxc bake`` tokenizes a
@@ -87,7 +87,7 @@ ANSWER = "cut at a special token, its first line that is not blank, stripped"
 def setting_options(setting: str):
     """``default`` -> ``ctxc bake``'s own options; else ``benchmarks.thought.defaults.options``."""
     from benchmarks.thought.defaults import options
-    from ctxc.bake.fit import BakeOptions
+    from ctxc.bake.driver import BakeOptions
     from ctxc.cli.bake import DEFAULT_RANK
 
     return BakeOptions(rank=DEFAULT_RANK) if setting in ("", "default") else options(setting)
@@ -218,7 +218,7 @@ def _gen(chat: bool) -> int:
 
 def _bake_paragraph(model, tok, para: dict, ref: dict, setting: str, chat: bool) -> dict:
     """Bake one paragraph with ``setting`` and answer its questions with the patch."""
-    from ctxc.bake.fit import bake
+    from ctxc.bake.driver import bake
 
     questions = [q["question"] for q in para["questions"]]
     context_ids, queries, prefix, turns = _framed(tok, para, chat)

@@ -20,7 +20,7 @@ import torch
 
 from ctxc._version import __version__
 from ctxc.bake.data import FitData
-from ctxc.bake.fit import fit_blocks, fit_data, patch_meta, query_rows
+from ctxc.bake.driver import fit_blocks, fit_data, patch_meta, query_rows
 from ctxc.bake.serve import pad_to_rank
 from ctxc.bake.statistics import Chunk, Statistics, chunk_id, gather, solve
 from ctxc.bake.targets import cached_fit_targets

@@ -92,7 +92,7 @@ def distill(
         model: the unpatched model.
         blocks: its block map (which linears get a LoRA).
         data: the fit data.
-        options: the :class:`~ctxc.bake.fit.BakeOptions` (rank, steps or seconds, lr, seed); rank
+        options: the :class:`~ctxc.bake.driver.BakeOptions` (rank, steps or seconds, lr, seed); rank
             None: full rank (each matrix's smallest side, the largest of them).
         meta: the patch's metadata.
         start: the fit's patch to start from: its matrices initialise the LoRA (truncated to

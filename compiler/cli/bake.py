@@ -217,7 +217,7 @@ def bake_cmd(
     if turns is not None:
         check_chat(model, turns, _PROBE)  # no template, or no split: one line, before the load
     with output_folder(out_dir, force, "bake") as tmp:
-        from ctxc.bake.fit import bake
+        from ctxc.bake.driver import bake
         from ctxc.core.report import write_report
 
         net, tokenizer = load(model, "float32")
@@ -291,7 +291,7 @@ def _chunk_cmd(folder: Path, named_paths, fit_texts, chunk, held, eval_samples, 
 def _write_chunks(net, tokenizer, got, tmp: Path, kinds, held, eval_samples, seed) -> list[str]:
     """Write an additive bake's patch, statistics, artefacts and report; its summary lines
     (the figures are on the last chunk gathered; none after a removal)."""
-    from ctxc.bake.fit import BakeResult
+    from ctxc.bake.driver import BakeResult
     from ctxc.bake.statistics import STATS_FILE
     from ctxc.core.report import write_report
 
@@ -392,8 +392,8 @@ def _say_all(lines: list[str]) -> None:
 def _figures(net, tokenizer, result, held: dict, eval_samples: int, seed: int) -> dict:
     """Fit-data (its first ``FIT_EVAL`` queries) and held-out figures of the patch beside the
     unpatched control's; held-out questions get the answer-agreement figure too."""
+    from ctxc.bake.driver import bake_data
     from ctxc.bake.evaluate import evaluate_many
-    from ctxc.bake.fit import bake_data
     from ctxc.bake.selfstudy import as_question
 
     data, chat = result.data, result.chat
@@ -493,8 +493,8 @@ def eval_bake_cmd(
     patch = Patch.load(folder)
     if not patch.meta.update.startswith("bake"):
         raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
+    from ctxc.bake.driver import bake_data
     from ctxc.bake.evaluate import evaluate_many
-    from ctxc.bake.fit import bake_data
 
     net, tokenizer = load(model, patch.meta.dtype)
     patch.check(net)

@@ -1,6 +1,6 @@
 """The library's options, typed and frozen, each validated once: when it is made.
 
-:func:`ctxc.compile`, :func:`ctxc.generate.steps.generate` and :func:`ctxc.bake.fit.bake` take
+:func:`ctxc.compile`, :func:`ctxc.generate.steps.generate` and :func:`ctxc.bake.driver.bake` take
 these (or build one from their keyword arguments); every stage below them takes the values as
 they are. A bad value is an :class:`~ctxc.core.errors.OptionError` naming the library's
 parameter (``max_new_tokens``); the CLI, which makes these before it loads a model, prints the
@@ -89,7 +89,7 @@ class GenerateOptions:
 
 @dataclass(frozen=True)
 class BakeOptions:
-    """How a thought patch is made (``ctxc.bake.fit.bake``).
+    """How a thought patch is made (``ctxc.bake.driver.bake``).
 
     Attributes:
         samples: K, continuations sampled from the model fed the context (at least 0). The

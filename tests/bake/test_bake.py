@@ -8,8 +8,8 @@ import torch
 
 import ctxc
 from ctxc.bake.data import FitData, special_prefix
+from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.evaluate import evaluate
-from ctxc.bake.fit import BakeOptions, bake
 from ctxc.core.errors import CtxcError
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from testbed.tiny_models import shared, tiny_tokenizer

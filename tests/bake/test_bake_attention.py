@@ -11,8 +11,8 @@ import torch
 
 import ctxc
 from ctxc.bake.data import FitData, special_prefix
+from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.evaluate import evaluate
-from ctxc.bake.fit import BakeOptions, bake
 from ctxc.core.errors import CtxcError
 from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.helpers import assert_gives_full, diff_msg, random_ids

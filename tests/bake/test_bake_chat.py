@@ -12,8 +12,8 @@ import torch
 import ctxc.bake.chat as chat_module
 from ctxc.bake.chat import CHAT_SEEDS, chat_format, chat_self_study
 from ctxc.bake.data import record_fit_targets
+from ctxc.bake.driver import BakeOptions, bake, bake_data, query_rows
 from ctxc.bake.evaluate import evaluate_against, position_figures, reference
-from ctxc.bake.fit import BakeOptions, _query_rows, bake, bake_data
 from ctxc.bake.selfstudy import SEED_PROMPTS
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.chat import template_ids
@@ -92,8 +92,8 @@ def test_the_opening_s_positions_are_neither_fitted_nor_compared() -> None:
     first = graph[blocks.blocks[0].path].y
     assert torch.equal(first[0], first[3])  # the unmatched rows: copies of the matched one
     k = len(data.reduced(0))  # fitted rows: the query's; with fit_prefix, the matched one too
-    assert _query_rows(data)[:k].tolist() == [False] * 4 + [True] * (k - 4)
-    assert _query_rows(data, fit_prefix=True)[:k].tolist() == [False] * 3 + [True] * (k - 3)
+    assert query_rows(data)[:k].tolist() == [False] * 4 + [True] * (k - 4)
+    assert query_rows(data, fit_prefix=True)[:k].tolist() == [False] * 3 + [True] * (k - 3)
     patch = bake(model, tok, options=_OPTIONS, data=data).patch
     ref = reference(model, data, gen_tokens=0)
     got = evaluate_against(model, patch, ref)

@@ -8,8 +8,8 @@ import torch
 
 from ctxc.bake.chunks import bake_chunks, remove_chunk
 from ctxc.bake.data import FitData, special_prefix
+from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.evaluate import evaluate
-from ctxc.bake.fit import BakeOptions, bake
 from ctxc.bake.statistics import STATS_FILE, Statistics, solve_site
 from ctxc.core.errors import CtxcError
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from ctxc.bake.data import FitData, record_fit_targets, special_prefix
+from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.evaluate import evaluate_against, greedy, position_figures, reference
-from ctxc.bake.fit import BakeOptions, bake
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from ctxc.passes.solver.fit_solve import effective_rank

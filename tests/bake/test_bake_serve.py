@@ -10,7 +10,7 @@ import pytest
 from ctxc.backends import emit_checked
 from ctxc.backends.gguf.llama_cpp.run import llama_cpp_logits, llama_cpp_unavailable
 from ctxc.bake.data import FitData, special_prefix
-from ctxc.bake.fit import BakeOptions, bake
+from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.serve import check_servable
 from ctxc.core.errors import CtxcError
 from testbed.tiny_models import bpe_tokenizer, shared, tiny_tokenizer

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ctxc.bake.data import FitData
-from ctxc.bake.fit import _query_rows
+from ctxc.bake.driver import query_rows
 
 
 def test_answers_only_fits_from_the_position_before_each_answer() -> None:
@@ -11,8 +11,8 @@ def test_answers_only_fits_from_the_position_before_each_answer() -> None:
     its answer's; a sample (answer_from 0) fits every position; the BOS never."""
     data = FitData([1, 5, 6], [1], [[7, 8, 9, 10, 11], [12, 13]], ["self-study", "sample"],
                    answer_from=[3, 0])  # fmt: skip
-    rows = _query_rows(data, answers=True).tolist()
+    rows = query_rows(data, answers=True).tolist()
     assert rows == [False, False, False, True, True, True, False, True, True], rows
-    every = _query_rows(data).tolist()
+    every = query_rows(data).tolist()
     assert every == [False, True, True, True, True, True, False, True, True], every
     assert data.part(1).answer_from == [0]

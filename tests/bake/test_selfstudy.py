@@ -8,8 +8,8 @@ import string
 import pytest
 import torch
 
+from ctxc.bake.driver import BakeOptions, bake, bake_data
 from ctxc.bake.evaluate import answer_lengths, evaluate_against, greedy, reference
-from ctxc.bake.fit import BakeOptions, bake, bake_data
 from ctxc.bake.selfstudy import (
     SEED_PROMPTS,
     TOPIC_QUESTION,

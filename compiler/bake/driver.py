@@ -1,4 +1,8 @@
-"""``ctxc.bake.fit``: one reusable patch per context, fitted over many queries (issue 13).
+"""``ctxc.bake.driver``: one reusable patch per context, fitted over many queries (issue 13).
+
+The bake's driver, as ``compiler/pipeline.py`` is the compile's: the fit data (:func:`bake_data`,
+from the pieces in :mod:`ctxc.bake.data`, :mod:`ctxc.bake.selfstudy`, :mod:`ctxc.bake.chat`),
+the full runs' targets, then the fit or the distillation.
 
 The exact compiler patches one query; a thought patch must serve queries it has never seen. The
 fit data are a query file's lines and/or K continuations sampled from the model fed the context;
@@ -249,9 +253,9 @@ def bake(
         raise OptionError("{method} additive bakes chunks: ctxc.bake.chunks.bake_chunks")
     if data is None:
         ids = chat.context_ids if chat else _context_ids(tokenizer, context, context_ids)
-        data = _fit_data(model, tokenizer, ids, queries, o, stage, chat)
+        data = fit_data(model, tokenizer, ids, queries, o, stage, chat)
     timings["data"] = round(time.perf_counter() - clock, 3)
-    traced, blocks = _fit_blocks(model, o)
+    traced, blocks = fit_blocks(model, o)
     fit, extra = None, {}
     if o.method == "fit" or o.distill_from_fit:
         if targets is None:
@@ -263,7 +267,7 @@ def bake(
         clock = time.perf_counter()
         fit = _fit(traced, blocks, targets, data, o, on_block)
         timings["fit"] = round(time.perf_counter() - clock, 3)
-    meta = _meta(model, traced.dtype, data, o)
+    meta = patch_meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
     if patch is not None and o.linear_only and o.rank is not None:
         patch = pad_to_rank(patch, o.rank)  # one rank for every module, as a LoRA has
@@ -303,11 +307,11 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
     )  # fmt: skip
     answers = o.fit_rows == "answers"
     whole = o.fit_prefix and not data.opening and not answers
-    rows = None if whole else _query_rows(data, o.fit_prefix, answers)
+    rows = None if whole else query_rows(data, o.fit_prefix, answers)
     return fit_solve(traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes)
 
 
-def _fit_data(
+def fit_data(
     model, tokenizer, ids: list[int], queries, o: BakeOptions, stage, chat=None
 ) -> FitData:
     """The fit data of ``o`` (refused in one line when there is nothing to fit on); with
@@ -327,7 +331,7 @@ def _fit_data(
     return data
 
 
-def _fit_blocks(model: torch.nn.Module, o: BakeOptions):
+def fit_blocks(model: torch.nn.Module, o: BakeOptions):
     """The traced model and its blocks, refused in one line when bake cannot fit them."""
     traced, blocks = traced_blocks(model)
     if traced.frontend == "static":
@@ -347,7 +351,7 @@ def _fit_blocks(model: torch.nn.Module, o: BakeOptions):
     return traced, blocks
 
 
-def _query_rows(data: FitData, fit_prefix: bool = False, answers: bool = False) -> torch.Tensor:
+def query_rows(data: FitData, fit_prefix: bool = False, answers: bool = False) -> torch.Tensor:
     """[N] bool: True at the query tokens' positions (and, with ``fit_prefix``, the prefix's
     matched ones), False at the other prefix positions; with ``answers``, a query's positions
     before the one that predicts its answer's first token are False too
@@ -373,7 +377,7 @@ def _context_ids(tokenizer, context: str | None, context_ids: list[int] | None) 
     return list(tokenizer(context).input_ids)
 
 
-def _meta(model, dtype: torch.dtype, data: FitData, o: BakeOptions) -> PatchMeta:
+def patch_meta(model, dtype: torch.dtype, data: FitData, o: BakeOptions) -> PatchMeta:
     return PatchMeta(
         fingerprint=fingerprint(model),
         context_ids=data.context_ids,
@@ -396,11 +400,3 @@ def _report(o: BakeOptions, data: FitData, fit: FitSolution | None, timings: dic
         "timings": timings,
         "ctxc_version": __version__,
     }
-
-
-# What the additive bake (ctxc.bake.chunks) shares with this one: the same blocks, fit data,
-# metadata and fitted rows.
-fit_blocks = _fit_blocks
-fit_data = _fit_data
-patch_meta = _meta
-query_rows = _query_rows
