@@ -129,6 +129,7 @@ def parse_rank(rank: str) -> int | None:
 
 
 def bake_cmd(
+    ctx: typer.Context,
     context: list[Path] = typer.Option(
         None, "--context", help="UTF-8 text file with the context; repeat: chunks (additive)."
     ),
@@ -189,6 +190,7 @@ def bake_cmd(
     kinds = parse_emit(emit)
     if add is not None or remove is not None:
         _check_chunk_flags(add, remove, chunk, contexts, chat)
+        _refuse_fit_flags(ctx, "--add DIR" if add is not None else "--remove DIR")
         _chunk_cmd(add or remove, contexts, fit_texts, chunk, held, eval_samples, kinds, model)
         return
     if chunk is not None:
@@ -230,6 +232,35 @@ def bake_cmd(
         artefacts = _emit(net, tokenizer, result.patch, tmp, kinds)
         write_report(tmp, report, artefacts, under="artefacts")
     _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])
+
+
+# What the fit is: an additive bake keeps it in DIR (stats.safetensors), and a chunk added or
+# removed is fitted as the others were.
+_FIT_PARAMS = (
+    "data", "samples", "sample_tokens", "questions", "answer_tokens", "question_prompt",
+    "question_temperature", "topics", "fit_rows", "rank", "method", "ridge", "seed", "steps",
+    "seconds", "from_fit", "lr", "refit_passes", "attention", "linear_only",
+)  # fmt: skip
+
+
+def _refuse_fit_flags(ctx: typer.Context, what: str) -> None:
+    """One line for fit options given beside ``--add``/``--remove``: DIR's bake fixed them."""
+
+    def on_command_line(name: str) -> bool:
+        # By name: typer may carry its own copy of click, whose enum is not click's.
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name == "COMMANDLINE"
+
+    given = [
+        p.opts[0]
+        for p in ctx.command.params
+        if p.name in _FIT_PARAMS and p.name is not None and on_command_line(p.name)
+    ]
+    if given:
+        raise CtxcError(
+            f"{what} fits with the options DIR was baked with: {', '.join(given)} cannot "
+            "change them (bake the chunks anew for other options)"
+        )
 
 
 def _check_chunk_flags(add, remove, chunk, contexts: list, chat: bool) -> None:

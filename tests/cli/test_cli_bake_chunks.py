@@ -63,6 +63,8 @@ def test_add_and_remove_chunks(tiny_model_dir, tmp_path) -> None:
         (["--context", "{ctx}", "--emit", "lora"], "bake with --linear-only"),
         (["--context", "{ctx}", "--emit", "lora", "--linear-only", "--rank", "12"], "not one"),
         (["--context", "{ctx}", "--method", "additive", "--refit-passes", "1"], "not additive"),
+        (["--add", "{dir}", "--context", "{ctx}", "--rank", "8"], "--rank cannot change them"),
+        (["--remove", "{dir}", "--chunk", "a", "--linear-only"], "--linear-only cannot change"),
     ],
 )
 def test_bad_chunk_input_is_one_line(tmp_path, args, message) -> None:
