@@ -234,7 +234,7 @@ def _bake_paragraph(model, tok, para: dict, ref: dict, setting: str, chat: bool)
     same = sum(b == q["full"] for b, q in zip(got["answers"], ref["questions"], strict=True))
     return {
         "bake_seconds": round(seconds, 2), "bake_cpu_seconds": round(cpu, 2),
-        "bake_timings": result.report["timings"],
+        "bake_timings": result.report["timings"], "bake_distill": result.report.get("distill"),
         "answer_seconds": got["seconds"], "single_check": got["single_check"],
         "fit_kinds": result.report["fit_kinds"], "fit_positions": result.report["fit_positions"],
         "questions_in_fit": leaked, "baked": got["answers"], "baked_raw": got["raw"],
