@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from ctxc.core.errors import CtxcError
+from ctxc.core.errors import OptionError
 from ctxc.core.options import BakeOptions
 from ctxc.patch import Patch
 
@@ -33,26 +33,33 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
         rank: the ``--rank`` text (``full`` and ``auto`` give matrices of several ranks).
 
     Raises:
-        CtxcError: one line: a fit that moves norm scales, a rank that is not one number, or
-            (``lora``) a rank vLLM does not take.
+        OptionError: one line naming the parameters: a fit that moves norm scales, a rank
+            that is not one number, or (``lora``) a rank vLLM does not take.
     """
     asked = [k for k in kinds if k in LINEAR_KINDS]
     if not asked:
         return
-    what = f"--emit {asked[0]}"
+    kind = asked[0]
     if options.method == "distill":
-        raise CtxcError(f"{what} takes a fitted bake: --method fit --linear-only, or additive")
+        raise OptionError(
+            "{emit} {} takes a fitted bake: {method} fit with {linear_only}, or {method} additive",
+            kind,
+        )
     if not (options.linear_only or options.method == "additive"):
-        raise CtxcError(
-            f"{what} holds linear weights only, and this bake moves norm scales: bake with "
-            "--linear-only (or --method additive)"
+        raise OptionError(
+            "{emit} {} holds linear weights only, and this bake moves norm scales: bake with "
+            "{linear_only} (or {method} additive)",
+            kind,
         )
     if options.rank is None or options.rank_per_block:
-        raise CtxcError(f"{what} needs one rank for every module: give --rank N, not {rank}")
+        raise OptionError(
+            "{emit} {} needs one rank for every module: give {rank} N, not {}", kind, rank
+        )
     if "lora" in asked and options.rank not in VLLM_RANKS:
-        raise CtxcError(
-            f"--emit lora is for vLLM, whose --max-lora-rank takes "
-            f"{', '.join(map(str, VLLM_RANKS))}: --rank {options.rank} is not one"
+        raise OptionError(
+            "{emit} lora is for vLLM, whose max LoRA rank takes {}: {rank} {} is not one",
+            ", ".join(map(str, VLLM_RANKS)),
+            options.rank,
         )
 
 

@@ -158,9 +158,11 @@ class Statistics:
         from safetensors import safe_open
 
         if not path.is_file():
-            raise CtxcError(
-                f"{path.parent} has no {STATS_FILE}: only a --method additive bake keeps the "
-                "statistics chunks add to (the default fit is sequential)"
+            raise CtxcError().naming(
+                "{} has no {}: only a {method} additive bake keeps the statistics chunks add "
+                "to (the default fit is sequential)",
+                path.parent,
+                STATS_FILE,
             )
         try:
             with safe_open(str(path), framework="pt") as f:
@@ -259,7 +261,7 @@ class _Gatherer:
             raise SolveError(
                 block.path,
                 f"the additive fit moves linears only; this block's output is set by its "
-                f"{block.output_control} (or an expert bank): bake it with --method fit",
+                f"{block.output_control} (or an expert bank): bake it with the default fit",
             )
         self.runs.advance(block.mlp_in)
         z = self._fit(self.runs.values(block.mlp_in))  # [N', d_in]
