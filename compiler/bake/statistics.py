@@ -37,11 +37,10 @@ from ctxc.bake.data import FitData
 from ctxc.core.errors import CtxcError, SolveError
 from ctxc.core.options import BakeOptions
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
-from ctxc.passes.locate.graph_view import GraphView
-from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver import block_moves as moves
 from ctxc.passes.solver.fit_moves import stable_targets
+from ctxc.passes.solver.fit_solve import Lockstep
 from ctxc.patch import Delta
 
 __all__ = [
@@ -175,27 +174,13 @@ class Statistics:
         return Statistics(sums, record["sites"], chunks, record["options"])
 
 
-class _ForcedRuns:
-    """One reduced run per fit query, advanced together, whose values can be set (teacher
-    forcing); values no later node reads are dropped. Mutates only the runs."""
+class _ForcedRuns(Lockstep):
+    """The fit's lockstep runs (:class:`~ctxc.passes.solver.fit_solve.Lockstep`), whose computed
+    values can also be set (teacher forcing). Mutates only the runs."""
 
     def __init__(self, traced, queries: Sequence[torch.Tensor], keep: set[str]):
-        self.view = view = GraphView.of(traced)
-        nodes = [view.by_name[n] for n in keep]
-        self.runs = [ReducedRun(view, nodes, traced.placeholder_values(q)) for q in queries]
+        super().__init__(traced, queries, keep)
         self.sizes = [int(q.shape[-1]) for q in queries]
-        self.last_use = {n: max((view.index[u] for u in n.users), default=-1) for n in view.nodes}
-
-    def advance(self, name: str) -> None:
-        node = self.view.by_name[name]
-        for run in self.runs:
-            run.advance_to(node)
-
-    def values(self, name: str) -> torch.Tensor:
-        """A node's value at every position of every run, rows stacked [N, d]."""
-        node = self.view.by_name[name]
-        values = [run.value(node) for run in self.runs]
-        return torch.cat([v.reshape(-1, v.shape[-1]) for v in values])
 
     def force(self, name: str, rows: torch.Tensor, where: torch.Tensor) -> None:
         """Set a computed node's value to ``rows`` [N, d] at the rows ``where`` [N] marks (the
@@ -211,16 +196,6 @@ class _ForcedRuns:
             if node in run.kept:
                 run.kept[node] = run.env[node].clone()
             start += k
-
-    def param(self, name: str) -> torch.Tensor:
-        return self.runs[0].env[self.view.param_node[name]]
-
-    def drop_before(self, name: str) -> None:
-        at = self.view.index[self.view.by_name[name]]
-        for run in self.runs:
-            for node in [n for n in run.env if n.op != "placeholder" and self.last_use[n] < at]:
-                del run.env[node]
-                run.kept.pop(node, None)
 
 
 class _Gatherer:

@@ -45,7 +45,7 @@ from ctxc.passes.solver.output_magnitude import least_rounding_targets, summed_t
 from ctxc.passes.solver.primitive_moves import ConditionError
 from ctxc.patch import Delta
 
-__all__ = ["FitBlock", "FitSolution", "effective_rank", "fit_solve", "summed_delta"]
+__all__ = ["FitBlock", "FitSolution", "Lockstep", "effective_rank", "fit_solve", "summed_delta"]
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ def effective_rank(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(gram.diagonal().sum() ** 2 / total) if total > 0 else 0.0
 
 
-class _Lockstep:
+class Lockstep:
     """One reduced run per query, advanced together; values no later node reads are dropped
     (many queries' runs must fit in memory). Mutates only the runs."""
 
@@ -150,7 +150,7 @@ class _Fitter:
 
     def __init__(
         self,
-        runs: _Lockstep,
+        runs: Lockstep,
         targets: dict[str, BlockTargets],
         opts: FitOptions,
         rows: torch.Tensor | None,
@@ -419,7 +419,7 @@ def fit_solve(
     stats: list[FitBlock] = []
     total = passes * len(blocks.blocks)
     for p in range(passes):
-        fitter = _Fitter(_Lockstep(traced, queries, keep), targets, opts, rows, start=deltas)
+        fitter = _Fitter(Lockstep(traced, queries, keep), targets, opts, rows, start=deltas)
         stats = []
         with torch.no_grad():
             for i, block in enumerate(blocks.blocks):
