@@ -6,21 +6,23 @@ from __future__ import annotations
 
 from ctxc.backends.base import Backend
 
-__all__ = ["DECLARED"]
+__all__ = ["DECLARED", "ONNX"]
 
 _REQUIRES = ("onnx", "onnxruntime", "onnxscript")
 
+ONNX = Backend(
+    "onnx",
+    writes="model.onnx",
+    meaning="an ONNX model checked in onnxruntime",
+    status="exporting model.onnx and checking it with onnxruntime",
+    emitter="ctxc.backends.onnx.model:emit_onnx",
+    patchable="ctxc.backends.onnx.patchable:emit_onnx_patchable",
+    extra="onnx",
+    requires=_REQUIRES,
+)
+
 DECLARED = (
-    Backend(
-        "onnx",
-        writes="model.onnx",
-        meaning="an ONNX model checked in onnxruntime",
-        status="exporting model.onnx and checking it with onnxruntime",
-        emitter="ctxc.backends.onnx.model:emit_onnx",
-        patchable="ctxc.backends.onnx.patchable:emit_onnx_patchable",
-        extra="onnx",
-        requires=_REQUIRES,
-    ),
+    ONNX,
     Backend(
         "ort-adapter",
         writes="context.onnx_adapter",

@@ -39,7 +39,7 @@ import torch
 from torch.export import Dim, ExportedProgram
 from torch.func import functional_call
 
-from ctxc.backends import backend
+from ctxc.backends.onnx import ONNX
 from ctxc.core.errors import CtxcError
 from ctxc.frontend.trace import MAX_SEQ, no_cache, trace
 from ctxc.passes.runtime.insert_deltas import InsertResult, insert_deltas
@@ -66,7 +66,7 @@ EXPORTABLE_EXPERTS = "batched_mm"
 
 def require_onnx() -> None:
     """Raise a one-line CtxcError when the ONNX extras are not installed."""
-    backend("onnx").require()
+    ONNX.require()
 
 
 def experts_implementation(model: torch.nn.Module) -> str:

@@ -5,19 +5,21 @@ from __future__ import annotations
 from ctxc.backends.base import Backend
 from ctxc.core.vocabulary import LORA_RULE
 
-__all__ = ["DECLARED"]
+__all__ = ["DECLARED", "PEFT"]
+
+PEFT = Backend(
+    "peft",
+    writes="adapter/",
+    meaning="a PEFT adapter",
+    status="writing the PEFT adapter and checking it",
+    emitter="ctxc.backends.peft.adapter:emit_peft",
+    extra="peft",
+    requires=("peft",),
+    takes=("baked",),
+)
 
 DECLARED = (
-    Backend(
-        "peft",
-        writes="adapter/",
-        meaning="a PEFT adapter",
-        status="writing the PEFT adapter and checking it",
-        emitter="ctxc.backends.peft.adapter:emit_peft",
-        extra="peft",
-        requires=("peft",),
-        takes=("baked",),
-    ),
+    PEFT,
     Backend(
         "lora",
         writes="lora/",

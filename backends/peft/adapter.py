@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from ctxc.backends import backend
+from ctxc.backends.peft import PEFT
 from ctxc.backends.peft.write import fill_adapter, flags_kept, shared_copy, write_card
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
@@ -136,7 +136,7 @@ class PeftFigures:
 
 def require_peft() -> None:
     """Raise a one-line CtxcError when PEFT is not installed."""
-    backend("peft").require()
+    PEFT.require()
 
 
 def plan_adapter(model: torch.nn.Module, patch: Patch) -> AdapterPlan:

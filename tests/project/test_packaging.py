@@ -14,7 +14,9 @@ import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SOURCES = ("pyproject.toml", "README.md", "compiler", "passes", "backends")
+SOURCES = ("pyproject.toml", "setup.py", "README.md", "compiler", "passes", "backends")
+# Import name -> source folder, as setup.py maps them.
+FOLDERS = {"ctxc": "compiler", "ctxc.passes": "passes", "ctxc.backends": "backends"}
 
 
 def _wheel(tmp_path: Path) -> tuple[Path, str]:
@@ -43,6 +45,13 @@ def test_wheel_builds_without_warnings_holds_its_data_and_wins_over_a_clone(tmp_
     assert {"ctxc/templates/inspect.html", "ctxc/py.typed", "ctxc/passes/solver/solve.py"} <= set(
         names
     )
+    # setup.py lists the packages from the folders (issue 37): every package folder is shipped,
+    # a new backend or stage without a line in pyproject.
+    for package, folder in FOLDERS.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.relative_to(ROOT / folder).as_posix()
+            shipped = f"{package.replace('.', '/')}/{rel}"
+            assert shipped in names, f"{shipped} not in the wheel"
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     # Python run from the folder above a clone named ctxc: the clone (no __init__.py at its root)
