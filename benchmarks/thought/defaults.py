@@ -48,7 +48,14 @@ _INT = (
     "topics",
 )
 _FLOAT = ("distill_seconds", "distill_lr", "ridge", "scale_ridge", "question_temperature")
-_BOOL = ("distill_from_fit", "input_moves", "fit_prefix", "rank_per_block", "attention")
+_BOOL = (
+    "distill_from_fit",
+    "input_moves",
+    "fit_prefix",
+    "rank_per_block",
+    "attention",
+    "linear_only",
+)
 
 
 def options(setting: str) -> BakeOptions:
