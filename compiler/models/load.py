@@ -136,15 +136,23 @@ def source_gguf(model: torch.nn.Module) -> Path | None:
     """The GGUF file ``model`` was converted from, when it is the bundled model (else None).
 
     Its metadata and tokenizer are what llama.cpp's converter wrote (the GGUF backends copy
-    them). Side effects: none beyond a first-run conversion of the bundled model.
+    them). Side effects: none (the bundled GGUF file is assembled into the cache when a
+    conversion of it is there but the file is not).
     """
     name = getattr(model, "name_or_path", "") or ""
-    try:
-        if name and Path(name).resolve() == bundled_model_dir().resolve():
-            return _bundled_gguf()
-    except CtxcError:
+    if not name:
         return None
-    return None
+    folder = Path(name).resolve()
+    # Only a folder of the cache's conversions can be the bundled model's: any other model (a
+    # tiny Llama written by `--emit gguf`) must not pay the bundled model's first-run conversion
+    # (a minute and 1 GB) to learn that it is not it.
+    if folder.parent != (cache_dir() / "converted").resolve():
+        return None
+    try:
+        gguf = _bundled_gguf()
+        return gguf if folder == converted_dir(gguf).resolve() else None
+    except (CtxcError, OSError):
+        return None
 
 
 def load_model(
