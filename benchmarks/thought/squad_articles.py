@@ -313,6 +313,22 @@ def _cells(name: str, entries: list[dict], pooled: bool = False) -> list[object]
     ]  # fmt: skip
 
 
+def _figures(done: dict) -> str:
+    """The bakes' own report figures beside the SQuAD ones: KL to the full-context model on
+    the fit data and on held-out samples (``ctxc bake``'s report), patched and unpatched, per
+    article and way: how close the patch came on what it measures itself."""
+    rows = []
+    for title, e in done.items():
+        for way in WAYS:
+            got = e[way]["figures"] or {}
+            rows.append([title, way, *(
+                f"{got[s][m]['kl']:.2f}" if s in got else "-"
+                for s in ("fit", "held_out_samples") for m in ("patched", "control"))])  # fmt: skip
+    head = ["article", "way", "KL fit patched", "KL fit unpatched", "KL held-out patched",
+            "KL held-out unpatched"]  # fmt: skip
+    return table(head, rows)
+
+
 def _span(done: dict, key: str) -> str:
     values = [e[key] for e in done.values()] or [0]
     return f"{min(values):,}-{max(values):,}"
@@ -367,6 +383,11 @@ def render(doc: dict, source: str) -> str:
         "Example answers (each article's first two questions):",
         "",
         table(["article", "question", "gold", "full", "none", "whole", "chunks"], examples),
+        "The bakes' own figures (`report.json`: mean KL per position to the full-context model "
+        "on the fit data's first 8 queries and on 8 held-out samples; for chunks, the last "
+        "chunk's, against the model fed that chunk alone, as `ctxc bake --add` reports them):",
+        "",
+        _figures(done),
         f"Limits: one model (270M parameters); the {len(done)} shortest qualifying articles "
         f"only ({_span(done, 'words')} words, {_span(done, 'context_tokens')} tokens: the ones "
         "a one-thread bake measures in minutes), far inside the model's window; "
