@@ -47,7 +47,8 @@ def reference_logits(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
     ids = torch.tensor([patch.meta.context_ids + patch.meta.query_ids])
     k = len(patch.meta.query_ids)
     with no_cache(model):
-        return torch_logits(model, [ids])[0][-k:]
+        # a copy: a slice would keep all n rows alive (15 GB at 14k tokens, 262k vocabulary)
+        return torch_logits(model, [ids])[0][-k:].clone()
 
 
 def torch_logits(model: torch.nn.Module, ids: Sequence[torch.Tensor]) -> list[torch.Tensor]:

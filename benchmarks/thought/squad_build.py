@@ -25,7 +25,7 @@ import json
 import zipfile
 from pathlib import Path
 
-__all__ = ["MEMBER", "OUT", "RULE", "build", "main", "qualifies", "select"]
+__all__ = ["MEMBER", "OUT", "RULE", "answerable", "build", "main", "qualifies", "select"]
 
 MEMBER = "long_context_eval/data/synthetic/json/squad.json"
 OUT = Path(__file__).resolve().parents[1] / "data" / "squad" / "subset.json"
@@ -39,14 +39,16 @@ RULE = (
 )
 
 
-def _answerable(paragraph: dict) -> list[dict]:
+def answerable(paragraph: dict) -> list[dict]:
+    """A SQuAD v2.0 paragraph's answerable questions (``is_impossible`` false), in order:
+    the only ones with gold answers to score against."""
     return [q for q in paragraph["qas"] if not q.get("is_impossible", False)]
 
 
 def qualifies(paragraph: dict) -> bool:
     """Whether a SQuAD paragraph has 100-200 words and at least 4 answerable questions."""
     words = len(paragraph["context"].split())
-    return MIN_WORDS <= words <= MAX_WORDS and len(_answerable(paragraph)) >= MIN_QUESTIONS
+    return MIN_WORDS <= words <= MAX_WORDS and len(answerable(paragraph)) >= MIN_QUESTIONS
 
 
 def select(squad: dict, count: int = PARAGRAPHS) -> list[dict]:
@@ -76,7 +78,7 @@ def select(squad: dict, count: int = PARAGRAPHS) -> list[dict]:
                     "questions": [
                         {"id": q["id"], "question": q["question"],
                          "answers": [x["text"] for x in q["answers"]]}
-                        for q in _answerable(p)
+                        for q in answerable(p)
                     ],
                 })  # fmt: skip
     return chosen

@@ -127,3 +127,16 @@ def test_two_writers_write_the_bytes_of_one(tmp_path, monkeypatch) -> None:
 def _first_difference(a: bytes, b: bytes) -> int:
     pairs = enumerate(zip(a, b, strict=False))
     return next((i for i, (x, y) in pairs if x != y), min(len(a), len(b)))
+
+
+def test_reference_logits_holds_only_the_query_rows() -> None:
+    """``reference_logits`` keeps k rows, not a view into the [n, vocab] logits of the whole
+    context + query (at 14k tokens and a 262k vocabulary those are 15 GB held for k rows)."""
+    from ctxc.backends.reference import reference_logits
+
+    model = build("gemma3")
+    patch = ctxc.compile(model, context_ids=random_ids(6, 40), verify=False).patch
+    got = reference_logits(model, patch)
+    assert got.shape[0] == len(patch.meta.query_ids)
+    held = got.untyped_storage().nbytes()
+    assert held == got.numel() * got.element_size(), f"{held} bytes held for {got.numel()} values"
