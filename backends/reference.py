@@ -7,15 +7,18 @@ and a model's logits for given inputs.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
+import torch.nn.functional as F
 
 from ctxc.frontend.trace import no_cache
 from ctxc.models.offload import input_device
+from ctxc.passes.runtime.plain_head import default_forward_rows
 from ctxc.patch import Patch
 
-__all__ = ["check_ids", "reference_logits", "torch_logits"]
+__all__ = ["check_ids", "head_at_query_rows", "reference_logits", "torch_logits"]
 
 # The second length an export is checked at (the exporter can fix a length silently).
 _SECOND_LENGTH = 16
@@ -46,9 +49,45 @@ def reference_logits(model: torch.nn.Module, patch: Patch) -> torch.Tensor:
     """
     ids = torch.tensor([patch.meta.context_ids + patch.meta.query_ids])
     k = len(patch.meta.query_ids)
-    with no_cache(model):
+    with no_cache(model), head_at_query_rows(model, k):
         # a copy: a slice would keep all n rows alive (15 GB at 14k tokens, 262k vocabulary)
         return torch_logits(model, [ids])[0][-k:].clone()
+
+
+@contextlib.contextmanager
+def head_at_query_rows(model: torch.nn.Module, k: int) -> Iterator[bool]:
+    """While open, ``model``'s LM head computes the last ``k`` rows alone, bit for bit as its
+    default call over every row gives them (``default_forward_rows``, which checks the BLAS
+    kernel's row blocking on a probe before it trusts a shorter call).
+
+    The default forward applies the head to every position: at n tokens that is [n, vocab]
+    float32 logits (3.7 GB at 3,500 tokens of Gemma 3's 262k vocabulary, 1.1 TFLOP) to read k
+    rows; here it is [k, vocab]. The forward's later ops (a final soft cap) are element-wise and
+    see the k rows. Only a plain ``nn.Linear`` head on the CPU with no hook of accelerate's is
+    replaced; any other head runs as it is (the yield says which).
+
+    Side effects: sets the head module's ``forward`` attribute and deletes it on exit.
+    """
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    plain = (
+        type(head) is torch.nn.Linear
+        and head.weight.device.type == "cpu"
+        and not hasattr(head, "_hf_hook")
+        and "forward" not in vars(head)
+    )
+    if not plain:
+        yield False
+        return
+    assert head is not None
+
+    def forward(x: torch.Tensor) -> torch.Tensor:  # x [..., n, d] -> [..., k, vocab]
+        return default_forward_rows(F.linear, x, head.weight, head.bias, min(k, x.shape[-2]))
+
+    head.forward = forward
+    try:
+        yield True
+    finally:
+        del head.forward
 
 
 def torch_logits(model: torch.nn.Module, ids: Sequence[torch.Tensor]) -> list[torch.Tensor]:
