@@ -117,6 +117,8 @@ class _TargetHooks:
         view = GraphView(traced)
         self.blocks = blocks
         self.values: dict[tuple[str, str], torch.Tensor] = {}
+        self.inner: dict[str, dict[str, torch.Tensor]] = {}  # block -> inner linear -> W z_C
+        self.inner_handles: dict[tuple[str, str], torch.utils.hooks.RemovableHandle] = {}
         # While a decode step runs on another thread: each block's targets as soon as its
         # output is recorded, for a solver that waits on ``changed`` (:meth:`waiter`).
         self.live: dict[str, BlockTargets] | None = None
@@ -135,6 +137,13 @@ class _TargetHooks:
                     v_mod.register_forward_pre_hook(self._pre(b.path, "v"), with_kwargs=True)
                 )
             self.handles.append(y_mod.register_forward_hook(self._post(b.path)))
+            # Each inner linear's output W z_C: the solver's input moves read it instead of
+            # multiplying the weight again (solve's ``inner_outputs``).
+            for site in b.inner if b.experts is None else ():
+                if not site.experts:
+                    module = model.get_submodule(site.module)
+                    hook = module.register_forward_hook(self._out(b.path, site.module))
+                    self.inner_handles[(b.path, site.module)] = hook
 
     def _pre(self, path: str, what: str) -> Callable:
         def hook(module, args, kwargs):
@@ -143,10 +152,30 @@ class _TargetHooks:
 
         return hook
 
+    def _out(self, path: str, module: str) -> Callable:
+        def hook(mod, args, output):
+            if isinstance(output, torch.Tensor):  # else not the site's value: never agrees
+                self.inner.setdefault(path, {})[module] = output[0, -1:].detach().clone()
+
+        return hook
+
+    def keep_inner(self, graph: dict[str, BlockTargets]) -> None:
+        """Keep the inner linears' hooks whose records on the probe are the graph's values, bit
+        for bit (``graph``: :func:`record_targets` with ``inner``); remove the others: their
+        blocks' input moves multiply the weights (solve's ``inner_outputs``)."""
+        for (path, module), handle in list(self.inner_handles.items()):
+            want = (graph[path].inner or {}).get(module)
+            got = self.inner.get(path, {}).get(module)
+            if want is None or got is None or not torch.equal(want, got):
+                handle.remove()
+                del self.inner_handles[(path, module)]
+                self.inner.get(path, {}).pop(module, None)
+
     def _block_targets(self, path: str) -> BlockTargets:
         z, y, v = (self.values.get((path, w)) for w in ("z", "y", "v"))
         assert z is not None and y is not None
-        return BlockTargets(z=z, y=y, v=v)
+        inner = self.inner.get(path)
+        return BlockTargets(z=z, y=y, v=v, inner=dict(inner) if inner else None)
 
     def _post(self, path: str) -> Callable:
         def hook(module, args, output):
@@ -182,7 +211,7 @@ class _TargetHooks:
         return {b.path: self._block_targets(b.path) for b in self.blocks.blocks}
 
     def close(self) -> None:
-        for h in self.handles:
+        for h in [*self.handles, *self.inner_handles.values()]:
             h.remove()
 
 
@@ -190,7 +219,8 @@ def _hooks_agree(model, traced, blocks, hooks: _TargetHooks, probe: torch.Tensor
     """Do the hooks see exactly the graph's targets on ``probe`` (no cache)?"""
     with torch.no_grad():
         model(input_ids=probe, use_cache=False)
-    graph = record_targets(traced, blocks, probe, 1).targets
+    graph = record_targets(traced, blocks, probe, 1, inner=True).targets
+    hooks.keep_inner(graph)
     seen = hooks.targets()
     return all(_same(graph[p], seen[p]) for p in graph)
 
@@ -303,7 +333,10 @@ class _Stepper:
         # The solver reads the targets only: the baseline's logits are read after it.
         pending = FullRun(targets=targets, logits=torch.empty(0, 0))
         args = (self.traced, self.blocks, pending, current, self.update)
-        return solve(*args, apply=self.apply, ops=ops, wait=wait, abs_memo=self.abs_memo)
+        return solve(
+            *args, apply=self.apply, ops=ops, wait=wait, abs_memo=self.abs_memo,
+            inner_outputs=self.cached,
+        )  # fmt: skip
 
     def close(self) -> None:
         self.hooks.close()

@@ -37,15 +37,21 @@ class BlockTargets:
         v: the residual after a sandwich-norm block's attention ``v_C`` [k, d_model], where
             the block has an attention surface (the ``lora`` rule starts from the full run's
             split of ``y_C - x`` between the two branches, MATH.md 10); else None.
+        inner: module path -> that inner linear's output ``W z_C`` [k, out], where the run
+            recorded them (``ctxc generate``'s decode step: the input moves then read no
+            weight, MATH.md 1); else None.
     """
 
     z: torch.Tensor
     y: torch.Tensor
     v: torch.Tensor | None = None
+    inner: Mapping[str, torch.Tensor] | None = None
 
     def leading(self, n: int) -> BlockTargets:
         """The first ``n`` rows (a shorter query set's, when the rows are stacked by query)."""
-        return BlockTargets(self.z[:n], self.y[:n], self.v[:n] if self.v is not None else None)
+        inner = None if self.inner is None else {m: o[:n] for m, o in self.inner.items()}
+        v = self.v[:n] if self.v is not None else None
+        return BlockTargets(self.z[:n], self.y[:n], v, inner)
 
 
 @dataclass(frozen=True)
@@ -156,6 +162,7 @@ def record_targets(
     k: int,
     reference: bool = False,
     ops: Mapping[str, Callable] | None = None,
+    inner: bool = False,
 ) -> FullRun:
     """One full pass over context + query, recording each block's targets.
 
@@ -166,12 +173,19 @@ def record_targets(
         k: number of query tokens at the end of ``input_ids``.
         reference: also compute :attr:`FullRun.reference` (the default forward's head).
         ops: node name -> what computes it instead of its op (see :class:`_Recorder`).
+        inner: also record each inner linear's output (:attr:`BlockTargets.inner`; not in an
+            MoE block).
 
     Returns:
         the :class:`FullRun` (targets and logits at the last k positions).
     """
     keep = {b.mlp_in for b in blocks.blocks} | {b.residual_add for b in blocks.blocks}
     keep |= {b.attention.add for b in blocks.blocks if b.attention is not None}
+    sites = {
+        b.path: [s for s in b.inner if not s.experts] if inner and b.experts is None else []
+        for b in blocks.blocks
+    }
+    keep |= {s.node for found in sites.values() for s in found}
     placer = traced.placer(input_ids)
     rec = _Recorder(traced.graph_module, keep, blocks.head, k, placer, reference, ops)
     with torch.no_grad():
@@ -181,6 +195,7 @@ def record_targets(
             z=rec.kept[b.mlp_in],
             y=rec.kept[b.residual_add],
             v=rec.kept[b.attention.add] if b.attention is not None else None,
+            inner={s.module: rec.kept[s.node] for s in sites[b.path]} or None,
         )
         for b in blocks.blocks
     }

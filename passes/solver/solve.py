@@ -40,7 +40,7 @@ from ctxc.passes.solver.output_magnitude import (
     rounding_gain,
     summed_terms,
 )
-from ctxc.passes.solver.primitive_moves import ConditionError, ScaleMove
+from ctxc.passes.solver.primitive_moves import ConditionError, ScaleMove, right_inverse
 from ctxc.passes.solver.reach_post_norm import reachable_outputs
 from ctxc.passes.solver.reach_two_norms import TwoNormReach, two_norm_targets
 from ctxc.passes.solver.solver_values import SolverValues, rows
@@ -130,10 +130,16 @@ class _Solver(SolverValues):
         z_target = self.full.targets[block.path].z  # [k, d_in]
         if todo.moves_inputs:
             sites = [s for s in block.inner if not s.experts]
-            found = moves.input_moves([self.weight(s) for s in sites], z, z_target)
-            for site, (u, v) in zip(sites, found, strict=True):
-                delta = Delta(site.weight, block.path, u=u, v=v, layout=site.layout)
-                self._put(delta, z_node, site)
+            recorded = self.full.targets[block.path].inner
+            # (an MoE block's router runs between z and the expert banks: the run must stop
+            # there first, so its inner outputs are not reached ahead of it)
+            if recorded and block.experts is None and all(s.module in recorded for s in sites):
+                self._input_moves_from_outputs(sites, z, recorded, block.path)
+            else:
+                found = moves.input_moves([self.weight(s) for s in sites], z, z_target)
+                for site, (u, v) in zip(sites, found, strict=True):
+                    delta = Delta(site.weight, block.path, u=u, v=v, layout=site.layout)
+                    self._put(delta, z_node, site)
             self._move_banks(block, z, z_target)
         y = self.advance_to(block.residual_add)
         out = self._output_move(block, todo, y)
@@ -157,6 +163,27 @@ class _Solver(SolverValues):
             output_magnitude=out.magnitude,
             rounding_gain=out.rounding_gain,
         )
+
+    def _input_moves_from_outputs(
+        self,
+        sites: list[LinearSite],
+        z: torch.Tensor,
+        recorded: Mapping[str, torch.Tensor],
+        path: str,
+    ) -> None:
+        """The input moves from the full run's recorded outputs ``W z_C`` (MATH.md 1): the run
+        computes each linear's ``W z`` as it goes, and ``u = W z_C - W z`` needs no product
+        with the weight (``W (z_C - z)`` reads it again: 17 of a ``ctxc generate`` step's 190
+        ms on Gemma 3 270M). The moves are added to the outputs already computed (kept: the
+        weights are not read a second time)."""
+        z_pinv = right_inverse(z, "MLP input z")  # [in, k], shared by every linear
+        last = max(sites, key=lambda s: self.view.index[self.view.by_name[s.node]])
+        upto = self.advance_to(last.node)  # every site's W z, computed as the run goes
+        for site in sites:
+            now = rows(self.value(site.node)).float()  # [k, out]: W z
+            u = (recorded[site.module].float() - now).T.contiguous()  # [out, k]
+            delta = Delta(site.weight, path, u=u, v=z_pinv.contiguous(), layout=site.layout)
+            self._put(delta, upto, site)
 
     def _patch_two_norms(self, block: MlpBlock, todo: BlockPlan) -> BlockStats:
         """The ``lora`` rule on a sandwich-norm block (MATH.md 10): the attention and the down
@@ -430,6 +457,7 @@ def solve(
     ops: Mapping[str, Callable] | None = None,
     wait: Callable[[str], None] | None = None,
     abs_memo: AbsWeights | None = None,
+    inner_outputs: bool = False,
 ) -> Solution:
     """Compute every block's patch in one reduced pass (pure: the model is not modified).
 
@@ -455,6 +483,10 @@ def solve(
         abs_memo: kept by the caller between solves on the same weights: the outer linears'
             ``|W|`` (MATH.md 12), formed once instead of at every solve (``ctxc generate``:
             18 x 5 MB on Gemma 3 270M, a fifth of a step's solve). Filled here.
+        inner_outputs: the targets carry the inner linears' outputs ``W z_C``
+            (:attr:`BlockTargets.inner`; ``ctxc generate`` records them with its decode step):
+            the run keeps those linears' outputs, and a block whose targets hold them takes its
+            input moves from them (``u = W z_C - W z``) instead of ``W (z_C - z)``.
 
     Returns:
         the :class:`Solution`.
@@ -473,6 +505,8 @@ def solve(
     ]
     patched = [b for b, p in zip(blocks.blocks, plans, strict=True) if p is not None]
     keep = set().union(*(moves.output_reads(b) for b in patched))
+    if inner_outputs:  # read back, and the moves added to them without a second product
+        keep.update(s.node for b in patched for s in b.inner if not s.experts)
     stops = moves.solver_nodes(*blocks.blocks)
     solver = _Solver(traced, full, query_ids, apply, keep, stops, ops or {}, abs_memo)
     stats = []

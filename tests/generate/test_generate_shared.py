@@ -216,3 +216,61 @@ def test_kept_abs_weights_change_no_bit(family: str, apply: str, monkeypatch) ->
     dense = family not in ("gpt2", "qwen2_moe")
     want_kept = len(blocks.blocks) if dense else 0
     assert len(kept[-1]) == want_kept, f"{len(kept[-1])} |W| kept, want {want_kept}"
+
+
+# gemma3: post-norm scale; llama: plain linear output; gpt2: Conv1D (in_out) inner linear;
+# olmo2: a norm after the outer linear; qwen2_moe: MoE blocks (not recorded: banks move first).
+@pytest.mark.parametrize("family", ["gemma3", "llama", "gpt2", "olmo2", "qwen2_moe"])
+@pytest.mark.parametrize("apply", ["lowrank", "baked"])
+def test_input_moves_from_recorded_outputs(family: str, apply: str, monkeypatch) -> None:
+    """``u = W z_C - W z`` from the full run's recorded inner outputs: every inner linear still
+    moved, the patched logits those of ``W (z_C - z)`` up to rounding, and with ``lowrank``
+    the inner linears' outputs are not computed a second time (their weights read once)."""
+    model = build_any(family)
+    traced, blocks = traced_blocks(model)
+    ids = torch.tensor([CONTEXT + random_ids(9, 1)])
+    query = ids[:, len(CONTEXT) :]
+    full = record_targets(traced, blocks, ids, 1, inner=True)
+    plain = dataclasses.replace(
+        full, targets={p: dataclasses.replace(t, inner=None) for p, t in full.targets.items()}
+    )
+    recorded = sum(len(t.inner or {}) for t in full.targets.values())
+    sites = [s for b in blocks.blocks if b.experts is None for s in b.inner if not s.experts]
+    assert recorded == len(sites) and (recorded > 0) == (family != "qwen2_moe"), recorded
+    want = solve(traced, blocks, plain, query, "stable", apply=apply)
+    computed: list[str] = []
+    compute = reduced_run.ReducedRun._compute
+
+    def spy(self, node):
+        computed.append(node.name)
+        return compute(self, node)
+
+    products: list[int] = []
+    input_moves = solve_mod.moves.input_moves
+
+    def multiplied(weights, z, z_target):
+        products.append(len(weights))
+        return input_moves(weights, z, z_target)
+
+    monkeypatch.setattr(reduced_run.ReducedRun, "_compute", spy)
+    monkeypatch.setattr(solve_mod.moves, "input_moves", multiplied)
+    for _ in range(2):  # run twice: the same
+        computed.clear()
+        products.clear()
+        got = solve(traced, blocks, full, query, "stable", apply=apply, inner_outputs=True)
+        # Only the MoE blocks' shared linears are still multiplied.
+        shared = [s for b in blocks.blocks if b.experts for s in b.inner if not s.experts]
+        assert sum(products) == len(shared), (products, len(shared))
+        assert got.deltas.keys() == want.deltas.keys()
+        for s in sites:  # the same moves, up to the rounding of the two ways
+            a, b = got.deltas[s.weight].u, want.deltas[s.weight].u
+            assert torch.allclose(a, b, rtol=0, atol=1e-4 * float(b.abs().max())), diff_msg(
+                s.weight, a, b
+            )
+        scale = float(want.logits.abs().max())
+        assert torch.allclose(got.logits, want.logits, rtol=0, atol=1e-5 * scale), diff_msg(
+            "patched logits, recorded vs multiplied", got.logits, want.logits
+        )
+        again = {s.node for s in sites} & set(computed)
+        if apply == "lowrank":
+            assert not again, f"inner outputs computed again: {sorted(again)}"
