@@ -179,6 +179,7 @@ FLAGS: dict[str, str] = {
     "question_prompt": "--question-prompt",
     "question_temperature": "--question-temperature",
     "topics": "--topics",
+    "cloze": "--cloze",
     "fit_rows": "--fit-rows",
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
