@@ -3,7 +3,8 @@
 The model's own self-study questions ask about what its questions share (the text's subject),
 and their answers are whatever the model writes: a patch fitted on them carries recognition of
 the context, not recall of its facts. Here every fact the text states as a name, a number or a
-date becomes one fit query: the sentence holding the span, the span replaced by a wh-word
+date (and every sentence's last words after a preposition: "such as time and storage") becomes
+one fit query: the sentence holding the span, the span replaced by a wh-word
 chosen from its kind, is the question (``"The Normans gave their name to Normandy in the 10th
 century."`` -> ``"The Normans gave their name to Normandy in when?"``; a span that opens its
 sentence -> ``"Who gave their name to Normandy in the 10th century?"``), asked the way a
@@ -33,6 +34,13 @@ _NUMBER = re.compile(
     rf"(?<![\w.])(?:\d[\d,.]*(?:st|nd|rd|th|s|bn|m|%)?|(?:{_COUNT_WORDS})\b)"
     rf"(?:\s+(?:{_SCALE})\b)?"
 )
+# A sentence's last words after a preposition or a copula ("such as time and storage", "the
+# practical limits on what computers can and cannot do"): the span of a sentence without names
+# or numbers too.
+_TAIL_AFTER = re.compile(
+    r"\b(?:such as|in|of|to|from|with|by|for|as|on|at|over|than|into|is|are|was|were)\s+"
+)
+_TAIL_WORDS = 6
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 _PARENTHESES = re.compile(r"\s*\([^()]*\)")
 _MONTHS = "January|February|March|April|May|June|July|August|September|October|November|December"
@@ -84,7 +92,23 @@ def _spans(sentence: str, names: frozenset[str]) -> list[tuple[int, int]]:
             continue  # a capitalised opening word, not a name
         if end > start and all(s >= end or e <= start for s, e in found):
             found.append((start, end))
+    tail = _tail(sentence)
+    if tail is not None and all(s >= tail[1] or e <= tail[0] for s, e in found):
+        found.append(tail)
     return sorted(found)
+
+
+def _tail(sentence: str) -> tuple[int, int] | None:
+    """(start, end) of the sentence's last words after its last preposition or copula, when
+    they are 1 to ``_TAIL_WORDS`` words within one clause; else None."""
+    body = sentence.rstrip(" .!?\"'")
+    for match in reversed(list(_TAIL_AFTER.finditer(body))):
+        rest = body[match.end() :]
+        if re.search(r"[,;:]", rest) or len(rest.split()) > _TAIL_WORDS:
+            return None
+        if rest.split():
+            return match.end(), len(body)
+    return None
 
 
 def _wh(span: str, before: str) -> str:

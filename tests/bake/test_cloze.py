@@ -53,6 +53,9 @@ def test_every_answer_is_a_span_of_its_sentence_and_the_question_asks_for_it() -
     assert asked["seven"].endswith("encompasses how many metropolitan areas?"), asked
     assert asked["12 million"].endswith("with over how many inhabitants in Los Angeles?"), asked
     assert asked["60 percent"] == "It holds what percentage of the state's people?", asked
+    # A sentence's last words after a preposition: the span of a sentence without names.
+    want = "Through generations of mixing, their descendants merged with what?"
+    assert asked["the local cultures"] == want, asked
     assert "King Charles III of West Francia" in asked and "West Francia" not in asked
     # A capitalised word opening a sentence is not a name unless it is one elsewhere; nothing
     # inside parentheses is asked ("the largest city").
