@@ -18,7 +18,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from ctxc.bake.selfstudy import _NOT_TOPICS
+from ctxc.bake.data import text_queries
+from ctxc.bake.selfstudy import _NOT_TOPICS, as_question
 
 __all__ = ["Cloze", "cloze_queries", "clozes"]
 
@@ -51,6 +52,7 @@ _STOP = frozenset(("of", "de", "and", "the"))
 # it, to its clause's end (or this many).
 _LEFT_WORDS = 24
 _RIGHT_WORDS = 10
+_CLAUSE_WORDS = 4
 
 
 @dataclass(frozen=True)
@@ -131,26 +133,34 @@ def _clause_right(text: str) -> str:
     return " ".join(cut.split()[:_RIGHT_WORDS])
 
 
-def _question(sentence: str, start: int, end: int) -> str:
+def _question(sentence: str, start: int, end: int, form: str = "sentence") -> str:
     """``sentence`` asking for its span ``[start:end]``: the span replaced by its wh-word (the
-    sentence's opening words dropped before a span that opens it), cut to its clause."""
+    sentence's opening words dropped before a span that opens it), cut to its clause after it;
+    before it, to the sentence's start (``sentence``: at most ``_LEFT_WORDS`` words) or to its
+    clause's start (``clause``: back to the last comma, at least ``_CLAUSE_WORDS`` words)."""
     before, span, after = sentence[:start], sentence[start:end], sentence[end:]
     wh = _wh(span, before)
     head = before.strip()
     if not head or head in _NOT_TOPICS:  # the span is the subject: "Who gave ...?"
         rest = after.strip().rstrip(".!?")
+        if form == "clause":
+            rest = _clause_right(rest)
         if rest.startswith(("'s ", "’s ")):  # "Southern California's population ..."
             wh, rest = "whose", rest[3:]
         return f"{wh[0].upper()}{wh[1:]} {rest}?" if rest else ""
     left = re.split(r"[;:]", head)[-1].split()[-_LEFT_WORDS:]
+    if form == "clause":
+        clause = re.split(r",", " ".join(left))[-1].split()
+        left = clause if len(clause) >= _CLAUSE_WORDS else left[-_CLAUSE_WORDS:]
     right = _clause_right(after)
     text = " ".join([*left, wh, *right.split()]).strip(" ,")
     return text[0].upper() + text[1:] + "?"
 
 
-def clozes(text: str) -> list[Cloze]:
+def clozes(text: str, form: str = "sentence") -> list[Cloze]:
     """Every extractive question of ``text``, in the text's order: one per name, number or
-    count of each sentence (parentheses dropped), the question's text without its answer."""
+    count of each sentence (parentheses dropped; two with ``form`` ``both``, the sentence's
+    then the clause's when they differ), the question's text without its answer."""
     out: list[Cloze] = []
     sentences = [" ".join(s.split()) for s in _SENTENCE_END.split(_PARENTHESES.sub("", text))]
     # Words capitalised past a sentence's opening: names wherever they stand.
@@ -158,13 +168,17 @@ def clozes(text: str) -> list[Cloze]:
     for sentence in sentences:
         for start, end in _spans(sentence, names):
             span = sentence[start:end]
-            q = _question(sentence, start, end)
-            if q and span.lower() not in q.lower():
-                out.append(Cloze(q, span, sentence))
+            forms = ("sentence", "clause") if form == "both" else (form,)
+            asked = dict.fromkeys(_question(sentence, start, end, f) for f in forms)
+            for q in asked:
+                if q and span.lower() not in q.lower():
+                    out.append(Cloze(q, span, sentence))
     return out
 
 
-def cloze_queries(tokenizer, text: str, count: int) -> tuple[list[list[int]], list[int], list]:
+def cloze_queries(
+    tokenizer, text: str, count: int, form: str = "sentence"
+) -> tuple[list[list[int]], list[int], list[Cloze]]:
     """``count`` fit queries of :func:`clozes` (all of them when fewer; evenly spaced over the
     text when more): the question as a held-out question is fed, then the span and a line
     break.
@@ -172,10 +186,7 @@ def cloze_queries(tokenizer, text: str, count: int) -> tuple[list[list[int]], li
     Returns:
         (the queries' ids; where each answer starts; the :class:`Cloze` of each).
     """
-    from ctxc.bake.data import text_queries
-    from ctxc.bake.selfstudy import as_question
-
-    every = clozes(text)
+    every = clozes(text, form)
     if count < len(every):
         every = [every[i * len(every) // count] for i in range(count)]
     ids, starts = [], []

@@ -93,6 +93,7 @@ def bake_data(
     chat: ChatFormat | None = None,
     answer: bool = False,
     cloze: int = 0,
+    cloze_form: str = "sentence",
 ) -> FitData:
     """The fit data: the query texts' ids, then ``questions`` self-study queries
     (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
@@ -125,7 +126,7 @@ def bake_data(
     clozed, cloze_from = [], []
     if cloze:
         text = tokenizer.decode(context_ids, skip_special_tokens=True)
-        clozed, cloze_from, _ = cloze_queries(tokenizer, text, cloze)
+        clozed, cloze_from, _ = cloze_queries(tokenizer, text, cloze, cloze_form)
     # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
     asked_bound = 48 + answer_tokens if questions or topics else 0
     longest = max([len(q) for q in given + clozed] + [sample_tokens if samples else 0, asked_bound])
@@ -332,7 +333,7 @@ def fit_data(
         model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
         questions=o.asked, answer_tokens=o.answer_tokens, question_prompt=o.question_prompt,
         question_temperature=o.question_temperature, topics=o.topical, chat=chat, answer=True,
-        cloze=o.clozed,
+        cloze=o.clozed, cloze_form=o.cloze_form,
     )  # fmt: skip
     if not data.queries:
         raise OptionError(

@@ -18,6 +18,7 @@ from ctxc.core.vocabulary import (
     APPLY_MODES,
     BAKE_DATA,
     BAKE_METHODS,
+    CLOZE_FORMS,
     DEFAULT_RULE,
     FIT_ROWS,
     QUESTION_PROMPTS,
@@ -144,6 +145,9 @@ class BakeOptions:
             ``fit_rows`` ``answers``, only the span's positions are fitted). Evenly spaced over
             the text's names and numbers, all of them when it has fewer; a chat context takes
             none.
+        cloze_form: how a cloze question is cut (``CLOZE_FORMS``): ``sentence`` (the
+            sentence's words before the span, then its clause after it), ``clause`` (the
+            span's clause alone) or ``both`` (each span asked both ways).
         fit_rows: which positions of a self-study query are fitted (``FIT_ROWS``): ``all``
             (default) or ``answers`` (from the one that predicts the answer's first token: the
             question's own positions are run, not fitted).
@@ -182,6 +186,7 @@ class BakeOptions:
     question_temperature: float = 1.0
     topics: int = 0
     cloze: int = 0
+    cloze_form: str = "sentence"
     fit_rows: str = "all"
     linear_only: bool = False
 
@@ -189,6 +194,7 @@ class BakeOptions:
         _at_least("samples", self.samples, 0)
         _at_least("topics", self.topics, 0)
         _at_least("cloze", self.cloze, 0)
+        check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
         check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
         if not self.question_temperature > 0:

@@ -82,6 +82,19 @@ def test_cloze_queries_are_the_question_as_fed_then_the_span_and_a_line_break() 
     assert three == [every[i * len(every) // 3] for i in range(3)]
 
 
+def test_clause_form_cuts_the_question_to_the_spans_clause_and_both_asks_both() -> None:
+    clause = {c.answer: c.question for c in clozes(_TEXT, "clause")}
+    assert clause["France"] == "Normandy, a region in what?", clause
+    assert clause["the local cultures"] == "Their descendants merged with what?", clause
+    both = clozes(_TEXT, "both")
+    france = [c.question for c in both if c.answer == "France"]
+    sentence = {c.answer: c.question for c in clozes(_TEXT)}
+    assert france == [sentence["France"], clause["France"]], france
+    # A span whose two forms are the same question is asked once.
+    assert len(both) < 2 * len(clozes(_TEXT))
+    assert [c.question for c in both if c.answer == "seven"] == [sentence["seven"]]
+
+
 @pytest.mark.tiny
 def test_bake_fits_the_cloze_queries_answers_only() -> None:
     """``cloze`` adds the extractive queries after the self-study ones (kind ``cloze``); with
@@ -114,3 +127,5 @@ def test_cloze_is_a_count_and_counts_as_fit_data() -> None:
     with pytest.raises(OptionError, match="topics 0 and cloze 0 and no queries"):
         BakeOptions(data="self-study", questions=0).check_fit(None)
     assert BakeOptions(data="continuations", cloze=8).clozed == 0
+    with pytest.raises(OptionError, match="cloze_form: unknown cloze form 'short'"):
+        BakeOptions(cloze=8, cloze_form="short")
