@@ -46,6 +46,7 @@ _INT = (
     "distill_steps",
     "refit_passes",
     "topics",
+    "cloze",
 )
 _FLOAT = ("distill_seconds", "distill_lr", "ridge", "scale_ridge", "question_temperature")
 _BOOL = (

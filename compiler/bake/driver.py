@@ -24,6 +24,7 @@ import torch
 
 from ctxc._version import __version__
 from ctxc.bake.chat import CHAT_SEEDS, ChatFormat, answered, chat_format, chat_self_study
+from ctxc.bake.cloze import cloze_queries
 from ctxc.bake.data import (
     FitData,
     sample_continuations,
@@ -91,10 +92,13 @@ def bake_data(
     topics: int = 0,
     chat: ChatFormat | None = None,
     answer: bool = False,
+    cloze: int = 0,
+    cloze_form: str = "sentence",
 ) -> FitData:
     """The fit data: the query texts' ids, then ``questions`` self-study queries
     (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
-    continuations.
+    continuations; ``cloze`` extractive queries (:func:`~ctxc.bake.cloze.cloze_queries`)
+    between the self-study ones and the samples.
 
     Args:
         samples: K, at least 0 (``BakeOptions`` validated it; an evaluation's count, its caller).
@@ -119,9 +123,13 @@ def bake_data(
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
+    clozed, cloze_from = [], []
+    if cloze:
+        text = tokenizer.decode(context_ids, skip_special_tokens=True)
+        clozed, cloze_from, _ = cloze_queries(tokenizer, text, cloze, cloze_form)
     # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
     asked_bound = 48 + answer_tokens if questions or topics else 0
-    longest = max([len(q) for q in given] + [sample_tokens if samples else 0, asked_bound])
+    longest = max([len(q) for q in given + clozed] + [sample_tokens if samples else 0, asked_bound])
     check_length(model, len(context_ids) + longest, "context + longest query")
     start = context_run(model, context_ids) if (questions or topics) and samples else None
     asked: list[list[int]] = []
@@ -142,9 +150,12 @@ def bake_data(
     return FitData(
         list(context_ids),
         list(prefix),
-        given + asked + sampled,
-        ["file"] * len(given) + ["self-study"] * len(asked) + ["sample"] * samples,
-        answer_from=[0] * len(given) + starts + [0] * len(sampled),
+        given + asked + clozed + sampled,
+        ["file"] * len(given)
+        + ["self-study"] * len(asked)
+        + ["cloze"] * len(clozed)
+        + ["sample"] * samples,
+        answer_from=[0] * len(given) + starts + cloze_from + [0] * len(sampled),
     )
 
 
@@ -322,6 +333,7 @@ def fit_data(
         model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
         questions=o.asked, answer_tokens=o.answer_tokens, question_prompt=o.question_prompt,
         question_temperature=o.question_temperature, topics=o.topical, chat=chat, answer=True,
+        cloze=o.clozed, cloze_form=o.cloze_form,
     )  # fmt: skip
     if not data.queries:
         raise OptionError(

@@ -18,6 +18,7 @@ from ctxc.cli.options import (
     SYSTEM,
     BakeData,
     BakeMethod,
+    ClozeForm,
     FitRows,
     QuestionPrompt,
 )
@@ -67,6 +68,17 @@ _TOPICS = typer.Option(
     "--topics",
     help="Topic questions ('What does the text say about X?') on the context's first names "
     "and numbers.",
+)
+_CLOZE = typer.Option(
+    _DEFAULTS.cloze,
+    "--cloze",
+    help="Extractive questions: a sentence of the context asking for one of its names or "
+    "numbers, answered by that span.",
+)
+_CLOZE_FORM = typer.Option(
+    _DEFAULTS.cloze_form,
+    "--cloze-form",
+    help="How a cloze question is cut: sentence, clause, or both (each span asked both ways).",
 )
 _FIT_ROWS = typer.Option(
     _DEFAULTS.fit_rows,
@@ -152,6 +164,8 @@ def bake_cmd(
     question_prompt: QuestionPrompt = _QUESTION_PROMPT,
     question_temperature: float = _QUESTION_TEMPERATURE,
     topics: int = _TOPICS,
+    cloze: int = _CLOZE,
+    cloze_form: ClozeForm = _CLOZE_FORM,
     fit_rows: FitRows = _FIT_ROWS,
     rank: str = _RANK_OPTION,
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
@@ -198,8 +212,8 @@ def bake_cmd(
     opts = _bake_options(
         rank, data=data, samples=samples, sample_tokens=sample_tokens, questions=questions,
         answer_tokens=answer_tokens, question_prompt=question_prompt,
-        question_temperature=question_temperature, topics=topics, fit_rows=fit_rows,
-        method=method, ridge=ridge,
+        question_temperature=question_temperature, topics=topics, cloze=cloze,
+        cloze_form=cloze_form, fit_rows=fit_rows, method=method, ridge=ridge,
         seed=seed, distill_steps=steps, distill_seconds=seconds, distill_from_fit=from_fit,
         distill_lr=lr, refit_passes=refit_passes, attention=attention, linear_only=linear_only,
     )  # fmt: skip
@@ -238,8 +252,9 @@ def bake_cmd(
 # removed is fitted as the others were.
 _FIT_PARAMS = (
     "data", "samples", "sample_tokens", "questions", "answer_tokens", "question_prompt",
-    "question_temperature", "topics", "fit_rows", "rank", "method", "ridge", "seed", "steps",
-    "seconds", "from_fit", "lr", "refit_passes", "attention", "linear_only",
+    "question_temperature", "topics", "cloze", "cloze_form", "fit_rows", "rank", "method",
+    "ridge", "seed", "steps", "seconds", "from_fit", "lr", "refit_passes", "attention",
+    "linear_only",
 )  # fmt: skip
 
 

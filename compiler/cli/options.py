@@ -18,6 +18,7 @@ from ctxc.core.errors import CtxcError
 from ctxc.core.vocabulary import (
     BAKE_DATA,
     BAKE_METHODS,
+    CLOZE_FORMS,
     DEFAULT_RULE,
     DTYPES,
     FIT_ROWS,
@@ -44,6 +45,7 @@ __all__ = [
     "UPDATE",
     "BakeData",
     "BakeMethod",
+    "ClozeForm",
     "DType",
     "Engine",
     "FitRows",
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     BakeData: TypeAlias = str
     QuestionPrompt: TypeAlias = str
     FitRows: TypeAlias = str
+    ClozeForm: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
@@ -79,6 +82,7 @@ else:
     BakeData = Literal[tuple(BAKE_DATA)]
     QuestionPrompt = Literal[tuple(QUESTION_PROMPTS)]
     FitRows = Literal[tuple(FIT_ROWS)]
+    ClozeForm = Literal[tuple(CLOZE_FORMS)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
@@ -179,6 +183,8 @@ FLAGS: dict[str, str] = {
     "question_prompt": "--question-prompt",
     "question_temperature": "--question-temperature",
     "topics": "--topics",
+    "cloze": "--cloze",
+    "cloze_form": "--cloze-form",
     "fit_rows": "--fit-rows",
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",

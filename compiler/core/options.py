@@ -18,6 +18,7 @@ from ctxc.core.vocabulary import (
     APPLY_MODES,
     BAKE_DATA,
     BAKE_METHODS,
+    CLOZE_FORMS,
     DEFAULT_RULE,
     FIT_ROWS,
     QUESTION_PROMPTS,
@@ -138,6 +139,15 @@ class BakeOptions:
         topics: topic questions besides ``questions``: ``What does the text say about <X>?``
             for the first ``topics`` names and numbers the context mentions
             (``ctxc.bake.selfstudy.topics``), each answered by the model with the context.
+        cloze: extractive self-study queries besides ``questions`` (at least 0;
+            ``ctxc.bake.cloze``): a sentence of the context with one of its names or numbers
+            replaced by a wh-word is the question, that span of the context the answer (with
+            ``fit_rows`` ``answers``, only the span's positions are fitted). Evenly spaced over
+            the text's names and numbers, all of them when it has fewer; a chat context takes
+            none.
+        cloze_form: how a cloze question is cut (``CLOZE_FORMS``): ``sentence`` (the
+            sentence's words before the span, then its clause after it), ``clause`` (the
+            span's clause alone) or ``both`` (each span asked both ways).
         fit_rows: which positions of a self-study query are fitted (``FIT_ROWS``): ``all``
             (default) or ``answers`` (from the one that predicts the answer's first token: the
             question's own positions are run, not fitted).
@@ -175,12 +185,16 @@ class BakeOptions:
     question_prompt: str = "plain"
     question_temperature: float = 1.0
     topics: int = 0
+    cloze: int = 0
+    cloze_form: str = "sentence"
     fit_rows: str = "all"
     linear_only: bool = False
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
         _at_least("topics", self.topics, 0)
+        _at_least("cloze", self.cloze, 0)
+        check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
         check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
         if not self.question_temperature > 0:
@@ -216,11 +230,12 @@ class BakeOptions:
         Raises:
             OptionError: naming ``samples`` and ``queries``.
         """
-        if self.sampled or self.asked or self.topical or queries:
+        if self.sampled or self.asked or self.topical or self.clozed or queries:
             return
-        zero = {"continuations": "{samples} 0", "self-study": "{questions} 0 and {topics} 0"}
+        asked = "{questions} 0 and {topics} 0 and {cloze} 0"
+        zero = {"continuations": "{samples} 0", "self-study": asked}
         raise OptionError(
-            zero.get(self.data, "{samples} 0 and {questions} 0 and {topics} 0")
+            zero.get(self.data, "{samples} 0 and " + asked)
             + " and no {queries}: nothing to fit the patch on"
         )
 
@@ -233,6 +248,11 @@ class BakeOptions:
     def topical(self) -> int:
         """Topic questions: ``topics`` unless ``data`` is ``continuations``."""
         return 0 if self.data == "continuations" else self.topics
+
+    @property
+    def clozed(self) -> int:
+        """Extractive queries: ``cloze`` unless ``data`` is ``continuations``."""
+        return 0 if self.data == "continuations" else self.cloze
 
     @property
     def moves_attention(self) -> bool:

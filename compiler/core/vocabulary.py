@@ -18,6 +18,7 @@ __all__ = [
     "APPLY_MODES",
     "BAKE_DATA",
     "BAKE_METHODS",
+    "CLOZE_FORMS",
     "DEFAULT_RULE",
     "DTYPES",
     "EXACT_RULES",
@@ -105,6 +106,13 @@ BAKE_DATA: dict[str, str] = {
 FIT_ROWS: dict[str, str] = {
     "all": "every position of the question and its answer",
     "answers": "the answer's positions (and the one predicting its first token)",
+}
+
+# How ``ctxc bake --cloze`` cuts an extractive question from its sentence (issue 35).
+CLOZE_FORMS: dict[str, str] = {
+    "sentence": "the sentence's words before the span, the wh-word, its clause after it",
+    "clause": "the span's clause alone, the wh-word in the span's place",
+    "both": "each span asked both ways",
 }
 
 # How the model is asked to write a self-study question after the context (issue 35).

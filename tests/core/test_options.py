@@ -35,13 +35,14 @@ CASES = [
     ),
     (
         lambda: BakeOptions(samples=0, questions=0, data="both").check_fit(None),
-        "samples 0 and questions 0 and topics 0 and no queries: nothing",
+        "samples 0 and questions 0 and topics 0 and cloze 0 and no queries: nothing",
         None,
     ),
     (lambda: BakeOptions(questions=0, data="self-study").check_fit([]), "questions 0 and", None),
     (lambda: BakeOptions(data="none"), "data: unknown fit data kind 'none'", None),
     (lambda: BakeOptions(answer_tokens=0), "answer_tokens must be at least 1 (got 0)", None),
     (lambda: BakeOptions(topics=-1), "topics must be at least 0 (got -1)", None),
+    (lambda: BakeOptions(cloze=-1), "cloze must be at least 0 (got -1)", None),
     (lambda: BakeOptions(question_prompt="x"), "question_prompt: unknown question prompt", None),
     (
         lambda: BakeOptions(question_temperature=0.0),
@@ -50,7 +51,7 @@ CASES = [
     ),
     (
         lambda: BakeOptions(questions=0, topics=0, data="self-study").check_fit(None),
-        "questions 0 and topics 0 and no queries",
+        "questions 0 and topics 0 and cloze 0 and no queries",
         None,
     ),
 ]
