@@ -19,9 +19,9 @@ import re
 from dataclasses import dataclass
 
 from ctxc.bake.data import text_queries
-from ctxc.bake.selfstudy import _NOT_TOPICS, as_question
+from ctxc.bake.selfstudy import NOT_TOPICS, as_question
 
-__all__ = ["Cloze", "cloze_queries", "clozes"]
+__all__ = ["Cloze", "chat_cloze_queries", "cloze_queries", "clozes"]
 
 # Names: capitalised runs joined by of/de/and/the ("King Charles III of West Francia"), as
 # :func:`~ctxc.bake.selfstudy.topics` finds them.
@@ -79,7 +79,7 @@ def _spans(sentence: str, names: frozenset[str]) -> list[tuple[int, int]]:
     for match in (*_NUMBER.finditer(sentence), *_NAME.finditer(sentence)):
         words = [(w.start(), w.end()) for w in re.finditer(r"\S+", match.group(0))]
         text = match.group(0)
-        while words and text[words[0][0] : words[0][1]] in _NOT_TOPICS:
+        while words and text[words[0][0] : words[0][1]] in NOT_TOPICS:
             words = words[1:]
         while words and text[words[-1][0] : words[-1][1]].strip(",.;:") in _STOP:
             words = words[:-1]
@@ -141,7 +141,7 @@ def _question(sentence: str, start: int, end: int, form: str = "sentence") -> st
     before, span, after = sentence[:start], sentence[start:end], sentence[end:]
     wh = _wh(span, before)
     head = before.strip()
-    if not head or head in _NOT_TOPICS:  # the span is the subject: "Who gave ...?"
+    if not head or head in NOT_TOPICS:  # the span is the subject: "Who gave ...?"
         rest = after.strip().rstrip(".!?")
         if form == "clause":
             rest = _clause_right(rest)
@@ -176,6 +176,40 @@ def clozes(text: str, form: str = "sentence") -> list[Cloze]:
     return out
 
 
+def _spaced(text: str, count: int, form: str) -> list[Cloze]:
+    """``count`` of :func:`clozes` (all of them when fewer; evenly spaced over the text)."""
+    every = clozes(text, form)
+    if count < len(every):
+        every = [every[i * len(every) // count] for i in range(count)]
+    return every
+
+
+def chat_cloze_queries(
+    chat, count: int, form: str = "sentence"
+) -> tuple[list[list[int]], list[int], list[Cloze]]:
+    """:func:`cloze_queries` of a chat model's context turns: each question the user's turn
+    (``chat.turn``, after the context turns, as a held-out chat question is fed), its answer the
+    span and the template's end of turn (the tokenizer's EOS where it ends a turn).
+
+    Args:
+        chat: the :class:`~ctxc.bake.chat.ChatFormat` (its context turns' text is read).
+
+    Returns:
+        (the queries' ids; where each answer starts; the :class:`Cloze` of each).
+    """
+    tokenizer = chat.tokenizer
+    text = "\n\n".join(m["content"] for m in chat.turns if isinstance(m.get("content"), str))
+    eos = getattr(tokenizer, "eos_token_id", None)
+    end = eos if eos in chat.ends else min(chat.ends, default=None)
+    ids, starts, every = [], [], _spaced(text, count, form)
+    for c in every:
+        asked = chat.turn(c.question)
+        span = list(tokenizer(c.answer, add_special_tokens=False).input_ids)
+        ids.append(asked + span + ([end] if end is not None else []))
+        starts.append(len(asked))
+    return ids, starts, every
+
+
 def cloze_queries(
     tokenizer, text: str, count: int, form: str = "sentence"
 ) -> tuple[list[list[int]], list[int], list[Cloze]]:
@@ -186,9 +220,7 @@ def cloze_queries(
     Returns:
         (the queries' ids; where each answer starts; the :class:`Cloze` of each).
     """
-    every = clozes(text, form)
-    if count < len(every):
-        every = [every[i * len(every) // count] for i in range(count)]
+    every = _spaced(text, count, form)
     ids, starts = [], []
     for c in every:
         asked = text_queries(tokenizer, [as_question(c.question)])[0]

@@ -24,7 +24,7 @@ import torch
 
 from ctxc._version import __version__
 from ctxc.bake.chat import CHAT_SEEDS, ChatFormat, answered, chat_format, chat_self_study
-from ctxc.bake.cloze import cloze_queries
+from ctxc.bake.cloze import chat_cloze_queries, cloze_queries
 from ctxc.bake.data import (
     FitData,
     sample_continuations,
@@ -119,7 +119,7 @@ def bake_data(
     """
     if chat is not None:
         return _chat_data(model, chat, queries, samples, sample_tokens, seed, questions,
-                          answer_tokens, answer)  # fmt: skip
+                          answer_tokens, answer, cloze, cloze_form)  # fmt: skip
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
@@ -161,18 +161,23 @@ def bake_data(
 
 def _chat_data(
     model, chat: ChatFormat, queries, samples: int, sample_tokens: int, seed: int,
-    questions: int, answer_tokens: int, answer: bool,
+    questions: int, answer_tokens: int, answer: bool, cloze: int = 0, cloze_form: str = "sentence",
 ) -> FitData:  # fmt: skip
     """:func:`bake_data` of a chat model: user turns after the context turns."""
     ids = chat.context_ids
     turns = [chat.turn(q) for q in queries] if queries else []
+    clozed, cloze_from, _ = chat_cloze_queries(chat, cloze, cloze_form) if cloze else ([], [], [])
     extra = answer_tokens if answer else 0
     # A self-study reply: the seed prompt's turn, a wh-word and 24 tokens; then its question's
     # turn (the template's tokens, at most ~26 of the question's) and the answer.
     asked_bound = (
         max(len(chat.turn(s)) for s in CHAT_SEEDS) + 32 + answer_tokens if questions else 0
     )
-    longest = max([len(t) + extra for t in turns] + [sample_tokens if samples else 0, asked_bound])
+    longest = max(
+        [len(t) + extra for t in turns]
+        + [len(q) for q in clozed]
+        + [sample_tokens if samples else 0, asked_bound]
+    )
     check_length(model, len(ids) + longest, "context + longest query")
     uses = (questions > 0) + (samples > 0) + (bool(turns) and answer)
     start = context_run(model, ids) if uses > 1 else None  # run once
@@ -188,8 +193,12 @@ def _chat_data(
     return FitData(
         list(ids),
         list(chat.opening),
-        given + asked + sampled,
-        ["file"] * len(given) + ["self-study"] * len(asked) + ["sample"] * samples,
+        given + asked + clozed + sampled,
+        ["file"] * len(given)
+        + ["self-study"] * len(asked)
+        + ["cloze"] * len(clozed)
+        + ["sample"] * samples,
+        answer_from=[0] * (len(given) + len(asked)) + cloze_from + [0] * len(sampled),
         opening=True,
     )
 
@@ -336,9 +345,11 @@ def fit_data(
         cloze=o.clozed, cloze_form=o.cloze_form,
     )  # fmt: skip
     if not data.queries:
+        cloze = " and the context has no name or number to ask about ({cloze})" if o.clozed else ""
         raise OptionError(
-            "the model wrote no self-study question about this context (none ended in '?'): "
-            "fit with {data} both or continuations, or give {queries}"
+            "the model wrote no self-study question about this context (none ended in '?')"
+            + cloze
+            + ": fit with {data} both or continuations, or give {queries}"
         )
     return data
 

@@ -22,6 +22,7 @@ import torch
 from ctxc.bake.data import sample_tokens
 
 __all__ = [
+    "NOT_TOPICS",
     "QUESTION_FORMAT",
     "QUESTION_PROMPTS",
     "SEED_PROMPTS",
@@ -65,7 +66,7 @@ _TOPIC = re.compile(
 )
 # Capitalised words that are sentence furniture, not topics, at the start of a run.
 # fmt: off
-_NOT_TOPICS = frozenset((
+NOT_TOPICS = frozenset((
     "The", "A", "An", "In", "On", "At", "It", "Its", "This", "That", "These", "Those", "They",
     "He", "She", "We", "I", "You", "His", "Her", "Their", "Our", "For", "From", "By", "With",
     "As", "But", "And", "Or", "If", "When", "While", "After", "Before", "During", "Since",
@@ -299,13 +300,13 @@ def _answer_end(tokenizer, ids: list[int]) -> int:
 def topics(text: str) -> list[str]:
     """The names and numbers ``text`` mentions, in order of first mention, each once.
 
-    A capitalised run loses a leading word of :data:`_NOT_TOPICS` ("The Normans" -> "Normans");
+    A capitalised run loses a leading word of :data:`NOT_TOPICS` ("The Normans" -> "Normans");
     a run of such words alone is dropped.
     """
     seen: dict[str, None] = {}
     for match in _TOPIC.finditer(text):
         words = re.sub(r"['’]s$", "", match.group(0).strip(" ,.")).split()
-        while words and words[0] in _NOT_TOPICS:
+        while words and words[0] in NOT_TOPICS:
             words = words[1:]
         if words and words[-1] in ("of", "de", "and", "the"):
             words = words[:-1]

@@ -143,8 +143,10 @@ class BakeOptions:
             ``ctxc.bake.cloze``): a sentence of the context with one of its names or numbers
             replaced by a wh-word is the question, that span of the context the answer (with
             ``fit_rows`` ``answers``, only the span's positions are fitted). Evenly spaced over
-            the text's names and numbers, all of them when it has fewer; a chat context takes
-            none.
+            the text's names and numbers, all of them when it has fewer; in a chat bake the
+            question is the user's turn after the context turns. Default 64: on SQuAD
+            paragraphs the patch keeps 0.77 of the F1 the context adds with them, 0.34 without
+            (issue 35; docs/bake.md).
         cloze_form: how a cloze question is cut (``CLOZE_FORMS``): ``sentence`` (the
             sentence's words before the span, then its clause after it), ``clause`` (the
             span's clause alone) or ``both`` (each span asked both ways).
@@ -185,7 +187,7 @@ class BakeOptions:
     question_prompt: str = "plain"
     question_temperature: float = 1.0
     topics: int = 0
-    cloze: int = 0
+    cloze: int = 64
     cloze_form: str = "sentence"
     fit_rows: str = "all"
     linear_only: bool = False

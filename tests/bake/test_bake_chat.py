@@ -32,7 +32,7 @@ _TURNS = {
     "gemma3": [{"role": "system", "content": SYSTEMS[1]}],
     "qwen3": [{"role": "user", "content": DOCUMENTS[1]}],
 }
-_OPTIONS = BakeOptions(samples=2, sample_tokens=4, questions=0, answer_tokens=5, rank=4)
+_OPTIONS = BakeOptions(samples=2, sample_tokens=4, questions=0, cloze=0, answer_tokens=5, rank=4)
 
 
 def _user(text: str) -> list[dict]:
@@ -148,3 +148,32 @@ def test_distill_learns_on_the_matched_positions() -> None:
     teacher = teacher_top(model, data)
     assert [t[1].shape[0] for t in teacher] == [data.matched(i) for i in range(2)]
     assert result.report["distill"]["steps"] == 2 and result.patch.deltas
+
+
+@pytest.mark.parametrize("name", ["llama3", "gemma3", "qwen3"])
+def test_chat_cloze_queries_are_user_turns_answered_by_the_span(name: str) -> None:
+    """A chat bake's extractive queries: the question as the user's turn after the context
+    turns (the template's ids for the conversation, split exactly), the answer the span's ids
+    and one end of turn; with ``fit_rows`` ``answers`` only the span's positions are fitted."""
+    from ctxc.bake.cloze import chat_cloze_queries
+
+    model, tok = chat_model(name), chat_tokenizer(name)
+    role = "system" if name == "gemma3" else "user"  # Gemma 3's system prompt: inside the turn
+    turns = [*_TURNS[name][:-1], {"role": role, "content": DOCUMENTS[0]}]  # names and numbers
+    options = BakeOptions(samples=0, questions=0, cloze=3, rank=4, fit_rows="answers")
+    result = bake(model, tok, None, None, options=options, messages=turns)
+    data, chat = result.data, result.chat
+    assert chat is not None
+    ids, starts, found = chat_cloze_queries(chat, 3)
+    assert data.kinds == ["cloze"] * len(found) and 0 < len(found) <= 3, data.kinds
+    for i, c in enumerate(found):
+        whole = template_ids(tok, [*turns, *_user(c.question)])
+        full, alone = data.full(i), template_ids(tok, _user(c.question))
+        span = tok(c.answer, add_special_tokens=False).input_ids
+        assert c.answer in " ".join(t["content"] for t in turns), c
+        assert full[: len(whole)] == whole, (tok.decode(full), tok.decode(whole))
+        assert data.reduced(i)[: len(alone)] == alone, tok.decode(data.reduced(i))
+        assert full[len(whole) : -1] == span and full[-1] in chat.ends, tok.decode(full)
+        assert data.queries[i] == ids[i] and starts[i] == len(whole) - len(chat.context_ids)
+    rows = query_rows(data, answers=True)
+    assert 0 < int(rows.sum()) < data.positions, (int(rows.sum()), data.positions)

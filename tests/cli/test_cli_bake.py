@@ -68,9 +68,11 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--samples", "0", "--questions", "0"], "nothing to fit"),
+        (["--samples", "0", "--questions", "0", "--cloze", "0"], "nothing to fit"),
         (["--data", "continuations", "--samples", "0"], "--samples 0 and no --queries"),
-        (["--data", "self-study", "--questions", "0"], "--questions 0 and --topics 0 and no"),
+        (["--data", "self-study", "--questions", "0", "--cloze", "0"], "--topics 0 and --cloze 0"),
+        # the default's cloze questions, but a context with no name or number to ask about
+        (["--samples", "0", "--questions", "0"], "no name or number to ask about (--cloze)"),
         (["--rank", "0"], "--rank must be at least 1"),
         (["--rank", "99999"], "past the matrix size"),
         (["--queries", "EMPTY"], "query file is empty"),
@@ -118,7 +120,7 @@ def test_bake_chat_writes_a_model_asked_through_its_template(tmp_path):
     (tmp_path / "held.txt").write_text("Who built it?\nWhat is it?\n")
     proc = run_cli(
         "bake", "--chat", "--system", "system.txt", "--document", "doc.txt", "--queries",
-        "q.txt", "--samples", "2", "--sample-tokens", "4", "--questions", "0",
+        "q.txt", "--samples", "2", "--sample-tokens", "4", "--questions", "0", "--cloze", "0",
         "--answer-tokens", "4", "--rank", "4", "--eval-questions", "held.txt",
         "--eval-samples", "1", "--model", str(model_dir), "--out", "out", cwd=tmp_path,
     )  # fmt: skip

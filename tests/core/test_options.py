@@ -34,11 +34,15 @@ CASES = [
         None,
     ),
     (
-        lambda: BakeOptions(samples=0, questions=0, data="both").check_fit(None),
+        lambda: BakeOptions(samples=0, questions=0, cloze=0, data="both").check_fit(None),
         "samples 0 and questions 0 and topics 0 and cloze 0 and no queries: nothing",
         None,
     ),
-    (lambda: BakeOptions(questions=0, data="self-study").check_fit([]), "questions 0 and", None),
+    (
+        lambda: BakeOptions(questions=0, cloze=0, data="self-study").check_fit([]),
+        "questions 0 and",
+        None,
+    ),
     (lambda: BakeOptions(data="none"), "data: unknown fit data kind 'none'", None),
     (lambda: BakeOptions(answer_tokens=0), "answer_tokens must be at least 1 (got 0)", None),
     (lambda: BakeOptions(topics=-1), "topics must be at least 0 (got -1)", None),
@@ -50,7 +54,7 @@ CASES = [
         None,
     ),
     (
-        lambda: BakeOptions(questions=0, topics=0, data="self-study").check_fit(None),
+        lambda: BakeOptions(questions=0, topics=0, cloze=0, data="self-study").check_fit(None),
         "questions 0 and topics 0 and cloze 0 and no queries",
         None,
     ),
