@@ -68,22 +68,27 @@ def head_at_query_rows(model: torch.nn.Module, k: int) -> Iterator[bool]:
 
     Side effects: sets the head module's ``forward`` attribute and deletes it on exit.
     """
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    plain = (
-        type(head) is torch.nn.Linear
-        and head.weight.device.type == "cpu"
-        and not hasattr(head, "_hf_hook")
-        and "forward" not in vars(head)
-    )
-    if not plain:
+    get = getattr(model, "get_output_embeddings", None)
+    found = get() if callable(get) else None
+    if not (
+        isinstance(found, torch.nn.Linear)
+        and type(found) is torch.nn.Linear
+        and found.weight.device.type == "cpu"
+        and not hasattr(found, "_hf_hook")
+        and "forward" not in vars(found)
+    ):
         yield False
         return
-    assert head is not None
+    head: torch.nn.Linear = found
+
+    def linear(x: torch.Tensor, weight: object, bias: object) -> torch.Tensor:
+        assert isinstance(weight, torch.Tensor) and (bias is None or isinstance(bias, torch.Tensor))
+        return F.linear(x, weight, bias)
 
     def forward(x: torch.Tensor) -> torch.Tensor:  # x [..., n, d] -> [..., k, vocab]
-        return default_forward_rows(F.linear, x, head.weight, head.bias, min(k, x.shape[-2]))
+        return default_forward_rows(linear, x, head.weight, head.bias, min(k, x.shape[-2]))
 
-    head.forward = forward
+    head.forward = forward  # type: ignore[method-assign,assignment]  # on the instance alone
     try:
         yield True
     finally:
