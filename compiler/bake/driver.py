@@ -123,7 +123,8 @@ def bake_data(
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
-    clozed, cloze_from = [], []
+    clozed: list[list[int]] = []
+    cloze_from: list[int] = []
     if cloze:
         text = tokenizer.decode(context_ids, skip_special_tokens=True)
         clozed, cloze_from, _ = cloze_queries(tokenizer, text, cloze, cloze_form)
