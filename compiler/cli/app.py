@@ -71,8 +71,21 @@ def _root(
         False, "--version", callback=_version, is_eager=True, help="Print the version and exit."
     ),
     verbose: bool = VERBOSE,
+    threads: int = typer.Option(
+        None,
+        "--threads",
+        min=1,
+        envvar="CTXC_THREADS",
+        help="torch's CPU threads for the command (default: torch's, one a core). Beside "
+        "another busy job, 1 is faster: two threads wait on each other (docs/results/speed.md).",
+    ),
 ) -> None:
     """Compile a context into exact low-rank patches of a transformer's MLP weights."""
+    if threads is not None:
+        # Imported here: ``ctxc --help`` stays free of torch (tests/cli/test_cli_usage.py).
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -54,6 +54,11 @@ CASES = {
         "ctxc: error: invalid value for '--emit': 'tflite'; expected a comma list of "
         "torch, onnx, ort-adapter, peft, lora, gguf, gguf-lora, safetensors-delta",
     ),
+    "zero threads": (
+        ["--threads", "0", "inspect"],
+        "ctxc: error: invalid value for '--threads' (env var: 'CTXC_THREADS'): Input should be "
+        "greater than or equal to 1",
+    ),
     "export without --out": (
         ["export", "--patch", "p.safetensors"],
         "ctxc: error: missing option '--out'",
@@ -88,6 +93,24 @@ def test_no_arguments_prints_help_and_exits_0(cwd, capsys) -> None:
 def test_version(cwd, capsys) -> None:
     assert main(["--version"]) == 0
     assert capsys.readouterr().out == f"ctxc {__version__}\n"
+
+
+def test_threads_set_torch_s_threads(cwd, capsys, monkeypatch) -> None:
+    """``ctxc --threads N`` (or ``CTXC_THREADS``) sets torch's CPU threads before the command."""
+    import torch
+
+    before = torch.get_num_threads()
+    want = 1 if before != 1 else 2
+    try:
+        assert main(["--threads", str(want), "inspect", "--help"]) == 0
+        assert torch.get_num_threads() == want, (torch.get_num_threads(), want)
+        torch.set_num_threads(before)
+        monkeypatch.setenv("CTXC_THREADS", str(want))
+        assert main(["inspect", "--help"]) == 0
+        assert torch.get_num_threads() == want, (torch.get_num_threads(), want)
+    finally:
+        torch.set_num_threads(before)
+    assert "Usage: ctxc inspect" in capsys.readouterr().out
 
 
 def test_version_is_defined_once() -> None:
