@@ -12,6 +12,7 @@ from ctxc.bake.driver import BakeOptions, bake, bake_data, query_rows
 from ctxc.bake.selfstudy import as_question
 from ctxc.core.errors import OptionError
 from testbed.tiny_models import VOCAB, shared
+from tests.fixtures.helpers import CharTokenizer
 
 _TEXT = (
     "The Normans were the people who in the 10th and 11th centuries gave their name to "
@@ -23,23 +24,6 @@ _TEXT = (
 )
 
 _CHARS = string.ascii_letters + string.digits + " ?.,:'\n"
-
-
-class CharTokenizer:
-    """One token per character of ``_CHARS`` (ids from 4; under the tiny models' vocabulary)."""
-
-    all_special_ids = (0, 1, 2, 3)
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        ids = [4 + _CHARS.index(c) for c in text if c in _CHARS]
-
-        class Out:
-            input_ids = ([1] if add_special_tokens else []) + ids
-
-        return Out()
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(_CHARS[i - 4] if 4 <= i < 4 + len(_CHARS) else "" for i in ids)
 
 
 def test_every_answer_is_a_span_of_its_sentence_and_the_question_asks_for_it() -> None:
@@ -68,7 +52,7 @@ def test_every_answer_is_a_span_of_its_sentence_and_the_question_asks_for_it() -
 
 
 def test_cloze_queries_are_the_question_as_fed_then_the_span_and_a_line_break() -> None:
-    tok = CharTokenizer()
+    tok = CharTokenizer(_CHARS, special=(0, 1, 2, 3))
     every = clozes(_TEXT)
     ids, starts, picked = cloze_queries(tok, _TEXT, 1000)
     assert picked == every and len(ids) == len(starts) == len(every)
@@ -100,7 +84,7 @@ def test_bake_fits_the_cloze_queries_answers_only() -> None:
     """``cloze`` adds the extractive queries after the self-study ones (kind ``cloze``); with
     ``fit_rows`` ``answers`` only the positions predicting the span and its line break are
     fitted."""
-    model, tok = shared("gemma3"), CharTokenizer()
+    model, tok = shared("gemma3"), CharTokenizer(_CHARS, special=(0, 1, 2, 3))
     assert 4 + len(_CHARS) <= VOCAB
     text = _TEXT[:118]  # the first sentence
     context = tok(text).input_ids

@@ -19,26 +19,11 @@ from ctxc.bake.selfstudy import (
     self_study,
 )
 from testbed.tiny_models import VOCAB, shared
-from tests.fixtures.helpers import random_ids
+from tests.fixtures.helpers import CharTokenizer, random_ids
 
 pytestmark = pytest.mark.tiny
 
 _CHARS = string.ascii_letters + " ?.:\n"
-
-
-class CharTokenizer:
-    """One token per character of ``_CHARS`` (ids from 4), so a random model writes ``?``."""
-
-    def __call__(self, text: str, add_special_tokens: bool = True):
-        ids = [4 + _CHARS.index(c) for c in text if c in _CHARS]
-
-        class Out:
-            input_ids = ([1] if add_special_tokens else []) + ids
-
-        return Out()
-
-    def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        return "".join(_CHARS[i - 4] if 4 <= i < 4 + len(_CHARS) else "" for i in ids)
 
 
 @pytest.mark.parametrize(("family", "n"), [("gemma3", 12), ("gemma3", 1), ("llama", 12)])
@@ -79,7 +64,7 @@ def test_self_study_queries_are_questions_with_the_greedy_answer() -> None:
     """Each query is ``Question: <seed word>...?`` and the model's greedy answer with the
     context in view; the questions are seeded (the same twice)."""
     assert 4 + len(_CHARS) <= VOCAB, VOCAB
-    model, tok = shared("gemma3"), CharTokenizer()
+    model, tok = shared("gemma3"), CharTokenizer(_CHARS)
     context = [1, *random_ids(95, 16, vocab=4 + len(_CHARS))]
     queries, questions = self_study(model, tok, context, 12, 30, 4, seed=3)
     assert questions, "no question ended in '?': the test cannot check them"
@@ -97,7 +82,7 @@ def test_self_study_queries_are_questions_with_the_greedy_answer() -> None:
 
 
 def test_bake_on_self_study_data_marks_its_queries() -> None:
-    model, tok = shared("gemma3"), CharTokenizer()
+    model, tok = shared("gemma3"), CharTokenizer(_CHARS)
     context = [1, *random_ids(95, 16, vocab=4 + len(_CHARS))]
     opts = BakeOptions(data="both", samples=2, sample_tokens=3, questions=6, rank=2)
     result = bake(model, tok, context_ids=context, options=opts)
@@ -108,7 +93,7 @@ def test_bake_on_self_study_data_marks_its_queries() -> None:
 def test_answer_agreement_is_the_first_sentence_matched() -> None:
     """The first sentence ends at the first '.', '?', '!' or newline; a query agrees when the
     patched model's greedy tokens match through it (here the unpatched control's)."""
-    tok = CharTokenizer()
+    tok = CharTokenizer(_CHARS)
     ids = tok("ab. cd", add_special_tokens=False).input_ids
     assert answer_lengths(tok, (tuple(ids), tuple(ids[:2]))) == (3, 2)
     model = shared("gemma3")
@@ -140,22 +125,19 @@ def test_sampled_tokens_follow_the_softmax_and_never_a_masked_token() -> None:
 def test_answers_end_at_their_first_line_break() -> None:
     """A self-study answer is cut after its first token holding a line break or a special
     token; what follows ("\nAnswer: ...", "<eos>The ...") is not fitted."""
-    tok = CharTokenizer()
+    tok = CharTokenizer(_CHARS)
     ids = tok("ab\ncd", add_special_tokens=False).input_ids
     assert _answer_end(tok, ids) == 3
     assert _answer_end(tok, ids[:2]) == 2
 
-    class WithSpecial(CharTokenizer):
-        all_special_ids = (1,)
-
-    assert _answer_end(WithSpecial(), [*ids[:2], 1, *ids[3:]]) == 3
+    assert _answer_end(CharTokenizer(_CHARS, special=(1,)), [*ids[:2], 1, *ids[3:]]) == 3
 
 
 def test_facts_prompt_and_topic_questions_join_the_sampled_ones() -> None:
     """``prompt="facts"`` asks for the questions after its line (the same seed draws other
     questions than ``plain``); ``topic_count`` adds "What does the text say about X?" for the
     context's first names, after the sampled questions, each with its greedy answer."""
-    model, tok = shared("gemma3"), CharTokenizer()
+    model, tok = shared("gemma3"), CharTokenizer(_CHARS)
     context = [1, *tok("Rollo led the Norse in Normandy", add_special_tokens=False).input_ids]
     plain = self_study(model, tok, context, 6, 30, 3, seed=3)
     facts = self_study(model, tok, context, 6, 30, 3, seed=3, prompt="facts", temperature=0.6)
