@@ -54,6 +54,10 @@ class FitData:
             question's ids; 0 for the others, all answer). None: 0 for every query. With
             ``BakeOptions.fit_rows == "answers"`` only the positions from the one before it
             (which predicts the answer's first token) are fitted.
+        shown: per query, what the original model reads between the context and the query
+            (``BakeOptions.cloze_teacher`` ``shown``: a cloze query itself, so the targets of
+            its second reading give the span); None: nothing for every query. The matched
+            positions are the full input's last ones whatever it holds.
     """
 
     context_ids: list[int]
@@ -62,6 +66,7 @@ class FitData:
     kinds: list[str]
     opening: bool = False
     answer_from: list[int] | None = None
+    shown: list[list[int]] | None = None
 
     def reduced(self, i: int) -> list[int]:
         """What the patched model is fed for query ``i``."""
@@ -69,13 +74,18 @@ class FitData:
 
     def full(self, i: int) -> list[int]:
         """What the original model is fed for query ``i``."""
-        return self.context_ids + self.queries[i]
+        return self.context_ids + self.shown_before(i) + self.queries[i]
+
+    def shown_before(self, i: int) -> list[int]:
+        """What the original model reads between the context and query ``i`` (often none)."""
+        return [] if self.shown is None else self.shown[i]
 
     def part(self, start: int, stop: int | None = None) -> FitData:
         """The same context and prefix with queries ``[start:stop]`` (their kinds too)."""
         q, k = self.queries[start:stop], self.kinds[start:stop]
         a = None if self.answer_from is None else self.answer_from[start:stop]
-        return FitData(self.context_ids, self.prefix, q, k, self.opening, a)
+        shown = None if self.shown is None else self.shown[start:stop]
+        return FitData(self.context_ids, self.prefix, q, k, self.opening, a, shown)
 
     @property
     def head(self) -> int:

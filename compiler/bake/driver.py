@@ -94,6 +94,7 @@ def bake_data(
     answer: bool = False,
     cloze: int = 0,
     cloze_form: str = "sentence",
+    cloze_teacher: str = "plain",
 ) -> FitData:
     """The fit data: the query texts' ids, then ``questions`` self-study queries
     (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
@@ -119,7 +120,7 @@ def bake_data(
     """
     if chat is not None:
         return _chat_data(model, chat, queries, samples, sample_tokens, seed, questions,
-                          answer_tokens, answer, cloze, cloze_form)  # fmt: skip
+                          answer_tokens, answer, cloze, cloze_form, cloze_teacher)  # fmt: skip
     if prefix is None:
         prefix = special_prefix(tokenizer) if tokenizer is not None else []
     given = text_queries(tokenizer, queries) if queries else []
@@ -130,7 +131,12 @@ def bake_data(
         clozed, cloze_from, _ = cloze_queries(tokenizer, text, cloze, cloze_form)
     # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
     asked_bound = 48 + answer_tokens if questions or topics else 0
-    longest = max([len(q) for q in given + clozed] + [sample_tokens if samples else 0, asked_bound])
+    reread = 2 if cloze_teacher == "shown" else 1  # a shown cloze query is read twice
+    longest = max(
+        [len(q) for q in given]
+        + [reread * len(q) for q in clozed]
+        + [sample_tokens if samples else 0, asked_bound]
+    )
     check_length(model, len(context_ids) + longest, "context + longest query")
     start = context_run(model, context_ids) if (questions or topics) and samples else None
     asked: list[list[int]] = []
@@ -157,12 +163,23 @@ def bake_data(
         + ["cloze"] * len(clozed)
         + ["sample"] * samples,
         answer_from=[0] * len(given) + starts + cloze_from + [0] * len(sampled),
+        shown=_shown(len(given) + len(asked), clozed, len(sampled), cloze_teacher),
     )
+
+
+def _shown(before: int, clozed: list[list[int]], after: int, teacher: str) -> list | None:
+    """``FitData.shown`` of ``BakeOptions.cloze_teacher``: ``shown`` puts each cloze query
+    (its question, its span) before itself, so the full-context model reads the span once and
+    its targets at the second reading give it; None for ``plain``."""
+    if teacher == "plain" or not clozed:
+        return None
+    return [[] for _ in range(before)] + [list(q) for q in clozed] + [[] for _ in range(after)]
 
 
 def _chat_data(
     model, chat: ChatFormat, queries, samples: int, sample_tokens: int, seed: int,
     questions: int, answer_tokens: int, answer: bool, cloze: int = 0, cloze_form: str = "sentence",
+    cloze_teacher: str = "plain",
 ) -> FitData:  # fmt: skip
     """:func:`bake_data` of a chat model: user turns after the context turns."""
     ids = chat.context_ids
@@ -174,9 +191,10 @@ def _chat_data(
     asked_bound = (
         max(len(chat.turn(s)) for s in CHAT_SEEDS) + 32 + answer_tokens if questions else 0
     )
+    reread = 2 if cloze_teacher == "shown" else 1  # a shown cloze query is read twice
     longest = max(
         [len(t) + extra for t in turns]
-        + [len(q) for q in clozed]
+        + [reread * len(q) for q in clozed]
         + [sample_tokens if samples else 0, asked_bound]
     )
     check_length(model, len(ids) + longest, "context + longest query")
@@ -201,6 +219,7 @@ def _chat_data(
         + ["sample"] * samples,
         answer_from=[0] * (len(given) + len(asked)) + cloze_from + [0] * len(sampled),
         opening=True,
+        shown=_shown(len(given) + len(asked), clozed, len(sampled), cloze_teacher),
     )
 
 
@@ -343,7 +362,7 @@ def fit_data(
         model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
         questions=o.asked, answer_tokens=o.answer_tokens, question_prompt=o.question_prompt,
         question_temperature=o.question_temperature, topics=o.topical, chat=chat, answer=True,
-        cloze=o.clozed, cloze_form=o.cloze_form,
+        cloze=o.clozed, cloze_form=o.cloze_form, cloze_teacher=o.cloze_teacher,
     )  # fmt: skip
     if not data.queries:
         cloze = " and the context has no name or number to ask about ({cloze})" if o.clozed else ""

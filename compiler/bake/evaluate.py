@@ -181,8 +181,10 @@ def reference(
     logits: list = [None] * n
     tokens: list = [None] * n
     groups: dict[int, list[int]] = {}
-    for i, q in enumerate(data.queries):
-        groups.setdefault(len(q) if gen_tokens else 0, []).append(i)
+    # Each query continues the context with what is shown before it (FitData.shown), then itself.
+    rows = [data.shown_before(i) + q for i, q in enumerate(data.queries)]
+    for i, x in enumerate(rows):
+        groups.setdefault(len(x) if gen_tokens else 0, []).append(i)
     done = 0
     with torch.no_grad():
         ctx = torch.tensor([data.context_ids], device=device)
@@ -191,16 +193,19 @@ def reference(
         for idx in groups.values():
             cache = copy.deepcopy(first.past_key_values)
             cache.batch_repeat_interleave(len(idx))
-            width = max(len(data.queries[i]) for i in idx)
-            x = [data.queries[i] + [0] * (width - len(data.queries[i])) for i in idx]
+            width = max(len(rows[i]) for i in idx)
+            x = [rows[i] + [0] * (width - len(rows[i])) for i in idx]
             out = model(
                 input_ids=torch.tensor(x, device=device), past_key_values=cache, use_cache=True
             )
-            # The patched input's matched positions: the context's last p (matched to the
-            # prefix's last p), then every query position.
+            # The patched input's matched positions: the full input's last p before the query
+            # (the context's, or the shown text's), then every query position.
             for j, i in enumerate(idx):
-                k = len(data.queries[i])
-                logits[i] = torch.cat([head, out.logits[j, :k].float().cpu()])
+                k, shown = len(data.queries[i]), len(rows[i]) - len(data.queries[i])
+                if shown:
+                    logits[i] = out.logits[j, shown - p : shown + k].float().cpu()
+                else:
+                    logits[i] = torch.cat([head, out.logits[j, :k].float().cpu()])
             for j, toks in enumerate(_continue_batch(model, out, gen_tokens)):
                 tokens[idx[j]] = tuple(toks)
             done += len(idx)

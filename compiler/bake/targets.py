@@ -75,8 +75,10 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
     p, h = len(data.prefix), data.head  # h: the prefix's positions matched to the context's
     out: dict[str, list] = {b.path: [None] * len(data.queries) for b in blocks.blocks}
     groups: dict[int, list[int]] = defaultdict(list)
-    for i, q in enumerate(data.queries):
-        groups[len(q)].append(i)
+    # Each query continues the context's cache with what is shown before it, then itself.
+    rows = [data.shown_before(i) + q for i, q in enumerate(data.queries)]
+    for i, x in enumerate(rows):
+        groups[len(x)].append(i)
     hooks = _Hooks(model, blocks)
     try:
         with torch.no_grad():
@@ -91,12 +93,19 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
                     idx = members[start : start + _BATCH]
                     cache = copy.deepcopy(first.past_key_values)
                     cache.batch_repeat_interleave(len(idx))
-                    x = torch.tensor([data.queries[i] for i in idx], device=device)
+                    x = torch.tensor([rows[i] for i in idx], device=device)
                     model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
                     for b in out:
                         for j, i in enumerate(idx):
-                            tg = _rows_of(hooks, b, j, slice(None))
-                            out[b][i] = stacked([head[b], tg]) if h else tg
+                            n = len(data.queries[i])
+                            if not data.shown_before(i):
+                                tg = _rows_of(hooks, b, j, slice(None))
+                                out[b][i] = stacked([head[b], tg]) if h else tg
+                                continue
+                            # The matched positions are the input's last: the shown text's
+                            # last h before the query's own (as record_fit_targets takes them).
+                            tg = _rows_of(hooks, b, j, slice(len(rows[i]) - n - h, None))
+                            out[b][i] = padded(tg, p - h)
     finally:
         hooks.remove()
     return out

@@ -19,6 +19,7 @@ from ctxc.cli.options import (
     BakeData,
     BakeMethod,
     ClozeForm,
+    ClozeTeacher,
     FitRows,
     QuestionPrompt,
 )
@@ -79,6 +80,12 @@ _CLOZE_FORM = typer.Option(
     _DEFAULTS.cloze_form,
     "--cloze-form",
     help="How a cloze question is cut: sentence, clause, or both (each span asked both ways).",
+)
+_CLOZE_TEACHER = typer.Option(
+    _DEFAULTS.cloze_teacher,
+    "--cloze-teacher",
+    help="Whose reading gives a cloze question's targets: plain (the model after the context) "
+    "or shown (after it has read the question and its answer once).",
 )
 _FIT_ROWS = typer.Option(
     _DEFAULTS.fit_rows,
@@ -166,6 +173,7 @@ def bake_cmd(
     topics: int = _TOPICS,
     cloze: int = _CLOZE,
     cloze_form: ClozeForm = _CLOZE_FORM,
+    cloze_teacher: ClozeTeacher = _CLOZE_TEACHER,
     fit_rows: FitRows = _FIT_ROWS,
     rank: str = _RANK_OPTION,
     method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
@@ -213,7 +221,8 @@ def bake_cmd(
         rank, data=data, samples=samples, sample_tokens=sample_tokens, questions=questions,
         answer_tokens=answer_tokens, question_prompt=question_prompt,
         question_temperature=question_temperature, topics=topics, cloze=cloze,
-        cloze_form=cloze_form, fit_rows=fit_rows, method=method, ridge=ridge,
+        cloze_form=cloze_form, cloze_teacher=cloze_teacher, fit_rows=fit_rows, method=method,
+        ridge=ridge,
         seed=seed, distill_steps=steps, distill_seconds=seconds, distill_from_fit=from_fit,
         distill_lr=lr, refit_passes=refit_passes, attention=attention, linear_only=linear_only,
     )  # fmt: skip
@@ -252,7 +261,8 @@ def bake_cmd(
 # removed is fitted as the others were.
 _FIT_PARAMS = (
     "data", "samples", "sample_tokens", "questions", "answer_tokens", "question_prompt",
-    "question_temperature", "topics", "cloze", "cloze_form", "fit_rows", "rank", "method",
+    "question_temperature", "topics", "cloze", "cloze_form", "cloze_teacher",
+    "fit_rows", "rank", "method",
     "ridge", "seed", "steps", "seconds", "from_fit", "lr", "refit_passes", "attention",
     "linear_only",
 )  # fmt: skip

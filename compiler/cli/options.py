@@ -19,6 +19,7 @@ from ctxc.core.vocabulary import (
     BAKE_DATA,
     BAKE_METHODS,
     CLOZE_FORMS,
+    CLOZE_TEACHERS,
     DEFAULT_RULE,
     DTYPES,
     FIT_ROWS,
@@ -46,6 +47,7 @@ __all__ = [
     "BakeData",
     "BakeMethod",
     "ClozeForm",
+    "ClozeTeacher",
     "DType",
     "Engine",
     "FitRows",
@@ -72,6 +74,7 @@ if TYPE_CHECKING:
     QuestionPrompt: TypeAlias = str
     FitRows: TypeAlias = str
     ClozeForm: TypeAlias = str
+    ClozeTeacher: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
@@ -83,6 +86,7 @@ else:
     QuestionPrompt = Literal[tuple(QUESTION_PROMPTS)]
     FitRows = Literal[tuple(FIT_ROWS)]
     ClozeForm = Literal[tuple(CLOZE_FORMS)]
+    ClozeTeacher = Literal[tuple(CLOZE_TEACHERS)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
@@ -185,6 +189,7 @@ FLAGS: dict[str, str] = {
     "topics": "--topics",
     "cloze": "--cloze",
     "cloze_form": "--cloze-form",
+    "cloze_teacher": "--cloze-teacher",
     "fit_rows": "--fit-rows",
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",

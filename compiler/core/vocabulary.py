@@ -19,6 +19,7 @@ __all__ = [
     "BAKE_DATA",
     "BAKE_METHODS",
     "CLOZE_FORMS",
+    "CLOZE_TEACHERS",
     "DEFAULT_RULE",
     "DTYPES",
     "EXACT_RULES",
@@ -109,6 +110,10 @@ FIT_ROWS: dict[str, str] = {
 }
 
 # How ``ctxc bake --cloze`` cuts an extractive question from its sentence (issue 35).
+CLOZE_TEACHERS: dict[str, str] = {
+    "plain": "the full-context model reads the question after the context",
+    "shown": "it reads the question and its answer once, then the question again",
+}
 CLOZE_FORMS: dict[str, str] = {
     "sentence": "the sentence's words before the span, the wh-word, its clause after it",
     "clause": "the span's clause alone, the wh-word in the span's place",

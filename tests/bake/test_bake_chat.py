@@ -161,6 +161,7 @@ def test_chat_cloze_queries_are_user_turns_answered_by_the_span(name: str) -> No
     role = "system" if name == "gemma3" else "user"  # Gemma 3's system prompt: inside the turn
     turns = [*_TURNS[name][:-1], {"role": role, "content": DOCUMENTS[0]}]  # names and numbers
     options = BakeOptions(samples=0, questions=0, cloze=3, rank=4, fit_rows="answers")
+    # The default teacher reads each cloze turn (question, span, end of turn) before itself.
     result = bake(model, tok, None, None, options=options, messages=turns)
     data, chat = result.data, result.chat
     assert chat is not None
@@ -168,7 +169,9 @@ def test_chat_cloze_queries_are_user_turns_answered_by_the_span(name: str) -> No
     assert data.kinds == ["cloze"] * len(found) and 0 < len(found) <= 3, data.kinds
     for i, c in enumerate(found):
         whole = template_ids(tok, [*turns, *_user(c.question)])
+        assert data.shown_before(i) == data.queries[i], i
         full, alone = data.full(i), template_ids(tok, _user(c.question))
+        full = full[: len(chat.context_ids)] + full[len(chat.context_ids) + len(ids[i]) :]
         span = tok(c.answer, add_special_tokens=False).input_ids
         assert c.answer in " ".join(t["content"] for t in turns), c
         assert full[: len(whole)] == whole, (tok.decode(full), tok.decode(whole))

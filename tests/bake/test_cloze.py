@@ -6,13 +6,14 @@ from __future__ import annotations
 import string
 
 import pytest
+import torch
 
 from ctxc.bake.cloze import cloze_queries, clozes
 from ctxc.bake.driver import BakeOptions, bake, bake_data, query_rows
 from ctxc.bake.selfstudy import as_question
 from ctxc.core.errors import OptionError
 from testbed.tiny_models import VOCAB, shared
-from tests.fixtures.helpers import CharTokenizer
+from tests.fixtures.helpers import CharTokenizer, diff_msg
 
 _TEXT = (
     "The Normans were the people who in the 10th and 11th centuries gave their name to "
@@ -88,7 +89,8 @@ def test_bake_fits_the_cloze_queries_answers_only() -> None:
     assert 4 + len(_CHARS) <= VOCAB
     text = _TEXT[:118]  # the first sentence
     context = tok(text).input_ids
-    data = bake_data(model, tok, context, None, 2, 3, 0, cloze=4)
+    # The plain teacher: the shown one reads each query twice, past the tiny model's positions.
+    data = bake_data(model, tok, context, None, 2, 3, 0, cloze=4, cloze_teacher="plain")
     assert data.kinds == ["cloze"] * 4 + ["sample"] * 2, data.kinds
     ids, starts, _ = cloze_queries(tok, text, 4)
     assert data.queries[:4] == ids and data.answer_from is not None
@@ -97,7 +99,7 @@ def test_bake_fits_the_cloze_queries_answers_only() -> None:
     fitted = int(rows.sum())
     assert fitted == sum(len(q) - a + 1 for q, a in zip(ids, starts, strict=True)) + 2 * 3
     opts = BakeOptions(data="self-study", questions=0, samples=0, cloze=4, rank=2,
-                       fit_rows="answers")  # fmt: skip
+                       fit_rows="answers", cloze_teacher="plain")  # fmt: skip
     result = bake(model, tok, context_ids=context, options=opts)
     assert result.report["fit_kinds"] == {"cloze": 4}, result.report["fit_kinds"]
 
@@ -113,3 +115,60 @@ def test_cloze_is_a_count_and_counts_as_fit_data() -> None:
     assert BakeOptions(data="continuations", cloze=8).clozed == 0
     with pytest.raises(OptionError, match="cloze_form: unknown cloze form 'short'"):
         BakeOptions(cloze=8, cloze_form="short")
+
+
+@pytest.mark.tiny
+def test_shown_teacher_reads_each_cloze_query_before_itself() -> None:
+    """``cloze_teacher`` ``shown``: the full-context model reads each cloze query (question and
+    span) once before it, the other queries as before; the matched positions are the full
+    input's last, the cached targets equal the graph's there, and they differ from the plain
+    teacher's on the cloze rows alone (the shown text reaches the targets)."""
+    from ctxc.bake.data import record_fit_targets
+    from ctxc.bake.evaluate import greedy, reference
+    from ctxc.bake.targets import cached_fit_targets
+    from ctxc.store.traced import traced_blocks
+
+    model, tok = shared("gemma3"), CharTokenizer(_CHARS, special=(0, 1, 2, 3))
+    text = "Rollo led 12 Norse raiders."  # short: each cloze query is read twice (256 positions)
+    context = tok(text).input_ids
+    plain = bake_data(model, tok, context, None, 2, 3, 0, cloze=3)
+    shown = bake_data(model, tok, context, None, 2, 3, 0, cloze=3, cloze_teacher="shown")
+    assert plain.shown is None and shown.queries == plain.queries, shown.kinds
+    n = shown.kinds.count("cloze")  # Rollo, 12 (a sentence of two spans)
+    assert n == 2 and shown.kinds == ["cloze"] * n + ["sample"] * 2, shown.kinds
+    for i, q in enumerate(shown.queries):
+        before = q if shown.kinds[i] == "cloze" else []
+        assert shown.full(i) == context + before + q, i
+        assert shown.reduced(i) == plain.reduced(i) and shown.matched(i) == plain.matched(i)
+    traced, blocks = traced_blocks(model)
+    graph = record_fit_targets(traced, blocks, shown)
+    cached = cached_fit_targets(model, traced, blocks, shown)
+    before = record_fit_targets(traced, blocks, plain)
+    rows = [len(shown.reduced(i)) for i in range(len(shown.queries))]
+    cloze_rows = sum(rows[:n])
+    for path, tg in graph.items():
+        got = cached[path]
+        assert got.y.shape == tg.y.shape == before[path].y.shape, path
+        torch.testing.assert_close(got.y, tg.y, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.z, tg.z, rtol=1e-4, atol=1e-5)
+        moved = (tg.y - before[path].y).abs().amax(dim=1)  # [N]
+        assert torch.equal(tg.y[cloze_rows:], before[path].y[cloze_rows:]), diff_msg(
+            path, tg.y[cloze_rows:], before[path].y[cloze_rows:]
+        )
+    assert float(moved[:cloze_rows].max()) > 1e-3, float(moved[:cloze_rows].max())
+    # The evaluation's (and distill's) teacher: the same positions of the same full inputs.
+    ref = reference(model, shown, gen_tokens=2)
+    with torch.no_grad():
+        for i in range(len(shown.queries)):
+            k = shown.matched(i)
+            want = model(input_ids=torch.tensor([shown.full(i)])).logits[0, -k:]
+            got = ref.logits[i]
+            assert got.shape == want.shape, (i, got.shape, want.shape)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert list(ref.tokens[i]) == greedy(model, shown.full(i), 2), i
+
+
+def test_cloze_teacher_is_a_choice_and_not_for_distill() -> None:
+    with pytest.raises(OptionError, match="cloze_teacher: unknown cloze teacher 'copy'"):
+        BakeOptions(cloze_teacher="copy")
+    assert BakeOptions().cloze_teacher == "shown"
