@@ -234,7 +234,8 @@ def _run(args) -> None:
     assert "--model" not in shlex.split(args.bake_args), "--model goes to this command"
     model, tok = load(args.model, "float32")
     doc["threads"] = torch.get_num_threads()
-    for index, article in select_articles(squad, args.articles):
+    ways = [w for w in WAYS if w in args.ways.split(",")]
+    for index, article in select_articles(squad, args.articles)[args.skip :]:
         title, text = article["title"], article_text(article)
         questions = pick(article, args.questions)
         chunks = chunk_texts([p["context"] for p in article["paragraphs"]])
@@ -248,7 +249,7 @@ def _run(args) -> None:
             _write(out, doc)
         _, queries = prompt_split(tok, text, [q["question"] for q in questions])
         golds = [q["answers"] for q in questions]
-        for way in WAYS:
+        for way in ways:
             if way in entry:
                 continue
             with tempfile.TemporaryDirectory(prefix="squad-articles-") as tmp:
@@ -409,6 +410,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--questions", type=int, default=20, help="questions per article")
     p.add_argument("--out", default="benchmarks/results/squad_articles.json")
     p.add_argument("--model", default=None, help="alias, folder or .gguf (default: bundled)")
+    p.add_argument("--skip", type=int, default=0, help="leave the first N articles out")
+    p.add_argument("--ways", default=",".join(WAYS), help="the bakes to run (comma list)")
     p.add_argument("--bake-args", default="", help="more ctxc bake options (trials only)")
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
     args = p.parse_args(argv)
