@@ -21,6 +21,7 @@ from transformers.utils import logging as hf_logging
 
 import ctxc
 from ctxc.generate.steps import generate
+from ctxc.models.kv_cache import cache_arg, cache_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,14 +30,15 @@ def cached_decode_seconds(model, ids: list[int], steps: int) -> list[float]:
     """Seconds of each greedy cached decode step after a prefill of ``ids``."""
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), use_cache=True)
-        cache = getattr(out, "cache", None) or out.past_key_values
+        cache = cache_of(out)
         token = int(out.logits[0, -1].argmax())
         times = []
+        name = cache_arg(model)  # the KV cache's argument, named once
         for _ in range(steps):
             start = time.perf_counter()
-            out = model(input_ids=torch.tensor([[token]]), cache=cache, use_cache=True)
+            out = model(input_ids=torch.tensor([[token]]), **{name: cache}, use_cache=True)
             times.append(time.perf_counter() - start)
-            cache = getattr(out, "cache", None) or out.past_key_values
+            cache = cache_of(out)
             token = int(out.logits[0, -1].argmax())
     return times
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ctxc.models.kv_cache import cache_of, with_cache
 from testbed.squad_score import contains, f1
 
 __all__ = ["answers", "main"]
@@ -43,7 +44,7 @@ def _greedy(model, ids: list[int], steps: int, ends: frozenset[int]) -> list[int
                 break
             got.append(tok)
             out = model(
-                input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values, use_cache=True
+                input_ids=torch.tensor([[tok]]), **with_cache(model, cache_of(out)), use_cache=True
             )
     return got
 

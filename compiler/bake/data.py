@@ -20,6 +20,7 @@ import torch
 from ctxc.core.errors import CtxcError
 from ctxc.core.textfile import read_text
 from ctxc.frontend.trace import TracedModel
+from ctxc.models.kv_cache import cache_of, with_cache
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.run_graph import BlockTargets, record_targets
 
@@ -164,9 +165,9 @@ def sample_continuations(
         if start is None:
             ids = torch.tensor([context_ids], device=device)
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            cache = out.past_key_values
+            cache = cache_of(out)
         else:
-            out, cache = start, copy.deepcopy(start.past_key_values)
+            out, cache = start, copy.deepcopy(cache_of(start))
         cache.batch_repeat_interleave(count)
         logits = out.logits[:, -1].float().expand(count, -1)  # [K, vocab]
         picked = []
@@ -176,7 +177,10 @@ def sample_continuations(
             if step + 1 == length:
                 break
             out = model(
-                input_ids=tok.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1
+                input_ids=tok.to(device),
+                **with_cache(model, cache),
+                use_cache=True,
+                logits_to_keep=1,
             )
             logits = out.logits[:, -1].float()
     return torch.cat(picked, dim=1).tolist()

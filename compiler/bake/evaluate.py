@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ctxc.bake.data import FitData
+from ctxc.models.kv_cache import cache_of, with_cache
 from ctxc.patch import Patch
 
 __all__ = [
@@ -153,7 +154,7 @@ def _continue_batch(model: torch.nn.Module, out, steps: int) -> list[list[int]]:
         tok = out.logits[:, -1].argmax(-1)  # [b]
         got.append(tok.cpu())
         if i + 1 < steps:
-            out = model(input_ids=tok[:, None].to(device), past_key_values=out.past_key_values,
+            out = model(input_ids=tok[:, None].to(device), **with_cache(model, cache_of(out)),
                         use_cache=True, logits_to_keep=1)  # fmt: skip
     rows = out.logits.shape[0]
     return torch.stack(got, 1).tolist() if got else [[] for _ in range(rows)]
@@ -191,12 +192,12 @@ def reference(
         first = model(input_ids=ctx, use_cache=True, logits_to_keep=max(p, 1))
         head = first.logits[0, first.logits.shape[1] - p :].float().cpu()  # [p, vocab]
         for idx in groups.values():
-            cache = copy.deepcopy(first.past_key_values)
+            cache = copy.deepcopy(cache_of(first))
             cache.batch_repeat_interleave(len(idx))
             width = max(len(rows[i]) for i in idx)
             x = [rows[i] + [0] * (width - len(rows[i])) for i in idx]
             out = model(
-                input_ids=torch.tensor(x, device=device), past_key_values=cache, use_cache=True
+                input_ids=torch.tensor(x, device=device), **with_cache(model, cache), use_cache=True
             )
             # The patched input's matched positions: the full input's last p before the query
             # (the context's, or the shown text's), then every query position.

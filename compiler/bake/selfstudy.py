@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from ctxc.bake.data import sample_tokens
+from ctxc.models.kv_cache import cache_of, with_cache
 
 __all__ = [
     "NOT_TOPICS",
@@ -153,7 +154,7 @@ def _padded(
     width = max(len(r) for r in rows)
     with torch.no_grad():
         first = start if start is not None else context_run(model, context_ids)
-        cache = copy.deepcopy(first.past_key_values)
+        cache = copy.deepcopy(cache_of(first))
         cache.batch_repeat_interleave(b)
         ids = torch.zeros(b, width, dtype=torch.long)
         mask = torch.ones(b, c + width, dtype=torch.long)
@@ -166,7 +167,8 @@ def _padded(
         last = pos[:, -1]  # [b]
         out = model(
             input_ids=ids.to(device), attention_mask=mask.to(device),
-            position_ids=pos.to(device), past_key_values=cache, use_cache=True, logits_to_keep=1,
+            position_ids=pos.to(device), **with_cache(model, cache), use_cache=True,
+            logits_to_keep=1,
         )  # fmt: skip
         got = []
         for step in range(steps):
@@ -181,7 +183,7 @@ def _padded(
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], 1)
             out = model(
                 input_ids=tok[:, None].to(device), attention_mask=mask.to(device),
-                position_ids=last[:, None].to(device), past_key_values=out.past_key_values,
+                position_ids=last[:, None].to(device), **with_cache(model, cache_of(out)),
                 use_cache=True, logits_to_keep=1,
             )  # fmt: skip
     return torch.stack(got, 1).tolist()

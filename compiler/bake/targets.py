@@ -24,6 +24,7 @@ import torch
 from ctxc.bake.data import FitData, padded, record_fit_targets, stacked
 from ctxc.core.thresholds import BAKE_TARGETS_RTOL
 from ctxc.frontend.trace import TracedModel
+from ctxc.models.kv_cache import cache_of, with_cache
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.run_graph import BlockTargets
 
@@ -91,10 +92,10 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
             for members in groups.values():
                 for start in range(0, len(members), _BATCH):
                     idx = members[start : start + _BATCH]
-                    cache = copy.deepcopy(first.past_key_values)
+                    cache = copy.deepcopy(cache_of(first))
                     cache.batch_repeat_interleave(len(idx))
                     x = torch.tensor([rows[i] for i in idx], device=device)
-                    model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                    model(input_ids=x, **with_cache(model, cache), use_cache=True, logits_to_keep=1)
                     for b in out:
                         for j, i in enumerate(idx):
                             n = len(data.queries[i])
