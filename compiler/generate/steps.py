@@ -271,16 +271,6 @@ class _Stepper:
         self.worker: ThreadPoolExecutor | None = None
         if torch.get_num_threads() >= 2 and torch.device(device).type == "cpu":
             self.worker = ThreadPoolExecutor(1, thread_name_prefix="ctxc-decode")
-        # Whether the decode overlaps the solver: on a machine where the plain decode step
-        # already keeps both cores busy, the two side by side (four threads on two cores) are
-        # slower than one after the other (a 2-core KVM guest, quiet: 0.289 s against 0.266 s a
-        # step; where the decode did not scale with threads, overlapping won). Steps 1 and 2
-        # are timed one way each and the faster way kept (step 0 warms both up); both ways
-        # compute the same ops on the same values, bit for bit
-        # (tests/generate/test_generate_shared.py).
-        self.overlap: bool | None = None if self.worker is not None else False
-        self.trial: dict[bool, float] = {}
-        self.steps_seen = 0
 
     def start(self, ids: torch.Tensor, prefill: dict | None) -> dict[str, float]:
         """Probe the hooks and the split head, then prefill; the timings."""
@@ -302,9 +292,7 @@ class _Stepper:
             full_ids = torch.tensor([history], dtype=torch.long, device=device)
             full = record_targets(self.traced, self.blocks, full_ids, 1)
             return self._solve(current, full.targets, None), full
-        overlap = self._overlap_now()
-        start = time.perf_counter()
-        if not overlap:
+        if self.worker is None:
             out = self._decode(current)
             targets = self.hooks.targets()
             solution = self._solve(current, targets, None)
@@ -317,26 +305,8 @@ class _Stepper:
                 futures.wait([decode])  # never leave it running, whatever happened here
                 self.hooks.live = None
             out = decode.result()
-        self._timed(overlap, time.perf_counter() - start)
         self.cache = cache_of(out)
         return solution, FullRun(targets=targets, logits=out.logits[0, -1:].float())
-
-    def _overlap_now(self) -> bool:
-        """This step's way: overlapped until steps 1 and 2 have been timed one way each."""
-        if self.overlap is not None:
-            return self.overlap
-        return len(self.trial) != 1  # steps 0 and 1 overlapped, step 2 not
-
-    def _timed(self, overlap: bool, seconds: float) -> None:
-        """Record a trial step's seconds; after both ways, keep the faster one."""
-        if self.overlap is not None:
-            return
-        self.steps_seen += 1
-        if self.steps_seen == 1:  # step 0: warm-up (the solver's first stretches compile)
-            return
-        self.trial[overlap] = seconds
-        if len(self.trial) == 2:
-            self.overlap = self.trial[True] <= self.trial[False]
 
     def _decode(self, current: torch.Tensor):
         with torch.no_grad():  # grad mode is per thread
@@ -349,8 +319,6 @@ class _Stepper:
             wait = self.hooks.waiter(decode)
             if self.head_op is not None and self.blocks.head:  # on both threads, once free
                 ops = {self.blocks.head: self.head_op(decode.result)}
-        elif self.head_op is not None and self.blocks.head:  # decoded already: the worker is free
-            ops = {self.blocks.head: self.head_op(lambda: None)}
         # The solver reads the targets only: the baseline's logits are read after it.
         pending = FullRun(targets=targets, logits=torch.empty(0, 0))
         args = (self.traced, self.blocks, pending, current, self.update)
@@ -447,9 +415,6 @@ def generate(
             gc.unfreeze()
         stepper.close()
     timings["steps"] = sum(s.seconds for s in steps)
-    # The two trial steps' seconds (steps 1 and 2), the way kept named by the smaller.
-    timings |= {f"trial_{'overlapped' if k else 'one_after_other'}": v
-                for k, v in stepper.trial.items()}  # fmt: skip
     return GenerateResult(
         steps=tuple(steps),
         context_ids=list(context_ids),

@@ -274,19 +274,3 @@ def test_input_moves_from_recorded_outputs(family: str, apply: str, monkeypatch)
         again = {s.node for s in sites} & set(computed)
         if apply == "lowrank":
             assert not again, f"inner outputs computed again: {sorted(again)}"
-
-
-@pytest.mark.parametrize(
-    ("seconds", "kept"), [([0.5, 0.3, 0.2, 0.9, 0.9], False), ([0.5, 0.2, 0.3, 0.1, 0.1], True)]
-)
-def test_the_faster_way_of_the_two_trial_steps_is_kept(seconds: list[float], kept: bool) -> None:
-    """Step 0 warms up (overlapped, not timed), step 1 runs overlapped, step 2 one after the
-    other; every later step runs the faster of the two (both give the same bits: above)."""
-    stepper = gen._Stepper.__new__(gen._Stepper)
-    stepper.overlap, stepper.trial, stepper.steps_seen = None, {}, 0
-    ways = []
-    for s in seconds:
-        ways.append(stepper._overlap_now())
-        stepper._timed(ways[-1], s)
-    assert ways == [True, True, False, kept, kept], ways
-    assert stepper.trial == {True: seconds[1], False: seconds[2]} and stepper.overlap is kept
