@@ -184,8 +184,8 @@ def reference(
     groups: dict[int, list[int]] = {}
     # Each query continues the context with what is shown before it (FitData.shown), then itself.
     rows = [data.shown_before(i) + q for i, q in enumerate(data.queries)]
-    for i, x in enumerate(rows):
-        groups.setdefault(len(x) if gen_tokens else 0, []).append(i)
+    for i, row in enumerate(rows):
+        groups.setdefault(len(row) if gen_tokens else 0, []).append(i)
     done = 0
     with torch.no_grad():
         ctx = torch.tensor([data.context_ids], device=device)

@@ -78,8 +78,8 @@ def _cached_rows(model: torch.nn.Module, blocks: BlockMap, data: FitData) -> dic
     groups: dict[int, list[int]] = defaultdict(list)
     # Each query continues the context's cache with what is shown before it, then itself.
     rows = [data.shown_before(i) + q for i, q in enumerate(data.queries)]
-    for i, x in enumerate(rows):
-        groups[len(x)].append(i)
+    for i, row in enumerate(rows):
+        groups[len(row)].append(i)
     hooks = _Hooks(model, blocks)
     try:
         with torch.no_grad():

@@ -9,22 +9,16 @@ cache names it as the model's ``forward`` does. Analysis only: nothing is mutate
 from __future__ import annotations
 
 import inspect
-from functools import cache as memo
 
 import torch
 
 __all__ = ["cache_arg", "cache_of", "with_cache"]
 
 
-@memo
-def _arg_of(forward_owner: type) -> str:
-    params = inspect.signature(forward_owner.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def cache_arg(model: torch.nn.Module) -> str:
     """The name ``model.forward`` takes its KV cache by: ``cache`` or ``past_key_values``."""
-    return _arg_of(type(model))
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def with_cache(model: torch.nn.Module, cache) -> dict:
