@@ -31,7 +31,8 @@ from ctxc.bake.data import (
     special_prefix,
     text_queries,
 )
-from ctxc.bake.selfstudy import as_question, context_run, self_study
+from ctxc.bake.onpolicy import joined_targets, with_own_answers
+from ctxc.bake.selfstudy import answer_end, as_question, context_run, self_study
 from ctxc.bake.serve import pad_to_rank
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
@@ -202,10 +203,13 @@ def _chat_data(
     start = context_run(model, ids) if uses > 1 else None  # run once
     given = answered(model, chat, turns, answer_tokens, start) if answer else turns
     asked: list[list[int]] = []
+    asked_texts: list[str] = []
     if questions:
-        asked, _ = chat_self_study(
+        asked, asked_texts = chat_self_study(
             model, chat, questions, answer_tokens=answer_tokens, seed=seed, start=start
         )
+    # Where each answer starts: after its question's turn (a held-out turn is all question).
+    starts = [len(t) if answer else 0 for t in turns] + [len(chat.turn(q)) for q in asked_texts]
     sampled = (
         sample_continuations(model, ids, samples, sample_tokens, seed, start) if samples else []
     )
@@ -217,7 +221,7 @@ def _chat_data(
         + ["self-study"] * len(asked)
         + ["cloze"] * len(clozed)
         + ["sample"] * samples,
-        answer_from=[0] * (len(given) + len(asked)) + cloze_from + [0] * len(sampled),
+        answer_from=starts + cloze_from + [0] * len(sampled),
         opening=True,
         shown=_shown(len(given) + len(asked), clozed, len(sampled), cloze_teacher),
     )
@@ -307,6 +311,12 @@ def bake(
         clock = time.perf_counter()
         fit = _fit(traced, blocks, targets, data, o, on_block)
         timings["fit"] = round(time.perf_counter() - clock, 3)
+        if o.method == "fit" and o.on_policy_for(chat is not None):
+            clock = time.perf_counter()
+            data, targets, fit = _refit_on_policy(
+                model, tokenizer, chat, traced, blocks, data, targets, fit, o, stage, on_block
+            )
+            timings["on_policy"] = round(time.perf_counter() - clock, 3)
     meta = patch_meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
     if patch is not None and o.linear_only and o.rank is not None:
@@ -336,6 +346,26 @@ def _chat(tokenizer, messages, context, context_ids) -> ChatFormat | None:
     if tokenizer is None:
         raise CtxcError("a tokenizer (with a chat template) is needed for messages")
     return chat_format(tokenizer, messages)
+
+
+def _refit_on_policy(
+    model, tokenizer, chat, traced, blocks, data: FitData, targets, fit: FitSolution,
+    o: BakeOptions, stage, on_block,
+) -> tuple[FitData, dict[str, BlockTargets], FitSolution]:  # fmt: skip
+    """The fit again over ``data`` and the patched model's own answers to its questions, read
+    by the full-context model (:mod:`ctxc.bake.onpolicy`): (data, targets, fit)."""
+    stage("on-policy rows: the patched model answers the fit's questions")
+    n = len(data.queries)
+    first = Patch(fit.deltas, patch_meta(model, traced.dtype, data, o))
+    cut = chat.answer if chat is not None else (lambda a: a[: answer_end(tokenizer, a)])
+    data = with_own_answers(model, data, first, o.answer_tokens, cut)
+    if len(data.queries) == n:
+        return data, targets, fit
+    rows = sum(data.matched(i) for i in range(n))  # targets may be a longer set's
+    mine = cached_fit_targets(model, traced, blocks, data.part(n))
+    targets = joined_targets({p: t.leading(rows) for p, t in targets.items()}, mine)
+    stage("fitting again")
+    return data, targets, _fit(traced, blocks, targets, data, o, on_block)
 
 
 def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> FitSolution:

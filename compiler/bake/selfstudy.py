@@ -28,6 +28,7 @@ __all__ = [
     "QUESTION_PROMPTS",
     "SEED_PROMPTS",
     "TOPIC_QUESTION",
+    "answer_end",
     "as_question",
     "context_run",
     "continue_rows",
@@ -279,7 +280,7 @@ def self_study(
     if not questions:
         return [], []
     asked = [_ids(tokenizer, " " + as_question(q)) for q in questions]
-    ends = functools.partial(_answer_end, tokenizer)
+    ends = functools.partial(answer_end, tokenizer)
     answers = continue_rows(
         model, context_ids, asked, answer_tokens, start=start, until=lambda a: ends(a) < len(a)
     )
@@ -289,7 +290,7 @@ def self_study(
     return [q + a[: ends(a)] for q, a in zip(asked, answers, strict=True)], questions
 
 
-def _answer_end(tokenizer, ids: list[int]) -> int:
+def answer_end(tokenizer, ids: list[int]) -> int:
     """The length of an answer cut after its first token that holds a line break or is a
     special token (the whole answer when there is none)."""
     special = set(getattr(tokenizer, "all_special_ids", ()))

@@ -111,6 +111,13 @@ _ATTENTION = typer.Option(
     "2). Default: where the model has them; --attention refuses a model without.",
     show_default=False,
 )
+_ON_POLICY = typer.Option(
+    None,
+    "--on-policy/--no-on-policy",
+    help="fit: fit again with the patched model's own answers, read by the full-context model. "
+    "Default: in a chat bake (--chat), not in plain text.",
+    show_default=False,
+)
 _EVAL_QUESTIONS = typer.Option(
     None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
 )
@@ -185,6 +192,7 @@ def bake_cmd(
     lr: float = _LR,
     refit_passes: int = _REFIT,
     attention: bool | None = _ATTENTION,
+    on_policy: bool | None = _ON_POLICY,
     linear_only: bool = _LINEAR_ONLY,
     add: Path = _ADD,
     remove: Path = _REMOVE,
@@ -225,6 +233,7 @@ def bake_cmd(
         ridge=ridge,
         seed=seed, distill_steps=steps, distill_seconds=seconds, distill_from_fit=from_fit,
         distill_lr=lr, refit_passes=refit_passes, attention=attention, linear_only=linear_only,
+        on_policy=on_policy,
     )  # fmt: skip
     check_servable(kinds, opts, rank)
     if len(contexts) > 1 or method == "additive":
@@ -264,7 +273,7 @@ _FIT_PARAMS = (
     "question_temperature", "topics", "cloze", "cloze_form", "cloze_teacher",
     "fit_rows", "rank", "method",
     "ridge", "seed", "steps", "seconds", "from_fit", "lr", "refit_passes", "attention",
-    "linear_only",
+    "linear_only", "on_policy",
 )  # fmt: skip
 
 

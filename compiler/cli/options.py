@@ -194,6 +194,7 @@ FLAGS: dict[str, str] = {
     "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
     "attention": "--attention",
+    "on_policy": "--on-policy",
     # The batch run (ctxc.batch, ctxc.compile_many) and its output folder.
     "contexts": "--contexts",
     "out": "--out",

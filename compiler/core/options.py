@@ -166,6 +166,12 @@ class BakeOptions:
             ``fit``; a LoRA on them, in ``distill``) where a block has that surface (sandwich
             norms: Gemma 2/3, OLMo 2). None: wherever the model has it; True: the same, and a
             model with none refuses it; False: the MLPs only.
+        on_policy: ``fit``: fit a second time with on-policy rows (``ctxc.bake.onpolicy``):
+            each fitted question answered by the first fit's patched model, that answer read by
+            the full-context model. None (default): in a chat bake, where it was measured
+            (SmolLM2-135M-Instruct, 10 SQuAD paragraphs: the baked answers that looped, 2 of
+            61, loop no more; issue 35, docs/bake.md), not in plain text; True or False: always
+            or never.
         linear_only: ``fit``: move linear weights only, no post-norm scale (a serving LoRA
             holds no norm weight: vLLM and llama.cpp refuse them); the output move is the
             outer linear's alone. ``additive`` is linear-only whatever this says.
@@ -201,6 +207,7 @@ class BakeOptions:
     cloze_teacher: str = "shown"
     fit_rows: str = "all"
     linear_only: bool = False
+    on_policy: bool | None = None
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
@@ -234,6 +241,8 @@ class BakeOptions:
             raise OptionError(
                 what + " is not additive (it depends on the whole patch): use {method} fit"
             )
+        if self.on_policy and self.method != "fit":
+            raise OptionError("{on_policy} refits the fit: it needs {method} fit")
         if self.method == "distill" and importlib.util.find_spec("peft") is None:
             raise OptionError("{method} distill needs peft: pip install 'ctxc[peft]'")
 
@@ -251,6 +260,10 @@ class BakeOptions:
             zero.get(self.data, "{samples} 0 and " + asked)
             + " and no {queries}: nothing to fit the patch on"
         )
+
+    def on_policy_for(self, chat: bool) -> bool:
+        """Whether a bake (a chat one when ``chat``) refits with on-policy rows."""
+        return chat if self.on_policy is None else self.on_policy
 
     @property
     def sampled(self) -> int:

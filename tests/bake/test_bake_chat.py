@@ -32,7 +32,10 @@ _TURNS = {
     "gemma3": [{"role": "system", "content": SYSTEMS[1]}],
     "qwen3": [{"role": "user", "content": DOCUMENTS[1]}],
 }
-_OPTIONS = BakeOptions(samples=2, sample_tokens=4, questions=0, cloze=0, answer_tokens=5, rank=4)
+# Without on-policy rows (tests/bake/test_onpolicy.py): the data are the teacher's alone.
+_OPTIONS = BakeOptions(
+    samples=2, sample_tokens=4, questions=0, cloze=0, answer_tokens=5, rank=4, on_policy=False
+)
 
 
 def _user(text: str) -> list[dict]:
@@ -160,7 +163,9 @@ def test_chat_cloze_queries_are_user_turns_answered_by_the_span(name: str) -> No
     model, tok = chat_model(name), chat_tokenizer(name)
     role = "system" if name == "gemma3" else "user"  # Gemma 3's system prompt: inside the turn
     turns = [*_TURNS[name][:-1], {"role": role, "content": DOCUMENTS[0]}]  # names and numbers
-    options = BakeOptions(samples=0, questions=0, cloze=3, rank=4, fit_rows="answers")
+    options = BakeOptions(
+        samples=0, questions=0, cloze=3, rank=4, fit_rows="answers", on_policy=False
+    )
     # The default teacher reads each cloze turn (question, span, end of turn) before itself.
     result = bake(model, tok, None, None, options=options, messages=turns)
     data, chat = result.data, result.chat

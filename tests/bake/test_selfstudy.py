@@ -13,7 +13,7 @@ from ctxc.bake.evaluate import answer_lengths, evaluate_against, greedy, referen
 from ctxc.bake.selfstudy import (
     SEED_PROMPTS,
     TOPIC_QUESTION,
-    _answer_end,
+    answer_end,
     as_question,
     continue_rows,
     self_study,
@@ -127,10 +127,10 @@ def test_answers_end_at_their_first_line_break() -> None:
     token; what follows ("\nAnswer: ...", "<eos>The ...") is not fitted."""
     tok = CharTokenizer(_CHARS)
     ids = tok("ab\ncd", add_special_tokens=False).input_ids
-    assert _answer_end(tok, ids) == 3
-    assert _answer_end(tok, ids[:2]) == 2
+    assert answer_end(tok, ids) == 3
+    assert answer_end(tok, ids[:2]) == 2
 
-    assert _answer_end(CharTokenizer(_CHARS, special=(1,)), [*ids[:2], 1, *ids[3:]]) == 3
+    assert answer_end(CharTokenizer(_CHARS, special=(1,)), [*ids[:2], 1, *ids[3:]]) == 3
 
 
 def test_facts_prompt_and_topic_questions_join_the_sampled_ones() -> None:

@@ -133,7 +133,9 @@ def test_bake_chat_writes_a_model_asked_through_its_template(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(out / "model"))
     chat = report["chat"]
     assert chat["roles"] == ["system", "user"] and chat["opening_ids"] == [tok.bos_token_id]
-    assert report["fit_kinds"] == {"file": 3, "sample": 2}
+    # A chat bake refits on its own answers by default: one per answered query turn.
+    assert report["fit_kinds"] == {"file": 3, "sample": 2, "on-policy": 3}
+    assert report["options"]["on_policy"] is None and "on_policy" in report["timings"]
     turns = chat["messages"]
 
     def turn_length(q: str) -> int:  # the query turn's ids: the whole less the context's

@@ -1,0 +1,110 @@
+"""On-policy fit rows: the patched model's own answers, read by the full-context model (issue 35).
+
+A fit sees the teacher's answers only: every fitted position follows tokens the full-context
+model wrote. Fed a question alone, the patched model writes its own answer, and once that
+drifts from anything the teacher wrote it reaches states no row constrained: on
+SmolLM2-135M-Instruct in chat it fell into loops ("The first true engine that was commercially
+successful was the first true engine that was ...", "400 Premier League Premier League ...")
+that neither the full-context nor the unpatched model writes. This is exposure bias, and the
+remedy is DAgger's (Ross et al., 2011): let the learner answer, have the teacher label the
+states the learner visits, refit on both. Here each fitted question (self-study, cloze, an
+answered chat turn) is asked once more, the patched model answers it greedily, and that
+question + answer becomes a fit query whose targets the full-context model gives on
+``context + question + answer``, as for every other row (the plain teacher: nothing shown
+before it). The second fit solves over the old rows and these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ctxc.bake.data import FitData
+from ctxc.bake.selfstudy import continue_rows
+from ctxc.passes.runtime.run_graph import BlockTargets
+from ctxc.patch import Patch
+
+__all__ = ["ON_POLICY_KIND", "asked_queries", "joined_targets", "with_own_answers"]
+
+ON_POLICY_KIND = "on-policy"
+# The fit queries that hold a question before their answer (FitData.answer_from > 0).
+_ASKED_KINDS = ("file", "self-study", "cloze")
+
+
+def asked_queries(data: FitData) -> list[int]:
+    """Indices of ``data``'s queries that are a question and its answer (``answer_from > 0``)."""
+    if data.answer_from is None:
+        return []
+    return [
+        i
+        for i, (kind, start) in enumerate(zip(data.kinds, data.answer_from, strict=True))
+        if kind in _ASKED_KINDS and start > 0
+    ]
+
+
+def with_own_answers(
+    model: torch.nn.Module,
+    data: FitData,
+    patch: Patch,
+    answer_tokens: int,
+    cut: Callable[[list[int]], list[int]],
+) -> FitData:
+    """``data`` and, per question query, that question followed by the patched model's answer.
+
+    The patched model is fed what it is fed at its use (``data.prefix`` + the question), in one
+    greedy batch of ``answer_tokens``; each answer is cut as the teacher's answers were
+    (``cut``: after a line break or special token in plain text, after the end of turn in
+    chat). ``model`` is left as it was (the patch is applied for the batch only).
+
+    Args:
+        model: the model the patch was fitted on.
+        data: the fit data (``answer_from`` marks the questions).
+        patch: the first fit's patch.
+        answer_tokens: tokens per answer.
+        cut: an answer's ids -> the ids kept.
+
+    Returns:
+        a new :class:`FitData`: ``data``'s queries, then the new ones (kind
+        :data:`ON_POLICY_KIND`, ``answer_from`` their question's length, nothing shown).
+    """
+    asked = asked_queries(data)
+    assert data.answer_from is not None or not asked
+    questions = [data.queries[i][: data.answer_from[i]] for i in asked]  # type: ignore[index]
+    if not questions:
+        return data
+    with torch.no_grad(), patch.applied(model):
+        got = continue_rows(
+            model, data.prefix, questions, answer_tokens, until=lambda a: len(cut(a)) < len(a)
+        )
+    own = [q + cut([int(t) for t in a]) for q, a in zip(questions, got, strict=True)]
+    starts = data.answer_from or [0] * len(data.queries)
+    shown = None if data.shown is None else [*data.shown, *([] for _ in own)]
+    return FitData(
+        data.context_ids,
+        data.prefix,
+        [*data.queries, *own],
+        [*data.kinds, *[ON_POLICY_KIND] * len(own)],
+        data.opening,
+        [*starts, *(len(q) for q in questions)],
+        shown,
+    )
+
+
+def joined_targets(
+    first: dict[str, BlockTargets], then: dict[str, BlockTargets]
+) -> dict[str, BlockTargets]:
+    """Per block, ``first``'s rows then ``then``'s (targets are stacked by query, so those of
+    ``data.part(0, n)`` and ``data.part(n)`` join into ``data``'s)."""
+
+    def cat(a, b):
+        return None if a is None or b is None else torch.cat([a, b])
+
+    out = {}
+    for path, a in first.items():
+        b = then[path]
+        inner = None
+        if a.inner is not None and b.inner is not None:
+            inner = {m: torch.cat([o, b.inner[m]]) for m, o in a.inner.items()}
+        out[path] = BlockTargets(torch.cat([a.z, b.z]), torch.cat([a.y, b.y]), cat(a.v, b.v), inner)
+    return out
