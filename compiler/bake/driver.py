@@ -361,7 +361,7 @@ def _refit_on_policy(
     data = with_own_answers(model, data, first, o.answer_tokens, cut)
     if len(data.queries) == n:
         return data, targets, fit
-    rows = sum(data.matched(i) for i in range(n))  # targets may be a longer set's
+    rows = data.part(0, n).positions  # targets may be a longer set's: its leading rows
     mine = cached_fit_targets(model, traced, blocks, data.part(n))
     targets = joined_targets({p: t.leading(rows) for p, t in targets.items()}, mine)
     stage("fitting again")

@@ -74,9 +74,7 @@ def with_own_answers(
     if not questions:
         return data
     with torch.no_grad(), patch.applied(model):
-        got = continue_rows(
-            model, data.prefix, questions, answer_tokens, until=lambda a: len(cut(a)) < len(a)
-        )
+        got = _greedy(model, data.prefix, questions, answer_tokens, cut)
     own = [q + cut([int(t) for t in a]) for q, a in zip(questions, got, strict=True)]
     starts = data.answer_from or [0] * len(data.queries)
     shown = None if data.shown is None else [*data.shown, *([] for _ in own)]
@@ -89,6 +87,24 @@ def with_own_answers(
         [*starts, *(len(q) for q in questions)],
         shown,
     )
+
+
+def _greedy(model, prefix: list[int], questions: list[list[int]], steps: int, cut) -> list:
+    """Each question's greedy answer after ``prefix``, in one batch; with no prefix (a template
+    with no opening: Qwen 3), after its own first token, a batch per first token."""
+
+    def until(a: list[int]) -> bool:
+        return len(cut(a)) < len(a)
+
+    if prefix:
+        return continue_rows(model, prefix, questions, steps, until=until)
+    got: list = [None] * len(questions)
+    for first in dict.fromkeys(q[0] for q in questions):
+        idx = [i for i, q in enumerate(questions) if q[0] == first]
+        rows = continue_rows(model, [first], [questions[i][1:] for i in idx], steps, until=until)
+        for i, row in zip(idx, rows, strict=True):
+            got[i] = row
+    return got
 
 
 def joined_targets(
