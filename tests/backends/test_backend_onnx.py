@@ -21,6 +21,7 @@ import transformers as tf
 import ctxc
 from ctxc.backends.onnx.check import ONNX_ATOL, check_lengths
 from ctxc.backends.onnx.model import ONNX_FILE, emit_onnx
+from ctxc.backends.onnx.ort_adapter import ADAPTER_FILE, PATCHABLE_FILE
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
 from testbed.tiny_models import MOE, build, build_any
 from tests.fixtures.helpers import (
@@ -289,24 +290,25 @@ def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_mode
         cmd = [sys.executable, "-m", "ctxc.cli.app", *args, "--model", str(tiny_model_dir)]
         return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
 
-    proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", "onnx,peft")
+    # The three ONNX-side artefacts in one compile (the ORT adapter's CLI path too).
+    emit = "onnx,peft,ort-adapter"
+    proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", emit)
     assert proc.returncode == 0, proc.stderr
     # Into a log (stderr no terminal): the progress trail alone, no third-party lines (torch.onnx
     # warnings, onnxruntime, bars); -v below lets them through, so this can fail.
     odd = [line for line in proc.stderr.splitlines() if not TRAIL_LINE.fullmatch(line)]
     assert not odd, f"stderr holds more than the progress trail: {odd[:5]}"
     assert "ctxc: exporting model.onnx and checking it with onnxruntime" in proc.stderr
-    assert sorted(p.name for p in out.iterdir()) == [
-        ".ctxc",
-        "adapter",
-        "model.onnx",
-        "patch.safetensors",
-        "report.json",
-    ]
+    adapter = [ADAPTER_FILE, f"{ADAPTER_FILE}.json", PATCHABLE_FILE]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [".ctxc", "adapter", "model.onnx", "patch.safetensors", "report.json", *adapter]
+    )
     report = json.loads((out / "report.json").read_text())
     assert report["onnx"]["opset"] >= 17 and report["onnx"]["experts"] == "dense"
     assert len(report["onnx"]["checks"]) == 2
     assert report["peft"]["modules_to_save"], "Gemma 3's post-norm scales need modules_to_save"
+    fid = report["ort-adapter"]["fidelity"]
+    assert fid["max_abs_logit_diff"] <= 1e-5 and fid["top1_match"], fid
 
     base = tf.AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
     base.eval()

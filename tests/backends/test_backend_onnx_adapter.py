@@ -8,9 +8,6 @@ the bounds are about ten times that.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import onnxruntime as ort
@@ -42,6 +39,17 @@ def gemma(tmp_path_factory):
     out = tmp_path_factory.mktemp("adapter")
     path, figures = emit_ort_adapter(model, patches[0], out)
     return model, patches, out, path, figures
+
+
+@pytest.fixture(scope="module")
+def lora_rule(gemma, tmp_path_factory):
+    """The same model's ``lora``-rule patch (o_proj, gate, up and down factors, no norm
+    vector) and its adapter export: a patchable graph with other inputs than ``gemma``'s."""
+    model = gemma[0]
+    patch = ctxc.compile(model, context_ids=random_ids(4, 18), update="lora").patch
+    out = tmp_path_factory.mktemp("lora-adapter")
+    path, figures = emit_ort_adapter(model, patch, out)
+    return patch, out, path, figures
 
 
 def _session(path) -> ort.InferenceSession:
@@ -96,8 +104,8 @@ def test_one_session_switches_between_contexts(gemma, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_adapter_for_another_model_or_graph_is_refused(gemma, tmp_path) -> None:
-    model, _, out, path, _ = gemma
+def test_adapter_for_another_model_or_graph_is_refused(gemma, lora_rule, tmp_path) -> None:
+    _, _, out, path, _ = gemma
     session = _session(out / PATCHABLE_FILE)
     alien = ctxc.compile(build("gemma3", seed=1), context_ids=random_ids(4, 12)).patch
     with pytest.raises(ctxc.CtxcError, match="another model") as info:
@@ -105,14 +113,12 @@ def test_adapter_for_another_model_or_graph_is_refused(gemma, tmp_path) -> None:
     assert "\n" not in str(info.value)
     assert not (tmp_path / "alien.onnx_adapter").exists()
 
-    # A patchable graph with other inputs (a start-layer-1 patch has fewer slots).
-    later = ctxc.compile(model, context_ids=random_ids(5, 14), start_layer=1).patch
-    _, small = emit_ort_adapter(model, later, tmp_path / "small")
-    assert (
-        small.parameters < json.loads(path.with_name(path.name + ".json").read_text())["parameters"]
-    )
+    # A patchable graph with other inputs: the lora rule's (o_proj factors, no norm vector).
+    _, other_out, _, other = lora_rule
+    record = json.loads(path.with_name(path.name + ".json").read_text())
+    assert other.parameters != record["parameters"], other.parameters
     with pytest.raises(ctxc.CtxcError, match="another ONNX graph") as info:
-        load_adapter(path, _session(tmp_path / "small" / PATCHABLE_FILE))
+        load_adapter(path, _session(other_out / PATCHABLE_FILE))
     assert "\n" not in str(info.value)
     # The record of another model beside a good adapter file is caught too.
     record = json.loads(path.with_name(path.name + ".json").read_text())
@@ -126,35 +132,13 @@ def test_adapter_for_another_model_or_graph_is_refused(gemma, tmp_path) -> None:
 
 
 @pytest.mark.slow
-def test_cli_export_to_ort_adapter(tiny_model_dir, tmp_path) -> None:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    context = tmp_path / "context.txt"
-    context.write_text("w1 w2 w3 w4 w5 w6 w7 w8 w9 w10")
-
-    def cli(*args: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "ctxc.cli.app", *args, "--model", str(tiny_model_dir)]
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-
-    out = tmp_path / "out"
-    proc = cli("compile", "--context", str(context), "--out", str(out), "--emit", "ort-adapter")
-    assert proc.returncode == 0, proc.stderr
-    names = sorted(p.name for p in out.iterdir())
-    wrote = [ADAPTER_FILE, f"{ADAPTER_FILE}.json", PATCHABLE_FILE, "patch.safetensors"]
-    assert names == sorted([".ctxc", *wrote, "report.json"]), names
-    report = json.loads((out / "report.json").read_text())
-    fid = report["ort-adapter"]["fidelity"]
-    assert fid["max_abs_logit_diff"] <= FULL_CONTEXT_ATOL and fid["top1_match"], fid
-
-
-@pytest.mark.slow
-def test_a_lora_rule_adapter_touches_linear_weights_only(tmp_path) -> None:
+def test_a_lora_rule_adapter_touches_linear_weights_only(gemma, lora_rule) -> None:
     """The ``lora`` rule on Gemma 3's sandwich norms (MATH.md 10): o_proj, gate, up and down
     factors, no norm vector; onnxruntime with the adapter matches the full context."""
-    model = build("gemma3")
-    patch = ctxc.compile(model, context_ids=random_ids(4, 18), update="lora").patch
+    model = gemma[0]
+    patch, _, _, figures = lora_rule
     assert all(d.vector is None for d in patch.deltas.values())
     assert sum(p.endswith("o_proj.weight") for p in patch.deltas) == model.config.num_hidden_layers
-    _, figures = emit_ort_adapter(model, patch, tmp_path)
     assert figures.parameters == 2 * len(patch.deltas), figures.parameters  # u and v each
     assert all(c.max_abs_diff <= 1e-5 and c.top1_match for c in figures.checks), figures.checks
     assert figures.fidelity.max_abs_logit_diff <= FULL_CONTEXT_ATOL, figures.fidelity
