@@ -132,10 +132,9 @@ def bake_data(
         clozed, cloze_from, _ = cloze_queries(tokenizer, text, cloze, cloze_form)
     # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
     asked_bound = 48 + answer_tokens if questions or topics else 0
-    reread = 2 if cloze_teacher == "shown" else 1  # a shown cloze query is read twice
     longest = max(
         [len(q) for q in given]
-        + [reread * len(q) for q in clozed]
+        + [_reads(cloze_teacher) * len(q) for q in clozed]
         + [sample_tokens if samples else 0, asked_bound]
     )
     check_length(model, len(context_ids) + longest, "context + longest query")
@@ -168,6 +167,11 @@ def bake_data(
     )
 
 
+def _reads(teacher: str) -> int:
+    """How many times the full input holds a cloze query: twice when ``shown``."""
+    return 2 if teacher == "shown" else 1
+
+
 def _shown(before: int, clozed: list[list[int]], after: int, teacher: str) -> list | None:
     """``FitData.shown`` of ``BakeOptions.cloze_teacher``: ``shown`` puts each cloze query
     (its question, its span) before itself, so the full-context model reads the span once and
@@ -192,10 +196,9 @@ def _chat_data(
     asked_bound = (
         max(len(chat.turn(s)) for s in CHAT_SEEDS) + 32 + answer_tokens if questions else 0
     )
-    reread = 2 if cloze_teacher == "shown" else 1  # a shown cloze query is read twice
     longest = max(
         [len(t) + extra for t in turns]
-        + [reread * len(q) for q in clozed]
+        + [_reads(cloze_teacher) * len(q) for q in clozed]
         + [sample_tokens if samples else 0, asked_bound]
     )
     check_length(model, len(ids) + longest, "context + longest query")

@@ -10,8 +10,9 @@ remedy is DAgger's (Ross et al., 2011): let the learner answer, have the teacher
 states the learner visits, refit on both. Here each fitted question (self-study, cloze, an
 answered chat turn) is asked once more, the patched model answers it greedily, and that
 question + answer becomes a fit query whose targets the full-context model gives on
-``context + question + answer``, as for every other row (the plain teacher: nothing shown
-before it). The second fit solves over the old rows and these.
+``context + question + answer``, read as its question's row was (a cloze question's with the
+question and its span shown before it, ``BakeOptions.cloze_teacher``: so the teacher still
+points the answer at the span). The second fit solves over the old rows and these.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def with_own_answers(
 
     Returns:
         a new :class:`FitData`: ``data``'s queries, then the new ones (kind
-        :data:`ON_POLICY_KIND`, ``answer_from`` their question's length, nothing shown).
+        :data:`ON_POLICY_KIND`, ``answer_from`` their question's length, ``shown`` their
+        question's).
     """
     asked = asked_queries(data)
     assert data.answer_from is not None or not asked
@@ -77,7 +79,8 @@ def with_own_answers(
         got = _greedy(model, data.prefix, questions, answer_tokens, cut)
     own = [q + cut([int(t) for t in a]) for q, a in zip(questions, got, strict=True)]
     starts = data.answer_from or [0] * len(data.queries)
-    shown = None if data.shown is None else [*data.shown, *([] for _ in own)]
+    # Each answer is read as its question's was: a cloze question's after its span was shown.
+    shown = None if data.shown is None else [*data.shown, *(data.shown_before(i) for i in asked)]
     return FitData(
         data.context_ids,
         data.prefix,
