@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from ctxc.bake.data import FitData
+from ctxc.bake.data import FitData, stacked
 from ctxc.bake.selfstudy import continue_rows
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.patch import Patch
@@ -71,14 +71,13 @@ def with_own_answers(
         question's).
     """
     asked = asked_queries(data)
-    assert data.answer_from is not None or not asked
-    questions = [data.queries[i][: data.answer_from[i]] for i in asked]  # type: ignore[index]
-    if not questions:
+    if not asked:
         return data
+    starts = data.answer_from or []  # not empty: asked_queries found answers in it
+    questions = [data.queries[i][: starts[i]] for i in asked]
     with torch.no_grad(), patch.applied(model):
         got = _greedy(model, data.prefix, questions, answer_tokens, cut)
     own = [q + cut([int(t) for t in a]) for q, a in zip(questions, got, strict=True)]
-    starts = data.answer_from or [0] * len(data.queries)
     # Each answer is read as its question's was: a cloze question's after its span was shown.
     shown = None if data.shown is None else [*data.shown, *(data.shown_before(i) for i in asked)]
     return FitData(
@@ -115,15 +114,4 @@ def joined_targets(
 ) -> dict[str, BlockTargets]:
     """Per block, ``first``'s rows then ``then``'s (targets are stacked by query, so those of
     ``data.part(0, n)`` and ``data.part(n)`` join into ``data``'s)."""
-
-    def cat(a, b):
-        return None if a is None or b is None else torch.cat([a, b])
-
-    out = {}
-    for path, a in first.items():
-        b = then[path]
-        inner = None
-        if a.inner is not None and b.inner is not None:
-            inner = {m: torch.cat([o, b.inner[m]]) for m, o in a.inner.items()}
-        out[path] = BlockTargets(torch.cat([a.z, b.z]), torch.cat([a.y, b.y]), cat(a.v, b.v), inner)
-    return out
+    return {path: stacked([a, then[path]]) for path, a in first.items()}
