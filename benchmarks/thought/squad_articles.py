@@ -70,6 +70,7 @@ __all__ = ["MAX_WORDS", "MIN_WORDS", "article_text", "chunk_texts", "main", "pic
 MIN_WORDS, MAX_WORDS = 2000, 10000
 CHUNK_WORDS = 1000
 WAYS = ("whole", "chunks")
+ROUTED = "routed"
 RULE = (
     f"the shortest articles of {MIN_WORDS}-{MAX_WORDS} words (str.split of the paragraphs "
     "joined by blank lines; ties in file order); per article, questions evenly spaced over its "
@@ -181,6 +182,61 @@ def _chunked(model, tok, chunks: list[str], work: Path, ref, queries, golds, ext
             "peak_gib": max(r["peak_gib"] for r in runs)}  # fmt: skip
 
 
+def _routed(model, tok, text: str, article: dict, queries, questions, golds, every: bool) -> dict:
+    """The routed bake (``ctxc bake --route``): the article cut by
+    :func:`~ctxc.bake.route.split_chunks`, each question sent by the BM25 router to one chunk,
+    that chunk's own patch (``ctxc bake``'s defaults, in this process) answering it.
+
+    Only the chunks some question is routed to are baked unless ``every``: the router reads
+    text alone and each chunk's bake is independent of the others', so the answers are those
+    of a bake of every chunk; the article's bake time is then the baked chunks' seconds plus
+    their mean for each chunk left (``bake_seconds_article``, marked estimated).
+    """
+    import resource
+
+    from benchmarks.thought.squad import setting_options
+    from ctxc.bake.data import special_prefix
+    from ctxc.bake.driver import bake
+    from ctxc.bake.route import Router, split_chunks
+
+    chunks = split_chunks(text)
+    router = Router(tuple(f"{i:03d}" for i in range(len(chunks))), tuple(chunks), {})
+    routes = [router.pick(q["question"]) for q in questions]
+    home = [next(c for c, t in zip(router.ids, chunks, strict=True)
+                 if article["paragraphs"][q["paragraph"]]["context"].strip() in t)
+            for q in questions]  # fmt: skip
+    todo = router.ids if every else sorted(set(routes))
+    got: list[str | None] = [None] * len(questions)
+    raw: list[str | None] = [None] * len(questions)
+    bakes = []
+    for cid in todo:
+        ids = list(tok(chunks[router.ids.index(cid)]).input_ids)
+        clock, cpu = time.perf_counter(), time.process_time()
+        result = bake(model, tok, context_ids=ids, options=setting_options("default"))
+        bakes.append({"chunk": cid, "tokens": len(ids), "seconds": round(time.perf_counter() - clock, 1),
+                      "cpu_seconds": round(time.process_time() - cpu, 1),
+                      "peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)})  # fmt: skip
+        mine = [i for i, r in enumerate(routes) if r == cid]
+        if mine:
+            ans = answers(model, tok, special_prefix(tok), [queries[i] for i in mine],
+                          patch=result.patch)  # fmt: skip
+            for i, a, r in zip(mine, ans["answers"], ans["raw"], strict=True):
+                got[i], raw[i] = a, r
+        print(f"  chunk {cid} ({len(ids)} tokens): {bakes[-1]['seconds']:.0f} s, "
+              f"{len(mine)} question(s)", flush=True)  # fmt: skip
+    em, f1 = _scored(got, golds)
+    baked = sum(b["seconds"] for b in bakes)
+    return {
+        "baked": got, "baked_raw": raw, "baked_em": em, "baked_f1": f1, "routes": routes,
+        "home_chunks": home, "route_hits": sum(r == h for r, h in zip(routes, home, strict=True)),
+        "chunks": len(chunks), "chunk_words": [len(c.split()) for c in chunks],
+        "chunks_baked": len(bakes), "bakes": bakes, "bake_seconds": round(baked, 1),
+        "bake_seconds_article": round(baked / len(bakes) * len(chunks), 1),
+        "bake_seconds_article_estimated": len(bakes) < len(chunks),
+        "peak_gib": max(b["peak_gib"] for b in bakes), "same_as_full": None, "commit": commit(),
+    }  # fmt: skip
+
+
 def _refs(model, tok, article: dict, text: str, questions: list[dict]) -> dict:
     """The full and none answers: ``full`` on the whole article when it, the longest query and
     the answer fit the model's window, else each question on its own paragraph (the paragraph
@@ -234,7 +290,9 @@ def _run(args) -> None:
     assert "--model" not in shlex.split(args.bake_args), "--model goes to this command"
     model, tok = load(args.model, "float32")
     doc["threads"] = torch.get_num_threads()
-    ways = [w for w in WAYS if w in args.ways.split(",")]
+    ways = [w for w in (*WAYS, ROUTED) if w in args.ways.split(",")]
+    if ROUTED in ways and args.bake_args:
+        raise SystemExit("the routed way bakes with ctxc bake's defaults: no --bake-args")
     for index, article in select_articles(squad, args.articles)[args.skip :]:
         title, text = article["title"], article_text(article)
         questions = pick(article, args.questions)
@@ -254,7 +312,12 @@ def _run(args) -> None:
                 continue
             with tempfile.TemporaryDirectory(prefix="squad-articles-") as tmp:
                 work = Path(tmp)
-                if way == "whole":
+                if way == ROUTED:
+                    row = _routed(model, tok, text, article, queries, questions, golds,
+                                  args.every_chunk)  # fmt: skip
+                    row["same_as_full"] = sum(b == q["full"] for b, q in
+                                              zip(row["baked"], entry["questions"], strict=True))  # fmt: skip
+                elif way == "whole":
                     row = _whole(model, tok, text, work, entry, queries, golds, extra)
                 else:
                     row = _chunked(model, tok, chunks, work, entry, queries, golds, extra)
@@ -412,6 +475,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="alias, folder or .gguf (default: bundled)")
     p.add_argument("--skip", type=int, default=0, help="leave the first N articles out")
     p.add_argument("--ways", default=",".join(WAYS), help="the bakes to run (comma list)")
+    p.add_argument(
+        "--every-chunk",
+        action="store_true",
+        help="routed: bake every chunk, not only those a question is routed to",
+    )
     p.add_argument("--bake-args", default="", help="more ctxc bake options (trials only)")
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
     args = p.parse_args(argv)
