@@ -213,9 +213,10 @@ def _routed(model, tok, text: str, article: dict, queries, questions, golds, eve
         ids = list(tok(chunks[router.ids.index(cid)]).input_ids)
         clock, cpu = time.perf_counter(), time.process_time()
         result = bake(model, tok, context_ids=ids, options=setting_options("default"))
-        bakes.append({"chunk": cid, "tokens": len(ids), "seconds": round(time.perf_counter() - clock, 1),
-                      "cpu_seconds": round(time.process_time() - cpu, 1),
-                      "peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)})  # fmt: skip
+        seconds, cpu = time.perf_counter() - clock, time.process_time() - cpu
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        bakes.append({"chunk": cid, "tokens": len(ids), "seconds": round(seconds, 1),
+                      "cpu_seconds": round(cpu, 1), "peak_gib": round(peak, 2)})  # fmt: skip
         mine = [i for i, r in enumerate(routes) if r == cid]
         if mine:
             ans = answers(model, tok, special_prefix(tok), [queries[i] for i in mine],
@@ -315,8 +316,8 @@ def _run(args) -> None:
                 if way == ROUTED:
                     row = _routed(model, tok, text, article, queries, questions, golds,
                                   args.every_chunk)  # fmt: skip
-                    row["same_as_full"] = sum(b == q["full"] for b, q in
-                                              zip(row["baked"], entry["questions"], strict=True))  # fmt: skip
+                    pairs = zip(row["baked"], entry["questions"], strict=True)
+                    row["same_as_full"] = sum(b == q["full"] for b, q in pairs)
                 elif way == "whole":
                     row = _whole(model, tok, text, work, entry, queries, golds, extra)
                 else:

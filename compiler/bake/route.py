@@ -129,8 +129,8 @@ class Router:
 
     def save(self, folder: Path) -> None:
         """Write ``folder/router.json``."""
-        doc = {"format": _FORMAT, "options": self.options,
-               "chunks": [{"id": i, "text": t} for i, t in zip(self.ids, self.texts, strict=True)]}  # fmt: skip
+        chunks = [{"id": i, "text": t} for i, t in zip(self.ids, self.texts, strict=True)]
+        doc = {"format": _FORMAT, "options": self.options, "chunks": chunks}
         (folder / ROUTER_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
     @classmethod
