@@ -30,6 +30,7 @@ from ctxc.cli.generate import generate_cmd
 from ctxc.cli.inspect import inspect_cmd
 from ctxc.cli.options import cli_message
 from ctxc.cli.progress import VERBOSE, command_trail, err, finish, quiet_defaults, say
+from ctxc.cli.route import route_cmd
 from ctxc.core.errors import CtxcError, environment_error, missing_package_error
 from ctxc.core.interrupts import install_handlers, interrupt_note, received
 
@@ -53,6 +54,7 @@ app = typer.Typer(
 # One module per command (compiler/cli/<command>.py), registered in the order --help lists them.
 app.command("bake")(bake_cmd)  # thought patches (issue 13)
 app.command("eval-bake")(eval_bake_cmd)
+app.command("route")(route_cmd)  # a routed bake's chunk for a question (issue 36)
 app.command("compile")(compile_cmd)
 app.command("export")(export_cmd)
 app.command("inspect")(inspect_cmd)
