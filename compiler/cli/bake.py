@@ -236,13 +236,9 @@ def bake_cmd(
         _refuse_fit_flags(ctx, "--add DIR" if add is not None else "--remove DIR")
         folder = add or remove
         if is_routed(folder):
-            if fit_texts is not None:
-                raise CtxcError("a routed bake fits each chunk without --queries")
-            seed = int(Router.load(folder).options.get("seed", 0))
-            write = _writer(kinds if _given(ctx, "emit") else [], held, eval_samples, seed)
-            routed_change(folder, contexts, chunk, model, write)
-            return
-        _chunk_cmd(folder, contexts, fit_texts, chunk, held, eval_samples, kinds, model)
+            _routed_change_cmd(ctx, folder, contexts, fit_texts, chunk, held, eval_samples, model)
+        else:
+            _chunk_cmd(folder, contexts, fit_texts, chunk, held, eval_samples, kinds, model)
         return
     if chunk is not None:
         raise CtxcError("--chunk goes with --remove DIR")
@@ -263,10 +259,11 @@ def bake_cmd(
                             "(no --chat, no --queries)")  # fmt: skip
         # A chunk's folder holds its patch; artefacts only when asked for (--emit torch writes
         # a model/ per chunk, 283 MB of patched shard each on Gemma 3 270M).
-        write = _writer(kinds if _given(ctx, "emit") else [], held, eval_samples, seed)
-        routed_bake(contexts, opts, chunk_words, model, out_dir, force, write)
+        kinds = kinds if _given(ctx, "emit") else []
+        write = _writer(kinds, held, eval_samples, seed)
+        routed_bake(contexts, opts, chunk_words, kinds, model, out_dir, force, write)
         return
-    if route is False and _given(ctx, "chunk_words"):
+    if _given(ctx, "chunk_words"):
         raise CtxcError("--chunk-words goes with --route")
     if len(contexts) > 1 or method == "additive":
         if chat:
@@ -292,6 +289,18 @@ def bake_cmd(
         _writer(kinds, held, eval_samples, seed)(net, tokenizer, result, tmp)
     report = result.report
     _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])
+
+
+def _routed_change_cmd(ctx, folder, contexts, fit_texts, chunk, held, eval_samples, model):
+    """``--add DIR`` / ``--remove DIR`` on a routed bake (``ctxc.cli.route``): each new chunk
+    fitted and written as DIR's others were."""
+    if fit_texts is not None:
+        raise CtxcError("a routed bake fits each chunk without --queries")
+    if _given(ctx, "emit"):
+        raise CtxcError("a routed bake's chunks carry the artefacts it was baked with")
+    seed = int(Router.load(folder).options.get("seed", 0))
+    routed_change(folder, contexts, chunk, model,
+                  lambda kinds: _writer(kinds, held, eval_samples, seed))  # fmt: skip
 
 
 def _writer(kinds: list[str], held: dict, eval_samples: int, seed: int):

@@ -71,13 +71,14 @@ def _bake_into(net, tokenizer, chunks, ids: list[str], opts: BakeOptions, root: 
     return lines
 
 
-def routed_bake(paths, opts: BakeOptions, chunk_words: int, model, out_dir, force, write) -> None:
+def routed_bake(paths, opts: BakeOptions, chunk_words: int, kinds, model, out_dir, force, write):
     """``ctxc bake --route``: every chunk baked alone, the router beside them.
 
     Args:
         paths: the ``--context`` files (each cut into its own chunks).
         opts: the fit options, for every chunk.
         chunk_words: ``--chunk-words``.
+        kinds: the ``--emit`` artefacts every chunk's folder gets (recorded for ``--add``).
         model, out_dir, force: the command's.
         write: ``write(net, tokenizer, result, folder) -> figures``: one chunk's folder.
 
@@ -91,7 +92,7 @@ def routed_bake(paths, opts: BakeOptions, chunk_words: int, model, out_dir, forc
     chunks = _chunks(paths, chunk_words)
     with output_folder(out_dir, force, "bake") as tmp:
         net, tokenizer = load(model, "float32")
-        router = Router((), (), dataclasses.asdict(opts), chunk_words)
+        router = Router((), (), dataclasses.asdict(opts), chunk_words, tuple(kinds))
         ids = router.next_ids(len(chunks))
         lines = _bake_into(net, tokenizer, chunks, ids, opts, tmp, write)
         router.added(ids, [t for _, t in chunks]).save(tmp)
@@ -100,10 +101,11 @@ def routed_bake(paths, opts: BakeOptions, chunk_words: int, model, out_dir, forc
         say(line)
 
 
-def routed_change(folder: Path, paths: list[Path], chunk: str | None, model, write) -> None:
+def routed_change(folder: Path, paths: list[Path], chunk: str | None, model, writer) -> None:
     """``--add DIR`` / ``--remove DIR`` on a routed bake: the new chunks baked with DIR's
-    options (or ``chunk`` dropped), the other chunks' folders kept as they are (hard links into
-    the staged copy), DIR replaced once all of it is written."""
+    options and artefacts (``writer(kinds)`` writes one chunk's folder), or ``chunk`` dropped;
+    the other chunks' folders kept as they are (hard links into the staged copy), DIR replaced
+    once all of it is written."""
     from ctxc.bake.route import Router
 
     router = Router.load(folder)
@@ -126,7 +128,7 @@ def routed_change(folder: Path, paths: list[Path], chunk: str | None, model, wri
             net, tokenizer = load(model, "float32")
             _check_same_model(folder / CHUNKS_DIR / kept[0] if kept else None, net)
             ids = router.next_ids(len(chunks))
-            lines = _bake_into(net, tokenizer, chunks, ids, opts, tmp, write)
+            lines = _bake_into(net, tokenizer, chunks, ids, opts, tmp, writer(list(router.emit)))
             router.added(ids, [t for _, t in chunks]).save(tmp)
     for line in [*lines, f"wrote {folder}/ ({len(kept) + len(chunks)} chunks)"]:
         say(line)
