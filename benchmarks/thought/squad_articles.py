@@ -298,6 +298,7 @@ def _run(args) -> None:
     doc["commands"] += [] if command in doc["commands"] else [command]
     extra = shlex.split(args.bake_args) + (["--model", args.model] if args.model else [])
     assert "--model" not in shlex.split(args.bake_args), "--model goes to this command"
+    started = commit()
     model, tok = load(args.model, "float32")
     doc["threads"] = torch.get_num_threads()
     ways = [w for w in (*WAYS, ROUTED) if w in args.ways.split(",")]
@@ -327,6 +328,7 @@ def _run(args) -> None:
                                   args.every_chunk)  # fmt: skip
                     pairs = zip(row["baked"], entry["questions"], strict=True)
                     row["same_as_full"] = sum(b == q["full"] for b, q in pairs)
+                    row["commit"] = started  # the code this process loaded, not HEAD now
                 elif way == "whole":
                     row = _whole(model, tok, text, work, entry, queries, golds, extra)
                 else:
