@@ -109,12 +109,12 @@ def routed_change(folder: Path, paths: list[Path], chunk: str | None, model, wri
     from ctxc.bake.route import Router
 
     router = Router.load(folder)
+    opts = BakeOptions(**router.options)  # every chunk's, checked before anything is written
     if chunk is not None:
         router.removed(chunk)  # one line before anything is written
-        chunks, opts = [], None
+        chunks = []
     else:
         chunks = _chunks(paths, router.chunk_words)
-        opts = BakeOptions(**router.options)
     with output_folder(folder, True, "bake") as tmp:
         kept = [c for c in router.ids if c != chunk]
         for cid in kept:
