@@ -24,6 +24,7 @@ def test_one_module_per_command() -> None:
         "generate": "ctxc.cli.generate",
         "bake": "ctxc.cli.bake",
         "eval-bake": "ctxc.cli.bake",
+        "route": "ctxc.cli.route",
     }
 
 

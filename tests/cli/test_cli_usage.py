@@ -25,7 +25,7 @@ CASES = {
     "unknown subcommand": (
         ["fancy"],
         "ctxc: error: no such command 'fancy'; commands: bake, compile, eval-bake, export, "
-        "generate, inspect",
+        "generate, inspect, route",
     ),
     "unknown update rule": (
         ["compile", "--context", "c.txt", "--update", "fancy"],
