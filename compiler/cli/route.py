@@ -110,19 +110,17 @@ def routed_change(folder: Path, paths: list[Path], chunk: str | None, model, wri
 
     router = Router.load(folder)
     opts = BakeOptions(**router.options)  # every chunk's, checked before anything is written
-    if chunk is not None:
-        router.removed(chunk)  # one line before anything is written
-        chunks = []
-    else:
-        chunks = _chunks(paths, router.chunk_words)
+    # Both checked (one line) before anything is written: the chunk to drop, or the new files.
+    after = router.removed(chunk) if chunk is not None else None
+    chunks = [] if chunk is not None else _chunks(paths, router.chunk_words)
     with output_folder(folder, True, "bake") as tmp:
         kept = [c for c in router.ids if c != chunk]
         for cid in kept:
             shutil.copytree(
                 folder / CHUNKS_DIR / cid, tmp / CHUNKS_DIR / cid, copy_function=os.link
             )
-        if chunk is not None:
-            router.removed(chunk).save(tmp)
+        if after is not None:
+            after.save(tmp)
             lines = [f"removed chunk {chunk}"]
         else:
             net, tokenizer = load(model, "float32")
