@@ -22,7 +22,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
-from ctxc.core.delta_math import add_in_float32, lowrank_dense
+from ctxc.core.buffer_pool import BufferPool
+from ctxc.core.delta_math import (
+    add_in_float32,
+    aligned_empty_like,
+    at_alignment_of,
+    lowrank_dense,
+)
 from ctxc.core.errors import CtxcError
 from ctxc.core.vocabulary import PATCH_FILE
 from ctxc.models.fingerprint import fingerprint
@@ -181,22 +187,50 @@ class Delta:
     def rank(self) -> int:
         return 0 if self.u is None else int(self.u.shape[-1])
 
-    def dense(self) -> torch.Tensor:
-        """The delta as a dense float32 tensor in the parameter's own layout."""
+    def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The delta as a dense float32 tensor in the parameter's own layout (a matrix delta's
+        computed into ``out``, a float32 [out, in] buffer: ``BufferPool.take_new``)."""
         if self.vector is not None:
             return self.vector
         assert self.u is not None and self.v is not None
         # [out, in] (or [n, out, in]: the listed experts' slices only)
-        return lowrank_dense(self.u, self.v, self.layout)
+        return lowrank_dense(self.u, self.v, self.layout, out=out)
 
-    def materialize(self, base: torch.Tensor) -> torch.Tensor:
-        """``(base.float() + delta).to(base.dtype)``: the patched parameter value."""
+    def materialize(
+        self, base: torch.Tensor, aligned: bool = False, pool: BufferPool | None = None
+    ) -> torch.Tensor:
+        """``(base.float() + delta).to(base.dtype)``: the patched parameter value.
+
+        Args:
+            base: the parameter's value.
+            aligned: the value at ``base``'s address modulo 64 bytes (``at_alignment_of``:
+                what BLAS computes with a patch applied in place), written there directly.
+            pool: the value is computed into a buffer taken from it (``BufferPool.take``, at
+                that alignment: implies ``aligned``; the caller gives it back), and the dense
+                delta into a temporary one given back here: the same ops, no new pages.
+
+        Returns:
+            the value (with ``pool``, the buffer taken).
+        """
         if self.experts:
             w = base.detach().float().clone()  # [E, ., .]
             index = torch.tensor(self.experts, dtype=torch.long, device=base.device)
             w[index] = w[index] + self.dense().to(base.device)
-            return w.to(base.dtype)
-        return add_in_float32(base.detach(), self.dense().to(base.device))
+            w = w.to(base.dtype)
+            if pool is not None:
+                return pool.take(base).copy_(w)
+            return at_alignment_of(w, base) if aligned else w
+        into = pool.take(base) if pool is not None else None
+        if into is None and aligned:
+            into = aligned_empty_like(base)
+        scratch = None
+        if pool is not None and self.u is not None and self.u.device == base.device:
+            assert self.v is not None
+            scratch = pool.take_new((self.u.shape[0], self.v.shape[0]), torch.float32, base.device)
+        value = add_in_float32(base.detach(), self.dense(scratch).to(base.device), out=into)
+        if pool is not None and scratch is not None:
+            pool.give(scratch)
+        return value if into is None else into
 
     def norm(self) -> float:
         """Frobenius norm of the delta (from the factors, without materialising)."""

@@ -34,7 +34,7 @@ from ctxc.passes.solver.solve import solve
 from ctxc.patch import Patch, PatchMeta
 from ctxc.runs.image_run import image_figures, multimodal_full_graph
 from ctxc.runs.patched_forward import patched_logits
-from ctxc.runs.plain_attention import plain_attention
+from ctxc.runs.plain_attention import check_runtime_gap, plain_attention
 from ctxc.runs.reference_run import full_run
 from ctxc.store.traced import traced_blocks
 
@@ -248,7 +248,10 @@ def _compile_ids(
     query = full_ids[:, len(ctx_ids) :]  # [1, k]
 
     # The control: the model's own forward on the query, as the user's runtime computes it.
-    attention = plain_attention(model, traced, query)
+    # A compile verified in the runtime with baked weights compares the graph with the runtime
+    # on its patched runs (the solver's and the verification's), not on a graph run of its own.
+    deferred = o.verify and traced.source is None and opt.apply == "baked"
+    attention = plain_attention(model, traced, query, deferred)
     lap("control_run")
     stage("full run")
     full, reference = full_run(
@@ -275,6 +278,8 @@ def _compile_ids(
         stage("verifying")
         emitted = _run_patched(model, patch, query, traced)
         eager = emitted if traced.source is None else None  # _run_patched: patched_logits
+        if attention.graph_vs_runtime is None:  # deferred: the same weights in both runs
+            check_runtime_gap(solution.logits, emitted, traced.dtype, " with the patch's weights")
         lap("verify")
     report = CompileReport(
         model=meta.model,

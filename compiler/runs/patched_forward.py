@@ -19,7 +19,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ctxc.core.delta_math import at_alignment_of
+from ctxc.core.buffer_pool import BufferPool
 from ctxc.patch import Patch
 
 __all__ = ["patched_logits", "patched_values"]
@@ -43,10 +43,11 @@ def patched_logits(model: torch.nn.Module, patch: Patch, input_ids: torch.Tensor
         return _applied_logits(model, patch, input_ids)
     fired: set[str] = set()
     handles, swaps = [], []
+    pool = BufferPool()  # one module's patched weights are in use at a time
     try:
         for owner, names in owners.items():
             module = model.get_submodule(owner)
-            swaps.append(swap := _swapper(patch, names, params))
+            swaps.append(swap := _swapper(patch, names, params, pool=pool))
             handles.append(module.register_forward_pre_hook(_pre(owner, swap, fired)))
             handles.append(module.register_forward_hook(lambda *_a, swap=swap: swap(False)))
         with torch.no_grad():
@@ -99,20 +100,35 @@ def _pre(owner: str, swap: Callable[[bool], None], fired: set[str]) -> Callable:
 
 
 def _swapper(
-    patch: Patch, names: list[str], params: dict[str, torch.nn.Parameter], aligned: bool = True
+    patch: Patch,
+    names: list[str],
+    params: dict[str, torch.nn.Parameter],
+    aligned: bool = True,
+    pool: BufferPool | None = None,
 ) -> Callable[[bool], None]:
     """``swap(True)``: the owner's parameters read their patched values; ``swap(False)``: their
-    own tensors again (kept by reference, so restoring is exact)."""
+    own tensors again (kept by reference, so restoring is exact).
+
+    With ``pool`` (aligned values), each value is computed into a buffer taken from it and
+    given back when swapped out: the module's forward holds no reference to its weights once
+    it returns (no autograd), so the next module's values reuse the pages.
+    """
     own = {name: params[name].data for name in names}
+    lent: dict[str, torch.Tensor] = {}  # name -> the pool's buffer it reads now
 
     def swap(patched: bool) -> None:
         for name in names:
             base = own[name]
             if patched:
-                value = patch.deltas[name].materialize(base)
-                params[name].data = at_alignment_of(value, base) if aligned else value
+                lend = pool if aligned else None
+                value = patch.deltas[name].materialize(base, aligned, lend)
+                params[name].data = value
+                if lend is not None:
+                    lent[name] = value
             else:
                 params[name].data = base
+                if pool is not None and name in lent:
+                    pool.give(lent.pop(name))
 
     return swap
 

@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from ctxc.core.delta_math import at_alignment_of
 from ctxc.core.errors import SolveError
 from ctxc.frontend.trace import TracedModel
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock, NormSite, ScaleSite
@@ -218,7 +217,7 @@ class _Fitter:
                 continue
             if only is None or param in only:
                 base = self.runs.param(param)
-                self.runs.put(param, at_alignment_of(before.materialize(base), base), upto)
+                self.runs.put(param, before.materialize(base, aligned=True), upto)
 
     def _attention(self, block: MlpBlock) -> None:
         """The attention output projection's move, then its post-norm scale's, fitted so the
@@ -334,7 +333,7 @@ class _Fitter:
         self.deltas[delta.param] = delta
         self.resid[delta.param] = rel
         base = self.runs.original(delta.param)
-        self.runs.put(delta.param, at_alignment_of(delta.materialize(base), base), upto)
+        self.runs.put(delta.param, delta.materialize(base, aligned=True), upto)
 
     def _weight(self, site: LinearSite) -> torch.Tensor:
         w = self.runs.param(site.weight)

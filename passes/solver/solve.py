@@ -23,7 +23,7 @@ import torch
 from torch import fx
 
 from ctxc.core.block_stats import BlockStats
-from ctxc.core.delta_math import at_alignment_of
+from ctxc.core.buffer_pool import BufferPool
 from ctxc.core.errors import SolveError
 from ctxc.core.vocabulary import DEFAULT_RULE, LORA_RULE, RULES
 from ctxc.frontend.trace import TracedModel
@@ -100,6 +100,7 @@ class _Solver(SolverValues):
         inputs, kept = traced.placeholder_values(query_ids), (view.by_name[n] for n in keep)
         ops_at = {view.by_name[n]: fn for n, fn in ops.items()}
         self.run = ReducedRun(view, kept, inputs, stops, ops_at)
+        self.pool = BufferPool()  # the patched weights of the block being solved
 
     def logits(self) -> torch.Tensor:
         """Finish the run: its logits [k, vocab], float32."""
@@ -403,8 +404,11 @@ class _Solver(SolverValues):
         node = self.param_node[delta.param]
         # Put again, a delta is baked from the original weight, as the artefact holds it.
         base = self.run.param(node) if held is None else self.run.original_param(node)
-        bake = lambda b: at_alignment_of(delta.materialize(b), b)  # noqa: E731
-        self.run.replace_param(node, bake(base), upto, rebake=bake)
+        # In-memory weights are baked into the pool's buffers (reclaimed once the block is
+        # done); an offloaded one's rebake runs later, when its value may be held: its own.
+        rebake = lambda b: delta.materialize(b, aligned=True)  # noqa: E731
+        value = delta.materialize(base, pool=self.pool)
+        self.run.replace_param(node, value, upto, rebake=rebake)
 
     def _action(self, delta: Delta, at: LinearSite | MlpBlock) -> tuple[str, Action]:
         """The node a delta acts on and the action, computed in float32 beside the weights."""
@@ -522,6 +526,7 @@ def solve(
                 except ConditionError as exc:
                     raise SolveError(block.path, str(exc) + _lora_hint(block, todo)) from exc
             solver.run.release()  # an offloaded block's patched weights: back to its store
+            solver.pool.reclaim()  # the run reads this block's patched weights no more
             if on_block is not None:
                 on_block(i + 1, len(blocks.blocks), block.path)
         logits = solver.logits()  # [k, vocab]

@@ -198,7 +198,9 @@ def test_image_report_is_what_a_fresh_process_measures(tmp_path) -> None:
 
 
 def test_a_graph_that_is_not_the_runtime_is_refused(tmp_path, monkeypatch) -> None:
-    """When the graph cannot compute what the runtime computes on the query, no folder."""
+    """When the graph cannot compute what the runtime computes on the query, no folder (the
+    CLI checks model/ reloaded, so its compile runs unverified: the graph's own run is
+    compared with the runtime's)."""
     from ctxc.runs import plain_attention
 
     real = plain_attention.sdpa_calls
@@ -219,3 +221,53 @@ def test_a_graph_that_is_not_the_runtime_is_refused(tmp_path, monkeypatch) -> No
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "does not compute what the model's own forward" in lines[0], lines
     assert not out.exists(), sorted(p.name for p in tmp_path.iterdir())
+
+
+def test_a_verified_compile_checks_the_graph_on_its_patched_runs(monkeypatch) -> None:
+    """Verified, the graph is compared with the runtime on the patched model (the solver's run
+    and the verification's), not on a graph run of the query of its own."""
+    import ctxc.pipeline
+    from ctxc.runs import plain_attention
+
+    model, ids = build("llama"), random_ids(3, 6)
+    ctx, query = ids[:5], ids[5:]
+    real_control, real_patched = plain_attention.sdpa_calls, ctxc.pipeline.patched_logits
+
+    def shifted_control(model, ids):  # the runtime's control 0.5 off the graph's
+        logits, calls = real_control(model, ids)
+        return logits + 0.5, calls
+
+    with monkeypatch.context() as m:
+        m.setattr(plain_attention, "sdpa_calls", shifted_control)
+        with pytest.raises(ctxc.CtxcError, match=r"on the query: max \|logit diff\| 0.5"):
+            ctxc.compile(model, context_ids=ctx, query_ids=query, verify=False)
+        result = ctxc.compile(model, context_ids=ctx, query_ids=query)  # not compared there
+        assert result.report.emitted.max_abs_logit_diff <= EXACT, result.report.emitted
+    m = r"with the patch's weights: max \|logit diff\| 0.5"
+    monkeypatch.setattr(ctxc.pipeline, "patched_logits", lambda *a: real_patched(*a) + 0.5)
+    with pytest.raises(ctxc.CtxcError, match=m):
+        ctxc.compile(model, context_ids=ctx, query_ids=query)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3", "paligemma"])
+def test_mask_calls_are_the_graph_runs_calls(tmp_path, kind: str) -> None:
+    """The attention calls read from the mask nodes alone are those of a whole graph run
+    (Gemma 3: sliding and global masks; PaliGemma: bidirectional)."""
+    from ctxc.runs.plain_attention import _graph_run, mask_calls
+    from ctxc.store.traced import traced_blocks
+
+    if kind == "paligemma":
+        model, _ = ctxc.load_model(str(build_vlm(kind, tmp_path / kind)))
+    else:
+        model = build(kind)
+    for k in (1, 3):
+        traced, _ = traced_blocks(model, k)
+        ids = torch.tensor([random_ids(k, k)])
+        fast = mask_calls(traced, ids)
+        _, whole = _graph_run(traced, ids, {})
+        assert fast is not None and len(fast) == len(whole) > 0, (kind, k, fast, len(whole))
+        for a, b in zip(fast, whole, strict=True):
+            assert a.is_causal == b.is_causal, (kind, k)
+            assert (a.mask is None) == (b.mask is None), (kind, k)
+            if a.mask is not None:
+                assert torch.equal(a.mask, b.mask), (kind, k, max_diff(a.mask, b.mask))
