@@ -185,7 +185,7 @@ def _measure(args: argparse.Namespace) -> int:
     print(f"{'measurement':<{width}}  {'seconds':>9}  {'x forward':>9}")
     print(f"{'-' * width}  {'-' * 9}  {'-' * 9}")
     for name, seconds in rows:
-        print(f"{name:<{width}}  {seconds:>9.3f}  {seconds / forward_s:>9.1f}")
+        print(f"{name:<{width}}  {seconds:>9.3f}  {seconds / forward_s:>9.2f}")
 
     print()
     print("report.timings (seconds):")
