@@ -218,7 +218,9 @@ class Delta:
             w[index] = w[index] + self.dense().to(base.device)
             w = w.to(base.dtype)
             if pool is not None:
-                return pool.take(base).copy_(w)
+                into = pool.take(base)
+                into.copy_(w)
+                return into  # the buffer itself: the caller gives it back
             return at_alignment_of(w, base) if aligned else w
         into = pool.take(base) if pool is not None else None
         if into is None and aligned:

@@ -74,3 +74,18 @@ def test_a_vector_delta_into_the_pool() -> None:
     delta = Delta("norm.weight", "b", vector=torch.randn(40))
     got = delta.materialize(base, pool=BufferPool())
     assert torch.equal(got, delta.materialize(base)) and got.data_ptr() % 64 == base.data_ptr() % 64
+
+
+def test_an_expert_bank_delta_into_the_pool() -> None:
+    """A bank's delta (two of four experts) computed into the pool is the buffer taken, with
+    the bits ``at_alignment_of(materialize(base))`` gives."""
+    g = torch.Generator().manual_seed(4)
+    base = _offset(torch.randn(4, 24, 16, generator=g), 2)  # [E, out, in]
+    u, v = torch.randn(2, 24, 1, generator=g), torch.randn(2, 16, 1, generator=g)
+    delta = Delta("experts.w", "b", u=u, v=v, experts=(1, 3))
+    want = at_alignment_of(delta.materialize(base), base)
+    pool = BufferPool()
+    got = delta.materialize(base, pool=pool)
+    assert torch.equal(got, want), diff_msg("bank", got, want)
+    pool.give(got)
+    assert pool.take(base) is got  # the value returned is the pool's own buffer
