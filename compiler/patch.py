@@ -218,9 +218,9 @@ class Delta:
             w[index] = w[index] + self.dense().to(base.device)
             w = w.to(base.dtype)
             if pool is not None:
-                into = pool.take(base)
-                into.copy_(w)
-                return into  # the buffer itself: the caller gives it back
+                buf = pool.take(base)
+                buf.copy_(w)
+                return buf  # the buffer itself: the caller gives it back
             return at_alignment_of(w, base) if aligned else w
         into = pool.take(base) if pool is not None else None
         if into is None and aligned:
