@@ -83,7 +83,7 @@ def aligned_empty_like(base: torch.Tensor) -> torch.Tensor:
 
 def _empty_at(address: int, shape: torch.Size, dtype: torch.dtype, device) -> torch.Tensor:
     """An uninitialised contiguous tensor whose data sits at ``address`` modulo 64 bytes."""
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     numel = shape.numel()
     buf = torch.empty(numel + _ALIGN // size, dtype=dtype, device=device)
     shift = ((address % _ALIGN - buf.data_ptr() % _ALIGN) % _ALIGN) // size

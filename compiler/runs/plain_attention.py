@@ -44,6 +44,7 @@ from ctxc.core.errors import CtxcError
 from ctxc.frontend.trace import WRAPPED, TracedModel, no_cache
 from ctxc.models.placement import PlacingInterpreter
 from ctxc.passes.runtime.banded_attention import sdpa_call
+from ctxc.passes.runtime.compile_segments import Segment, segment
 
 __all__ = [
     "PlainAttention",
@@ -320,38 +321,30 @@ def mask_calls(traced: TracedModel, ids: torch.Tensor) -> list[SdpaCall] | None:
     built = _MASKS[gm]
     if built is None:
         return None
-    sub, places, slots = built
-    values = traced.placeholder_values(ids)
+    seg, slots = built
+    given = dict(zip(_placeholders(traced), traced.placeholder_values(ids), strict=True))
     with torch.no_grad():
-        out = sub(*[values[i] for i in places])
-    calls = []
-    for mask, causal in slots:
-        m = out[mask] if isinstance(mask, int) else mask[1]
-        c = out[causal] if isinstance(causal, int) else causal[1]
-        calls.append(SdpaCall(m, bool(c)))
-    return calls
+        env = dict(zip(seg.computed, seg.run(*[given[n] for n in seg.inputs]), strict=True))
+    env.update(given)
+    value = lambda arg: env[arg] if isinstance(arg, fx.Node) else arg  # noqa: E731
+    return [SdpaCall(value(mask), bool(value(causal))) for mask, causal in slots]
 
 
-def _mask_graph(traced: TracedModel) -> tuple | None:
-    """A graph module computing every attention node's mask and flag from the graph's inputs
-    (placeholder positions), and per node where its mask and flag are: an output index, or
-    ``("value", constant)``; None when an activation is among their inputs."""
-    graph = traced.graph
-    slots: list[tuple] = []
-    roots: list[fx.Node] = []
+def _placeholders(traced: TracedModel) -> list[fx.Node]:
+    return [n for n in traced.graph.nodes if n.op == "placeholder"]
+
+
+def _mask_graph(traced: TracedModel) -> tuple[Segment, list[tuple]] | None:
+    """The graph's nodes every attention node's mask and flag are computed from, as one
+    :class:`Segment`, and per attention node its (mask, flag): a node or a constant; None when
+    an activation is among their inputs."""
+    slots = []
     for node in _sdpa_nodes(traced):
         call = sdpa_call(_SDPA, node.args, node.kwargs)
         assert call is not None
-        pair: list[object] = []
-        for arg in (call["attn_mask"], call["is_causal"]):
-            if isinstance(arg, fx.Node):
-                pair.append(len(roots))
-                roots.append(arg)
-            else:
-                pair.append(("value", arg))
-        slots.append(tuple(pair))
+        slots.append((call["attn_mask"], call["is_causal"]))
     needed: set[fx.Node] = set()
-    stack = list(roots)
+    stack = [arg for pair in slots for arg in pair if isinstance(arg, fx.Node)]
     while stack:
         n = stack.pop()
         if n in needed:
@@ -360,19 +353,8 @@ def _mask_graph(traced: TracedModel) -> tuple | None:
             return None
         needed.add(n)
         stack.extend(n.all_input_nodes)
-    sub = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    position = {n: i for i, n in enumerate(n for n in graph.nodes if n.op == "placeholder")}
-    places: list[int] = []  # the placeholders read, by position among the graph's
-    for n in sorted(needed, key=order.__getitem__):
-        if n.op == "placeholder":
-            places.append(position[n])
-            env[n] = sub.placeholder(n.name)
-        else:
-            env[n] = sub.node_copy(n, lambda a: env[a])
-    sub.output(tuple(env[r] for r in roots))
-    return fx.GraphModule(traced.graph_module, sub), places, slots
+    nodes = [n for n in traced.graph.nodes if n in needed and n.op != "placeholder"]
+    return segment(traced.graph_module, nodes), slots
 
 
 def _bidirectional(model: torch.nn.Module, traced: TracedModel) -> tuple[str, ...]:

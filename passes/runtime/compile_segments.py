@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-__all__ = ["Segment", "compile_segments", "compiled"]
+__all__ = ["Segment", "compile_segments", "compiled", "segment"]
 
 _ASSERT_METADATA = torch.ops.aten._assert_tensor_metadata.default
 # Runs shorter than this are left to the interpreter: a GraphModule call costs about as much.
@@ -86,13 +86,16 @@ def _build(gm: fx.GraphModule, stops: frozenset[fx.Node]) -> dict[fx.Node, Segme
             run.append(node)
             continue
         if len(run) >= _MIN_NODES:
-            segments[run[0]] = _segment(gm, run)
+            segments[run[0]] = segment(gm, run)
         run = []
     return segments
 
 
-def _segment(gm: fx.GraphModule, nodes: list[fx.Node]) -> Segment:
-    """One run of nodes as a GraphModule returning every computed node's value."""
+def segment(gm: fx.GraphModule, nodes: list[fx.Node]) -> Segment:
+    """Nodes of ``gm``'s graph (in graph order, none a placeholder) as one GraphModule that
+    takes the values of the nodes they read from outside and returns every computed node's
+    value (a stretch between stops; or any closed part of a graph, such as what its
+    attention masks are computed from: ``compiler/runs/plain_attention.py``)."""
     members = frozenset(nodes)
     computed = [n for n in nodes if n.target is not _ASSERT_METADATA]
     inputs = list(dict.fromkeys(a for n in computed for a in n.all_input_nodes if a not in members))
