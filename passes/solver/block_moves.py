@@ -45,7 +45,6 @@ __all__ = [
     "row_tokens",
     "scale_move",
     "shared_scale_move",
-    "solver_nodes",
 ]
 
 # Per expert of a bank: (expert, u [out, r], v [in, r]).
@@ -308,24 +307,6 @@ def bank_delta(site: LinearSite, block: str, factors: ExpertFactors) -> Delta:
     v = torch.stack([F.pad(x, (0, r - x.shape[1])) for _, _, x in factors])  # [n, in, r]
     experts = tuple(e for e, _, _ in factors)
     return Delta(site.weight, block, u=u, v=v, layout=site.layout, experts=experts)
-
-
-def solver_nodes(*blocks: MlpBlock) -> set[str]:
-    """Every fx node name the blocks' records hold: the nodes the solver may stop at, read or
-    act on (module paths and parameter names come along; they name no node)."""
-    found: set[str] = set()
-    stack: list = list(blocks)
-    while stack:
-        v = stack.pop()
-        if type(v) is str:  # not the str enums (a step kind "add" names no node of its own)
-            found.add(v)
-        elif isinstance(v, tuple | list):
-            stack.extend(v)
-        elif isinstance(v, dict):
-            stack.extend(v)  # the keys of ``labels`` are node names
-        elif dataclasses.is_dataclass(v):
-            stack.extend(getattr(v, f.name) for f in dataclasses.fields(v))
-    return found
 
 
 def output_reads(block: MlpBlock) -> set[str]:

@@ -56,6 +56,10 @@ def own_multipliers(
 
     def at(lam: list[float]) -> tuple[list[float], list[float]]:
         """F and dF/dlambda at each position's lambda: one batched evaluation, one sync."""
+        if len(lam) == 1:  # ``ctxc generate``'s every step: no [k, n] batch to build
+            # A [n] sum is the [1, n] row's, bit for bit (the same inner reduction).
+            gap1 = a2 - lam[0]  # [n]
+            return [float((tt[0] * q_of(gap1)).sum())], [float((tt[0] * dq_of(gap1)).sum())]
         gap = a2 - torch.tensor(lam, dtype=tt.dtype, device=tt.device)[:, None]  # [k, n]
         f = (tt * q_of(gap)).sum(dim=1)  # [k]
         slope = (tt * dq_of(gap)).sum(dim=1)  # [k]

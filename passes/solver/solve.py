@@ -90,7 +90,7 @@ class _Solver(SolverValues):
         query_ids: torch.Tensor,
         apply: str,
         keep: set[str],
-        stops: set[str],  # node names the run stops at, reads or acts on
+        stops: frozenset[str],  # node names the run stops at, reads or acts on
         ops: Mapping[str, Callable],  # node name -> what computes it instead of its op
         abs_memo: AbsWeights | None = None,
     ) -> None:
@@ -511,7 +511,7 @@ def solve(
     keep = set().union(*(moves.output_reads(b) for b in patched))
     if inner_outputs:  # read back, and the moves added to them without a second product
         keep.update(s.node for b in patched for s in b.inner if not s.experts)
-    stops = moves.solver_nodes(*blocks.blocks)
+    stops = blocks.node_names
     solver = _Solver(traced, full, query_ids, apply, keep, stops, ops or {}, abs_memo)
     stats = []
     with torch.no_grad():

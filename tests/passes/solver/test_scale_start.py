@@ -89,3 +89,32 @@ def test_newton_finds_the_root_the_bisection_found(objective: str, k: int, n: in
     assert worst_miss <= max(1e-13, bisection_miss), msg
     assert worst_gap <= 1e-8, msg
     assert evaluations < halvings / 2, msg
+
+
+@pytest.mark.parametrize("objective", ["ratio", "nearest"])
+@pytest.mark.parametrize("n", [33, 640, 8192])
+def test_one_position_alone_is_its_row_of_a_batch(objective: str, n: int) -> None:
+    """k = 1 evaluates F without building a [k, n] batch (``ctxc generate``'s every step): the
+    root is the one a batch of copies of that row finds, bit for bit (below torch's parallel
+    grain, 32768, each row of a batch is reduced alike)."""
+    for seed in range(8):
+        tt, b, a2 = _case(seed, 1, n)
+        alone = own_multipliers(tt, b, a2, *_fns(objective, a2))  # [1]
+        batch = own_multipliers(tt.repeat(3, 1), b.repeat(3), a2, *_fns(objective, a2))  # [3]
+        diff = (batch - alone).abs()
+        assert torch.equal(batch, alone.expand(3)), (
+            f"seed {seed}: alone {alone.tolist()} against the batch's {batch.tolist()} "
+            f"(max diff {float(diff.max()):.3g}, mean {float(diff.mean()):.3g})"
+        )
+
+
+@pytest.mark.parametrize("n", [640, 40000, 262144])
+def test_a_row_sums_as_its_one_row_matrix(n: int) -> None:
+    """What the k = 1 evaluation rests on: a [n] sum is a [1, n] matrix's row sum, bit for bit,
+    at any width (the batched path summed [1, n] along its rows)."""
+    g = torch.Generator().manual_seed(n)
+    for _ in range(10):
+        x = torch.randn(1, n, generator=g, dtype=torch.float64)
+        x = x * torch.rand(1, n, generator=g, dtype=torch.float64).mul(20).exp()
+        row, flat = float(x.sum(dim=1)[0]), float(x[0].sum())
+        assert row == flat, f"[1, n] row sum {row!r} against the [n] sum {flat!r}"
