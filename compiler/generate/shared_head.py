@@ -86,7 +86,7 @@ def head_split(
     if worker is None or blocks.head is None:
         return None
     node = GraphView.of(traced).by_name[blocks.head]
-    places = [n for n in traced.graph.nodes if n.op == "placeholder"]
+    places = traced.graph.find_nodes(op="placeholder")
     if node.target is not aten.linear.default or not all(a in places for a in node.args[1:]):
         return None
     values = traced.placeholder_values(torch.zeros(1, 1, dtype=torch.long))

@@ -322,16 +322,13 @@ def mask_calls(traced: TracedModel, ids: torch.Tensor) -> list[SdpaCall] | None:
     if built is None:
         return None
     seg, slots = built
-    given = dict(zip(_placeholders(traced), traced.placeholder_values(ids), strict=True))
+    places = traced.graph.find_nodes(op="placeholder")  # in graph order, as the values
+    given = dict(zip(places, traced.placeholder_values(ids), strict=True))
     with torch.no_grad():
         env = dict(zip(seg.computed, seg.run(*[given[n] for n in seg.inputs]), strict=True))
     env.update(given)
     value = lambda arg: env[arg] if isinstance(arg, fx.Node) else arg  # noqa: E731
     return [SdpaCall(value(mask), bool(value(causal))) for mask, causal in slots]
-
-
-def _placeholders(traced: TracedModel) -> list[fx.Node]:
-    return [n for n in traced.graph.nodes if n.op == "placeholder"]
 
 
 def _mask_graph(traced: TracedModel) -> tuple[Segment, list[tuple]] | None:
