@@ -1,14 +1,19 @@
 """Output folders and what the CLI writes (issue 15, items 1, 5-7, 9, 10).
 
-In process (`ctxc.cli.app.main`). Every refusal asserts the exact first line, exit 2, and that
-nothing was lost or left behind: the current folder's files, no output and no staging folder.
+In process (`ctxc.cli.app.main`), but for the read-only folder's refusal: that one runs in a
+child process that obeys the folders' modes, as root too (CI runs as root). Every refusal
+asserts the exact first line, exit 2, and that nothing was lost or left behind: the current
+folder's files, no output and no staging folder.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -130,18 +135,35 @@ def test_unwritable_out_fails_before_loading_the_model(cwd, capsys):
     assert not Path("/sys/ctxc-out").exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
-def test_read_only_out_is_refused(cwd, capsys):
+def _unprivileged(argv: list[str]) -> tuple[int, list[str]]:
+    """``ctxc argv`` in a child process that obeys the folders' modes: root may write anywhere
+    (``os.access`` grants it every folder), so as root the child runs under util-linux's
+    ``setpriv`` without the capabilities that override them (its files stay root's own and
+    readable: the interpreter and the installed package load as ever). The exit status and
+    stderr's lines."""
+    drop = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        assert setpriv, "as root this test needs util-linux's setpriv to drop CAP_DAC_OVERRIDE"
+        drop = [setpriv, "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    run = "import sys; from ctxc.cli.app import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [*drop, sys.executable, "-c", run, *argv], capture_output=True, text=True, timeout=300
+    )
+    return done.returncode, done.stderr.splitlines()
+
+
+def test_read_only_out_is_refused(cwd):
     out = cwd / "out"
     out.mkdir()
     out.chmod(0o555)
+    before = _snapshot(cwd)
     try:
-        assert main(["compile", "--context", "context.txt", "--out", "out"]) == 2
-        assert capsys.readouterr().err.splitlines() == [
-            "ctxc: error: output folder out is not writable"
-        ]
+        code, lines = _unprivileged(["compile", "--context", "context.txt", "--out", "out"])
     finally:
         out.chmod(0o755)
+    assert (code, lines) == (2, ["ctxc: error: output folder out is not writable"])
+    assert _snapshot(cwd) == before and not _no_staging(cwd.parent)
 
 
 def test_missing_parents_are_not_left_behind(cwd, capsys):
