@@ -12,6 +12,10 @@ side runs: it sees only the current token, and reads every weight and the LM hea
 after the other, and side by side (the decode on a worker thread, as ``ctxc generate`` runs it:
 two threads streaming different weights read faster than one). A protocol that keeps the plain
 runtime's decode as its reference and runs the patched model's own forward costs at least that.
+Last, the run the solver steps through, with no patch work: the exported graph on the token
+alone, stopping where the solver stops (``ReducedRun``, its stretches between stops compiled),
+against the plain one-token forward. A step with every solver op taken out would be the decode
+plus that run.
 
     python -m benchmarks.cost.generate [--context examples/medium.txt] [--steps 10] [--threads N]
 """
@@ -30,6 +34,9 @@ from transformers.utils import logging as hf_logging
 import ctxc
 from ctxc.generate.steps import generate
 from ctxc.models.kv_cache import cache_arg, cache_of
+from ctxc.passes.locate.graph_view import GraphView
+from ctxc.passes.runtime.reduced_run import ReducedRun
+from ctxc.store.traced import traced_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,6 +78,27 @@ def cached_decode_seconds(model, ids: list[int], steps: int) -> dict[str, list[f
     return times
 
 
+def reduced_run_seconds(model, tokens: list[int]) -> dict[str, list[float]]:
+    """Seconds of the solver's run with no patch work (``reduced``: the graph on one token,
+    stopping at every node the solver reads, the stretches between compiled) and of the plain
+    model's forward of the same token without a cache (``forward``), alternating, per token."""
+    traced, blocks = traced_blocks(model)
+    view = GraphView.of(traced)
+    times: dict[str, list[float]] = {"reduced": [], "forward": []}
+    with torch.no_grad():
+        # Two warm-up runs: the first registers the stops, the second compiles the stretches
+        # between them (compile_segments), as in generate's own warm-up.
+        for token in [tokens[0], tokens[0], *tokens]:
+            ids = torch.tensor([[token]])
+            start = time.perf_counter()
+            ReducedRun(view, (), traced.placeholder_values(ids), blocks.node_names).finish()
+            times["reduced"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            model(input_ids=ids, use_cache=False)
+            times["forward"].append(time.perf_counter() - start)
+    return {k: v[2:] for k, v in times.items()}  # the warm-up left out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
@@ -90,6 +118,7 @@ def main() -> None:
     generate(model, ids, 2)
     plain = cached_decode_seconds(model, ids, args.steps)
     result = generate(model, ids, args.steps)
+    alone = reduced_run_seconds(model, [s.baseline_token for s in result.steps])
     step = [s.seconds for s in result.steps]
     d, g = statistics.mean(plain["decode"]), statistics.mean(step)
     seq, both = statistics.mean(plain["one_after_other"]), statistics.mean(plain["side_by_side"])
@@ -108,6 +137,11 @@ def main() -> None:
         f"floor (the decode and the plain forward of its token alone, no patch work): "
         f"one after the other {seq:.4f} s ({seq / d:.2f}x), side by side {both:.4f} s "
         f"({both / d:.2f}x)"
+    )
+    run, fwd = statistics.mean(alone["reduced"]), statistics.mean(alone["forward"])
+    print(
+        f"the solver's run with no patch work {run:.4f} s (the plain one-token forward "
+        f"{fwd:.4f} s): the decode and it {(d + run) / d:.2f}x, a step without the solver's math"
     )
     print(
         f"ratio {g / d:.2f}x a decode step, {g / min(both, seq):.2f}x the floor   "
