@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchmarks.cost.contention import PYTHON_LOOP, busy
 from testbed.tables import commit, invocation
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,12 +85,8 @@ def main() -> None:
         rows.append({"run": "quiet, 1 thread", **one_bake(context, work / "out", 1, **how)})
         print(json.dumps(rows[-1]), flush=True)
         for threads in (None, 1):
-            busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-            try:
+            with busy(1, PYTHON_LOOP):
                 row = one_bake(context, work / "out", threads, **how)
-            finally:
-                busy.kill()
-                busy.wait()  # reaped here: its CPU time must not count in the next bake's
             rows.append({"run": "beside a busy loop", **row})
             print(json.dumps(rows[-1]), flush=True)
     if args.json:

@@ -37,18 +37,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import resource
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 import ctxc
+from benchmarks.cost.contention import busy
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -79,27 +77,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be at least 1")
     return args
-
-
-_LOADER = (
-    "import torch\n"
-    "torch.set_num_threads(1)\n"
-    "a = torch.randn(1024, 1024)\n"
-    "while True:\n"
-    "    a = torch.tanh(a @ a)\n"
-)
-
-
-@contextlib.contextmanager
-def _load(n: int) -> Iterator[None]:
-    """``n`` busy processes for the ``with`` body (none for 0)."""
-    procs = [subprocess.Popen([sys.executable, "-c", _LOADER]) for _ in range(n)]
-    try:
-        yield
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
 
 
 def _faults() -> int:
@@ -142,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    with _load(args.load):
+    with busy(args.load):
         return _measure(args)
 
 
