@@ -60,7 +60,8 @@ _BOOL = (
 
 
 def options(setting: str) -> BakeOptions:
-    """A setting ``a=1,b=x`` as :class:`BakeOptions` (``rank=full``: no budget)."""
+    """A setting ``a=1,b=x`` as :class:`BakeOptions` (``rank=full``: no budget; no ``rank``:
+    the default budget, ``DEFAULT_RANK``)."""
     given: dict = {}
     for kv in setting.split(","):
         name, value = kv.split("=")

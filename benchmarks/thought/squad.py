@@ -34,8 +34,8 @@ official normalised EM and token F1, the best over the gold answers
     python -m benchmarks.thought.squad --render benchmarks/results/squad.json \\
         > docs/results/squad.md
 
-A setting is ``default`` (what ``ctxc bake`` runs with no options: ``BakeOptions()`` at the
-command's rank budget, ``ctxc.cli.bake.DEFAULT_RANK``) or ``name=value`` comma lists over
+A setting is ``default`` (what ``ctxc bake`` runs with no options: ``BakeOptions()``, whose
+rank budget is ``ctxc.core.options.DEFAULT_RANK``) or ``name=value`` comma lists over
 :class:`BakeOptions` fields, parsed as ``benchmarks/thought/defaults.py`` parses them. The JSON
 is written after every paragraph (one process per output file); a rerun skips the paragraphs a
 setting already has, and the ``full`` and ``none`` answers (independent of the setting) are kept
@@ -87,10 +87,9 @@ ANSWER = "cut at a special token, its first line that is not blank, stripped"
 def setting_options(setting: str):
     """``default`` -> ``ctxc bake``'s own options; else ``benchmarks.thought.defaults.options``."""
     from benchmarks.thought.defaults import options
-    from ctxc.bake.driver import BakeOptions
-    from ctxc.cli.bake import DEFAULT_RANK
+    from ctxc.core.options import BakeOptions
 
-    return BakeOptions(rank=DEFAULT_RANK) if setting in ("", "default") else options(setting)
+    return BakeOptions() if setting in ("", "default") else options(setting)
 
 
 def prompt_split(tok, context: str, questions: list[str]) -> tuple[list[int], list[list[int]]]:

@@ -1,157 +1,36 @@
-"""``ctxc bake`` and ``ctxc eval-bake``: thought patches from the command line (issue 13).
+"""``ctxc bake`` and ``ctxc eval-bake``: the flags parsed, the bake run by the stage
+(``ctxc.bake``), its lines printed.
 
-No torch import at module level (``ctxc --help`` stays fast).
+The fit's options are not written here: each ``BakeOptions`` field declares its flag, help
+text, group and default once (``compiler/core/options.py``), and :func:`_bake_parameters`
+builds the command's options from them (a ``--help`` panel per group). What only the command
+has (its inputs, outputs, held-out files) is declared below. No torch import at module level
+(``ctxc --help`` stays fast).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+from dataclasses import Field
 from pathlib import Path
+from typing import Any, Literal
 
 import typer
 
-from ctxc.bake.route import CHUNK_WORDS, Router
-from ctxc.cli.options import (
-    CHAT,
-    DOCUMENT,
-    FORCE,
-    MODEL,
-    SYSTEM,
-    BakeData,
-    BakeMethod,
-    ClozeForm,
-    ClozeTeacher,
-    FitRows,
-    QuestionPrompt,
-)
+from ctxc.bake import CHUNK_WORDS, HeldOut
+from ctxc.cli.options import CHAT, DOCUMENT, FORCE, MODEL, SYSTEM, emit_help
 from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
-from ctxc.cli.route import is_routed, routed_bake, routed_change
-from ctxc.cli.support import chat_input, check_chat, load, parse_emit, read_context
+from ctxc.cli.support import chat_input, load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
-from ctxc.core.options import BakeOptions
-from ctxc.core.vocabulary import PATCH_FILE
-from ctxc.store.output import output_folder
+from ctxc.core.options import BAKE_GROUPS, BakeOptions, bake_fields
 
-__all__ = [
-    "DEFAULT_RANK",
-    "EVAL_SAMPLES",
-    "EVAL_TOKENS",
-    "FIT_EVAL",
-    "bake_cmd",
-    "eval_bake_cmd",
-    "parse_rank",
-]
+__all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
 
-# The report's figures, kept within the default's time budget (docs/results/bake_defaults.md):
-# held-out samples of EVAL_TOKENS tokens (greedy generation as long), the fit set's first
-# FIT_EVAL queries.
-EVAL_SAMPLES = 8
-EVAL_TOKENS = 16
-FIT_EVAL = 8
-_DEFAULTS = BakeOptions()
-DEFAULT_RANK = 64  # R = 64 was as good as full in issue 13's table, and cheaper to apply
-_QUESTIONS = typer.Option(
-    _DEFAULTS.questions, "--questions", help="Self-study questions the model writes."
-)
-_ANSWER_TOKENS = typer.Option(
-    _DEFAULTS.answer_tokens, "--answer-tokens", help="Greedy tokens per self-study answer."
-)
-_QUESTION_PROMPT = typer.Option(
-    _DEFAULTS.question_prompt,
-    "--question-prompt",
-    help="How the model is asked for a self-study question: plain or facts.",
-)
-_QUESTION_TEMPERATURE = typer.Option(
-    _DEFAULTS.question_temperature,
-    "--question-temperature",
-    help="Sampling temperature of the self-study questions.",
-)
-_TOPICS = typer.Option(
-    _DEFAULTS.topics,
-    "--topics",
-    help="Topic questions ('What does the text say about X?') on the context's first names "
-    "and numbers.",
-)
-_CLOZE = typer.Option(
-    _DEFAULTS.cloze,
-    "--cloze",
-    help="Extractive questions: a sentence of the context asking for one of its names or "
-    "numbers, answered by that span.",
-)
-_CLOZE_FORM = typer.Option(
-    _DEFAULTS.cloze_form,
-    "--cloze-form",
-    help="How a cloze question is cut: sentence, clause, or both (each span asked both ways).",
-)
-_CLOZE_TEACHER = typer.Option(
-    _DEFAULTS.cloze_teacher,
-    "--cloze-teacher",
-    help="Whose reading gives a cloze question's targets: plain (the model after the context) "
-    "or shown (after it has read the question and its answer once).",
-)
-_FIT_ROWS = typer.Option(
-    _DEFAULTS.fit_rows,
-    "--fit-rows",
-    help="fit: a self-study query's positions fitted: all, or its answer's only.",
-)
-_RANK_OPTION = typer.Option(
-    str(DEFAULT_RANK),
-    "--rank",
-    help="Rank budget per matrix, 'full', or 'auto' (each block's own).",
-)
-_LR = typer.Option(None, "--lr", help="distill: learning rate (1e-3; 1e-4 with --from-fit).")
-_REFIT = typer.Option(
-    _DEFAULTS.refit_passes, "--refit-passes", help="fit: passes refitting the error left."
-)
-_SECONDS = typer.Option(
-    None, "--seconds", help="distill: train for this wall time instead of --steps."
-)
-_ATTENTION = typer.Option(
-    None,
-    "--attention/--no-attention",
-    help="Move the attention output projections too (sandwich-norm blocks: Gemma 2/3, OLMo "
-    "2). Default: where the model has them; --attention refuses a model without.",
-    show_default=False,
-)
-_ON_POLICY = typer.Option(
-    None,
-    "--on-policy/--no-on-policy",
-    help="fit: fit again with the patched model's own answers, read by the full-context model. "
-    "Default: in a chat bake (--chat), not in plain text.",
-    show_default=False,
-)
-_EVAL_QUESTIONS = typer.Option(
-    None, "--eval-questions", help="Held-out questions, one per line (answers compared)."
-)
-_MESSAGES = typer.Option(
-    None, "--messages", help="With --chat: JSON file, a list of {role, content}: the context turns."
-)
-_LINEAR_ONLY = typer.Option(
-    False,
-    "--linear-only",
-    help="fit: move linear weights only, no norm scale (servable: --emit lora,gguf-lora).",
-)
-_ADD = typer.Option(
-    None,
-    "--add",
-    help="Add the --context chunk(s) to the additive bake in this folder (in place).",
-)
-_REMOVE = typer.Option(
-    None, "--remove", help="Remove --chunk from the additive bake in this folder (in place)."
-)
-_CHUNK = typer.Option(None, "--chunk", help="With --remove: the chunk's id (or file name).")
-_ROUTE = typer.Option(
-    False,
-    "--route",
-    help="Long documents: cut --context at blank lines into chunks of paragraphs, bake each "
-    "alone, keep a BM25 router (ctxc route DIR --query TEXT picks the chunk's patch).",
-)
-_CHUNK_WORDS = typer.Option(
-    CHUNK_WORDS, "--chunk-words", help="With --route: most words of a chunk joining paragraphs."
-)
-# The user turn --chat splits the context turns with before the model loads (any query would do:
-# the context's ids are the same for every one).
+# The user turn --chat splits the context turns with while reading the files (any query would
+# do: the context's ids are the same for every one).
 _PROBE = "What is it about?"
+_PANEL = "Input and output"
 
 
 def parse_rank(rank: str) -> int | None:
@@ -165,158 +44,286 @@ def parse_rank(rank: str) -> int | None:
         raise CtxcError(f"--rank {rank!r} is not an integer, 'full' or 'auto'") from None
 
 
-def bake_cmd(
-    ctx: typer.Context,
-    context: list[Path] = typer.Option(
-        None, "--context", help="UTF-8 text file with the context; repeat: chunks (additive)."
+# What only the command takes, besides the shared options below: its inputs, outputs, held-out
+# files, the chunk and route options (name, type, default, flag, help).
+_OWN: tuple[tuple[str, Any, Any, str, str], ...] = (
+    (
+        "context",
+        list[Path],
+        None,
+        "--context",
+        "UTF-8 text file with the context; repeat: chunks (additive, routed).",
     ),
-    chat: bool = CHAT,
-    system: Path = SYSTEM,
-    document: Path = DOCUMENT,
-    messages: Path = _MESSAGES,
-    queries: Path = typer.Option(None, "--queries", help="Fit queries, one per line."),
-    data: BakeData = typer.Option(
-        _DEFAULTS.data, "--data", help="Fit data: continuations, self-study or both."
+    (
+        "messages",
+        Path,
+        None,
+        "--messages",
+        "With --chat: JSON file, a list of {role, content}: the context turns.",
     ),
-    samples: int = typer.Option(
-        _DEFAULTS.samples, "--samples", help="K continuations sampled to fit on."
+    ("queries", Path, None, "--queries", "Fit queries, one per line."),
+    (
+        "add",
+        Path,
+        None,
+        "--add",
+        "Add the --context chunk(s) to the additive or routed bake in this folder.",
     ),
-    sample_tokens: int = typer.Option(
-        _DEFAULTS.sample_tokens, "--sample-tokens", help="Tokens per sample."
+    (
+        "remove",
+        Path,
+        None,
+        "--remove",
+        "Remove --chunk from the additive or routed bake in this folder.",
     ),
-    questions: int = _QUESTIONS,
-    answer_tokens: int = _ANSWER_TOKENS,
-    question_prompt: QuestionPrompt = _QUESTION_PROMPT,
-    question_temperature: float = _QUESTION_TEMPERATURE,
-    topics: int = _TOPICS,
-    cloze: int = _CLOZE,
-    cloze_form: ClozeForm = _CLOZE_FORM,
-    cloze_teacher: ClozeTeacher = _CLOZE_TEACHER,
-    fit_rows: FitRows = _FIT_ROWS,
-    rank: str = _RANK_OPTION,
-    method: BakeMethod = typer.Option("fit", "--method", help="fit (closed form) or distill."),
-    ridge: float = typer.Option(1.0, "--ridge", help="Relative ridge of the matrix fits."),
-    seed: int = typer.Option(0, "--seed", help="Sampling and training seed."),
-    steps: int = typer.Option(200, "--steps", help="distill: optimiser steps."),
-    seconds: float = _SECONDS,
-    from_fit: bool = typer.Option(False, "--from-fit", help="distill: start from the fit."),
-    lr: float = _LR,
-    refit_passes: int = _REFIT,
-    attention: bool | None = _ATTENTION,
-    on_policy: bool | None = _ON_POLICY,
-    linear_only: bool = _LINEAR_ONLY,
-    add: Path = _ADD,
-    remove: Path = _REMOVE,
-    chunk: str = _CHUNK,
-    route: bool = _ROUTE,
-    chunk_words: int = _CHUNK_WORDS,
-    eval_queries: Path = typer.Option(None, "--eval-queries", help="Held-out queries file."),
-    eval_questions: Path = _EVAL_QUESTIONS,
-    eval_samples: int = typer.Option(
-        EVAL_SAMPLES, "--eval-samples", help="Held-out samples (seed + 1)."
+    ("chunk", str, None, "--chunk", "With --remove: the chunk's id (or file name)."),
+    (
+        "route",
+        bool,
+        False,
+        "--route",
+        "Long documents: cut --context at blank lines into chunks of paragraphs, bake each alone, "
+        "keep a BM25 router (ctxc route DIR --query TEXT picks the chunk's patch).",
     ),
-    model: str | None = MODEL,
-    emit: str = typer.Option(
-        "torch", "--emit", help="Comma list: torch, onnx, peft, lora, gguf-lora, ort-adapter."
+    (
+        "chunk_words",
+        int,
+        CHUNK_WORDS,
+        "--chunk-words",
+        "With --route: most words of a chunk joining paragraphs.",
     ),
-    out_dir: Path = typer.Option(Path("ctxc-bake"), "--out", help="Output folder."),
-    force: bool = FORCE,
-    verbose: bool = VERBOSE,
-) -> None:
-    """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
-    from ctxc.bake.data import read_queries
-    from ctxc.bake.serve import check_servable
+    ("eval_queries", Path, None, "--eval-queries", "Held-out queries file."),
+    (
+        "eval_questions",
+        Path,
+        None,
+        "--eval-questions",
+        "Held-out questions, one per line (answers compared).",
+    ),
+    ("eval_samples", int, HeldOut().samples, "--eval-samples", "Held-out samples (seed + 1)."),
+    ("out_dir", Path, Path("ctxc-bake"), "--out", "Output folder."),
+)
+# The options other commands share, declared once in ctxc.cli.options.
+_SHARED: tuple[tuple[str, Any, Any], ...] = (
+    ("chat", bool, CHAT),
+    ("system", Path, SYSTEM),
+    ("document", Path, DOCUMENT),
+    ("model", str | None, MODEL),
+    ("force", bool, FORCE),
+    ("verbose", bool, VERBOSE),
+)
 
-    contexts = list(context or [])
-    held = _held_out(eval_queries, eval_questions, eval_samples)
-    fit_texts = read_queries(queries) if queries is not None else None
-    kinds = parse_emit(emit)
-    if add is not None or remove is not None:
-        _check_chunk_flags(add, remove, chunk, contexts, chat)
-        _refuse_fit_flags(ctx, "--add DIR" if add is not None else "--remove DIR")
-        folder = add or remove
+
+def _parameter(name: str, annotation: Any, info: Any) -> inspect.Parameter:
+    """A keyword parameter of ``bake_cmd`` as typer reads it (``info``: its ``typer.Option``)."""
+    return inspect.Parameter(
+        name, inspect.Parameter.KEYWORD_ONLY, default=info, annotation=annotation
+    )
+
+
+def _command_parameters() -> list[inspect.Parameter]:
+    """The command's own options (:data:`_OWN`, ``--emit`` from the backends' registry) and
+    the shared ones."""
+    own = [
+        _parameter(name, kind, typer.Option(default, flag, help=text, rich_help_panel=_PANEL))
+        for name, kind, default, flag, text in _OWN
+    ]
+    emit = typer.Option("torch", "--emit", help=emit_help("Comma list"), rich_help_panel=_PANEL)
+    shared = [_parameter(name, kind, info) for name, kind, info in _SHARED]
+    return [*own, _parameter("emit", str, emit), *shared]
+
+
+def _bake_parameters() -> list[inspect.Parameter]:
+    """One command option per ``BakeOptions`` field that has a flag: its default, help and
+    group from the field (``--rank`` takes ``full`` and ``auto`` too: text)."""
+    params = []
+    for f in bake_fields():
+        flag = f.metadata["flag"]
+        if flag is None:
+            continue  # library-only
+        annotation, default = _field_type(f), f.default
+        decls = [flag if "negative" not in f.metadata else f"{flag}/{f.metadata['negative']}"]
+        if f.name == "rank":
+            annotation, default = str, str(default)
+        info = typer.Option(
+            default,
+            *decls,
+            help=f.metadata["help"],
+            rich_help_panel=BAKE_GROUPS[f.metadata["group"]],
+            show_default=default is not None,
+        )
+        params.append(_parameter(f.name, annotation, info))
+    return params
+
+
+def _field_type(f: Field) -> Any:
+    """The command's type of a ``BakeOptions`` field: its choices as a ``Literal`` (typer lists
+    them and refuses others), else the field's own."""
+    choices = f.metadata.get("choices")
+    if choices is not None:
+        return Literal[tuple(choices)]
+    return _TYPES[str(f.type)]
+
+
+# BakeOptions' field types as written there (its annotations are strings: PEP 563).
+_TYPES: dict[str, Any] = {
+    "int": int,
+    "float": float,
+    "bool": bool,
+    "str": str,
+    "bool | None": bool | None,
+    "float | None": float | None,
+    "int | None": int | None,
+}
+
+
+def _options_of(ctx: typer.Context, given: dict) -> BakeOptions:
+    """The command's fit options as :class:`BakeOptions` (validated there, once); ``--rank
+    auto`` is each block's own rank. Options of another method than ``--method`` are refused
+    when given at all (the library refuses them when they differ from the default)."""
+    fields = {f.name: given[f.name] for f in bake_fields() if f.name in given}
+    rank = fields.pop("rank")
+    if fields["method"] != "distill":
+        other = [f.metadata["flag"] for f in bake_fields("distill") if _given(ctx, f.name)]
+        if other:
+            raise CtxcError(f"{other[0]} is for --method distill (not {fields['method']})")
+    return BakeOptions(
+        rank=parse_rank(rank), rank_per_block=rank.strip().lower() == "auto", **fields
+    )
+
+
+def bake_cmd(ctx: typer.Context, **given: Any) -> None:
+    """Bake a context into one reusable patch, fitted over many queries (thought patch)."""
+    from ctxc.bake import BakeHooks, BakeJob, HeldOut, check_servable, is_routed
+
+    a = _Args(given)
+    if a.eval_samples < 0:
+        raise CtxcError(f"--eval-samples must be at least 0 (got {a.eval_samples})")
+    held = HeldOut(_lines(a.eval_queries), _lines(a.eval_questions), a.eval_samples)
+    queries = _lines(a.queries)
+    kinds = parse_emit(a.emit)
+    hooks = BakeHooks(on_stage=stage, progress=stage_progress, load=lambda m, d: load(m, d))
+    contexts = list(a.context or [])
+    if a.add is not None or a.remove is not None:
+        _check_chunk_flags(a.add, a.remove, a.chunk, contexts, a.chat)
+        _refuse_fit_flags(ctx, "--add DIR" if a.add is not None else "--remove DIR")
+        folder = a.add or a.remove
+        named = [(p.name, read_context(p)) for p in contexts]
         if is_routed(folder):
-            _routed_change_cmd(ctx, folder, contexts, fit_texts, chunk, held, eval_samples, model)
+            _change_routed(ctx, folder, named, queries, a.chunk, held, a.model, hooks)
         else:
-            _chunk_cmd(folder, contexts, fit_texts, chunk, held, eval_samples, kinds, model)
+            _change_additive(folder, named, queries, a.chunk, held, kinds, a.model, hooks)
         return
-    if chunk is not None:
+    if a.chunk is not None:
         raise CtxcError("--chunk goes with --remove DIR")
-    opts = _bake_options(
-        rank, data=data, samples=samples, sample_tokens=sample_tokens, questions=questions,
-        answer_tokens=answer_tokens, question_prompt=question_prompt,
-        question_temperature=question_temperature, topics=topics, cloze=cloze,
-        cloze_form=cloze_form, cloze_teacher=cloze_teacher, fit_rows=fit_rows, method=method,
-        ridge=ridge,
-        seed=seed, distill_steps=steps, distill_seconds=seconds, distill_from_fit=from_fit,
-        distill_lr=lr, refit_passes=refit_passes, attention=attention, linear_only=linear_only,
-        on_policy=on_policy,
-    )  # fmt: skip
-    check_servable(kinds, opts, rank)
-    if route:
-        if chat or fit_texts is not None:
-            raise CtxcError("--route takes --context files and fits each chunk on its own data "
-                            "(no --chat, no --queries)")  # fmt: skip
-        # A chunk's folder holds its patch; artefacts only when asked for (--emit torch writes
-        # a model/ per chunk, 283 MB of patched shard each on Gemma 3 270M).
-        kinds = kinds if _given(ctx, "emit") else []
-        write = _writer(kinds, held, eval_samples, seed)
-        routed_bake(contexts, opts, chunk_words, kinds, model, out_dir, force, write)
-        return
+    opts = _options_of(ctx, given)
+    check_servable(kinds, opts, a.rank)
+    job = BakeJob(
+        a.out_dir,
+        queries=queries,
+        options=opts,
+        held=held,
+        emit=tuple(kinds),
+        model=a.model,
+        force=a.force,
+    )
+    if a.route:
+        _routed(ctx, a, job, contexts, hooks)
+    elif len(contexts) > 1 or opts.method == "additive":
+        _additive(ctx, a, job, contexts, hooks)
+    else:
+        _single(ctx, a, job, contexts, hooks)
+
+
+class _Args:
+    """The command's own parameters by name (``a.context``); the fit's are ``BakeOptions``."""
+
+    def __init__(self, given: dict) -> None:
+        self.__dict__.update(given)
+
+    def __getattr__(self, name: str) -> Any:  # for mypy: every parameter is set in __init__
+        raise AttributeError(name)
+
+
+def _single(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> None:
+    """A plain or chat bake: one context, one patch."""
+    from dataclasses import replace
+
+    from ctxc.bake import bake_into
+
     if _given(ctx, "chunk_words"):
         raise CtxcError("--chunk-words goes with --route")
-    if len(contexts) > 1 or method == "additive":
-        if chat:
-            raise CtxcError("--method additive takes --context files (chunks), not --chat turns")
-        if len(contexts) > 1 and method != "additive":
-            raise CtxcError("several --context files are chunks: they need --method additive")
-        named = [(p.name, read_context(p)) for p in contexts]
-        if not named:
-            raise CtxcError("missing option '--context'")
-        _additive_cmd(named, fit_texts, opts, held, eval_samples, seed, kinds, model, out_dir,
-                      force)  # fmt: skip
-        return
-    text, turns = _context(chat, contexts[0] if contexts else None, system, document, messages)
-    if turns is not None:
-        check_chat(model, turns, _PROBE)  # no template, or no split: one line, before the load
-    with output_folder(out_dir, force, "bake") as tmp:
-        from ctxc.bake.driver import bake
-
-        net, tokenizer = load(model, "float32")
-        with stage_progress("baking", "fitting") as (on_stage, on_block):
-            result = bake(net, tokenizer, text, fit_texts, options=opts, messages=turns,
-                          on_stage=on_stage, on_block=on_block)  # fmt: skip
-        _writer(kinds, held, eval_samples, seed)(net, tokenizer, result, tmp)
-    report = result.report
-    _say_all([*_summary(report["figures"]), *_chat_lines(report), f"wrote {out_dir}/"])
+    first = contexts[0] if contexts else None
+    text, turns = _context(a.chat, first, a.system, a.document, a.messages)
+    job = replace(job, context=text, messages=tuple(turns) if turns is not None else None)
+    run = bake_into(job, hooks)
+    _say_all([*run.lines, *_chat_lines(run.report), f"wrote {a.out_dir}/"])
 
 
-def _routed_change_cmd(ctx, folder, contexts, fit_texts, chunk, held, eval_samples, model):
-    """``--add DIR`` / ``--remove DIR`` on a routed bake (``ctxc.cli.route``): each new chunk
-    fitted and written as DIR's others were."""
-    if fit_texts is not None:
+def _additive(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> None:
+    """``--method additive`` (or several ``--context`` chunks): the chunks' statistics summed."""
+    from dataclasses import replace
+
+    from ctxc.bake import bake_additive
+
+    if _given(ctx, "chunk_words"):
+        raise CtxcError("--chunk-words goes with --route")
+    if a.chat:
+        raise CtxcError("--method additive takes --context files (chunks), not --chat turns")
+    if len(contexts) > 1 and job.options.method != "additive":
+        raise CtxcError("several --context files are chunks: they need --method additive")
+    if not contexts:
+        raise CtxcError("missing option '--context'")
+    named = tuple((p.name, read_context(p)) for p in contexts)
+    run = bake_additive(replace(job, chunks=named), hooks)
+    _say_all([*run.lines, f"wrote {a.out_dir}/"])
+
+
+def _routed(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> None:
+    """``--route``: each chunk of the documents baked alone, a router beside them."""
+    from dataclasses import replace
+
+    from ctxc.bake import bake_routed
+
+    if a.chat or job.queries is not None:
+        raise CtxcError(
+            "--route takes --context files and fits each chunk on its own data (no --chat, "
+            "no --queries)"
+        )
+    if job.options.method == "additive":
+        raise CtxcError("--route bakes each chunk alone: give --method fit or distill")
+    if not contexts:
+        raise CtxcError("missing option '--context' (--route cuts a document into chunks)")
+    # A chunk's folder holds its patch; artefacts only when asked for (--emit torch writes
+    # a model/ per chunk, 283 MB of patched shard each on Gemma 3 270M).
+    emit = job.emit if _given(ctx, "emit") else ()
+    named = tuple((p.name, read_context(p)) for p in contexts)
+    run = bake_routed(replace(job, chunks=named, emit=emit), a.chunk_words, hooks)
+    n = len(run.report["chunk_ids"])
+    closing = f"wrote {a.out_dir}/ ({n} chunks; ctxc route {a.out_dir} --query TEXT picks one)"
+    _say_all([*run.lines, closing])
+
+
+def _change_routed(ctx, folder, named, queries, chunk, held, model, hooks) -> None:
+    """``--add DIR`` / ``--remove DIR`` on a routed bake: new chunks fitted and written as
+    DIR's others were."""
+    from ctxc.bake import change_routed
+
+    if queries is not None:
         raise CtxcError("a routed bake fits each chunk without --queries")
     if _given(ctx, "emit"):
         raise CtxcError("a routed bake's chunks carry the artefacts it was baked with")
-    seed = int(Router.load(folder).options.get("seed", 0))
-    routed_change(folder, contexts, chunk, model,
-                  lambda kinds: _writer(kinds, held, eval_samples, seed))  # fmt: skip
+    run = change_routed(folder, named, chunk, held, model, hooks)
+    _say_all([*run.lines, f"wrote {folder}/ ({len(run.report['chunk_ids'])} chunks)"])
 
 
-def _writer(kinds: list[str], held: dict, eval_samples: int, seed: int):
-    """``write(net, tokenizer, result, folder) -> figures``: a bake's folder (its figures in the
-    report, the patch, the ``kinds`` artefacts checked, report.json)."""
-    from ctxc.core.report import write_report
+def _change_additive(folder, named, queries, chunk, held, kinds, model, hooks) -> None:
+    """``--add DIR`` / ``--remove DIR`` on an additive bake: its statistics with a chunk more
+    or less, the patch solved again, DIR replaced once all of it is written."""
+    from ctxc.bake import change_additive
 
-    def write(net, tokenizer, result, folder: Path) -> dict:
-        report = result.report
-        report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
-        result.patch.save(folder / PATCH_FILE)
-        artefacts = _emit(net, tokenizer, result.patch, folder, kinds) if kinds else {}
-        write_report(folder, report, artefacts, under="artefacts")
-        return report["figures"]
-
-    return write
+    run = change_additive(folder, named, chunk, queries, held, kinds, model, hooks)
+    _say_all([*run.lines, f"wrote {folder}/"])
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
@@ -326,25 +333,11 @@ def _given(ctx: typer.Context, name: str) -> bool:
     return source is not None and source.name == "COMMANDLINE"
 
 
-# What the fit is: an additive bake keeps it in DIR (stats.safetensors), and a chunk added or
-# removed is fitted as the others were.
-_FIT_PARAMS = (
-    "data", "samples", "sample_tokens", "questions", "answer_tokens", "question_prompt",
-    "question_temperature", "topics", "cloze", "cloze_form", "cloze_teacher",
-    "fit_rows", "rank", "method",
-    "ridge", "seed", "steps", "seconds", "from_fit", "lr", "refit_passes", "attention",
-    "linear_only", "on_policy", "route", "chunk_words",
-)  # fmt: skip
-
-
 def _refuse_fit_flags(ctx: typer.Context, what: str) -> None:
-    """One line for fit options given beside ``--add``/``--remove``: DIR's bake fixed them."""
-
-    given = [
-        p.opts[0]
-        for p in ctx.command.params
-        if p.name in _FIT_PARAMS and p.name is not None and _given(ctx, p.name)
-    ]
+    """One line for fit options given beside ``--add``/``--remove``: DIR's bake fixed them
+    (every ``BakeOptions`` flag, ``--route`` and ``--chunk-words``)."""
+    fit = {f.name for f in bake_fields()} | {"route", "chunk_words"}
+    given = [p.opts[0] for p in ctx.command.params if p.name in fit and _given(ctx, p.name)]
     if given:
         raise CtxcError(
             f"{what} fits with the options DIR was baked with: {', '.join(given)} cannot "
@@ -363,79 +356,6 @@ def _check_chunk_flags(add, remove, chunk, contexts: list, chat: bool) -> None:
         raise CtxcError("--add DIR takes the new chunk as --context FILE (and no --chunk)")
     if remove is not None and (contexts or chunk is None):
         raise CtxcError("--remove DIR takes --chunk ID (and no --context)")
-
-
-def _additive_cmd(named, fit_texts, opts, held, eval_samples, seed, kinds, model, out_dir, force):
-    """``ctxc bake --method additive``: the chunks' statistics summed, the patch solved."""
-    with output_folder(out_dir, force, "bake") as tmp:
-        from ctxc.bake.chunks import bake_chunks
-
-        net, tokenizer = load(model, "float32")
-        contexts = [(name, list(tokenizer(text).input_ids)) for name, text in named]
-        with stage_progress("gathering", "statistics") as (on_stage, on_block):
-            got = bake_chunks(net, tokenizer, contexts, fit_texts, options=opts,
-                              on_stage=on_stage, on_block=on_block)  # fmt: skip
-        lines = _write_chunks(net, tokenizer, got, tmp, kinds, held, eval_samples, seed)
-    _say_all([*lines, f"wrote {out_dir}/"])
-
-
-def _chunk_cmd(folder: Path, named_paths, fit_texts, chunk, held, eval_samples, kinds, model):
-    """``--add DIR`` / ``--remove DIR``: DIR's statistics with a chunk more or less, the patch
-    solved again from them, DIR replaced once all of it is written."""
-    from ctxc.bake.chunks import find_chunk
-    from ctxc.bake.statistics import STATS_FILE, Statistics
-    from ctxc.patch import Patch
-
-    stats = Statistics.load(folder / STATS_FILE)
-    if chunk is not None:
-        find_chunk(stats, chunk)  # one line before the model loads
-    named = [(p.name, read_context(p)) for p in named_paths]
-    with output_folder(folder, True, "bake") as tmp:
-        from ctxc.bake.chunks import bake_chunks, remove_chunk
-
-        before = Patch.load(folder)
-        net, tokenizer = load(model, before.meta.dtype)
-        before.check(net)
-        with stage_progress("gathering", "statistics") as (on_stage, on_block):
-            if chunk is not None:
-                got = remove_chunk(net, stats, chunk, on_stage=on_stage, on_block=on_block)
-            else:
-                contexts = [(name, list(tokenizer(text).input_ids)) for name, text in named]
-                got = bake_chunks(net, tokenizer, contexts, fit_texts, start=stats,
-                                  on_stage=on_stage, on_block=on_block)  # fmt: skip
-        seed = int(stats.options.get("seed", 0))
-        lines = _write_chunks(net, tokenizer, got, tmp, kinds, held, eval_samples, seed)
-    _say_all([*lines, f"wrote {folder}/"])
-
-
-def _write_chunks(net, tokenizer, got, tmp: Path, kinds, held, eval_samples, seed) -> list[str]:
-    """Write an additive bake's patch, statistics, artefacts and report; its summary lines
-    (the figures are on the last chunk gathered; none after a removal)."""
-    from ctxc.bake.driver import BakeResult
-    from ctxc.bake.statistics import STATS_FILE
-    from ctxc.core.report import write_report
-
-    report = got.report
-    held_chunks = ", ".join(f"{c['id']} ({c['name']})" for c in report["chunks"])
-    lines = [f"chunks: {held_chunks}"]
-    if got.data is not None:
-        result = BakeResult(got.patch, got.data, None, report)
-        report["figures"] = _figures(net, tokenizer, result, held, eval_samples, seed)
-        report["figures_chunk"] = report["chunks"][-1]["id"]
-        lines += _summary(report["figures"])
-    got.patch.save(tmp / PATCH_FILE)
-    got.stats.save(tmp / STATS_FILE)
-    artefacts = _emit(net, tokenizer, got.patch, tmp, kinds)
-    write_report(tmp, report, artefacts, under="artefacts")
-    return lines
-
-
-def _bake_options(rank: str, **fields) -> BakeOptions:
-    """The command's options as :class:`BakeOptions`, validated here, once (the library names
-    its fields, ``FLAGS`` the flags); ``--rank auto`` is each block's own rank."""
-    return BakeOptions(
-        rank=parse_rank(rank), rank_per_block=rank.strip().lower() == "auto", **fields
-    )
 
 
 def _context(chat: bool, context, system, document, messages) -> tuple:
@@ -472,124 +392,20 @@ def _chat_lines(report: dict) -> list[str]:
     return [f"chat: the patched model answers {how} ({len(chat['opening_ids'])} opening tokens)"]
 
 
-def _baked_chat(folder: Path, tokenizer, context_ids: list[int]):
-    """The :class:`~ctxc.bake.chat.ChatFormat` of a ``--chat`` bake (its report.json's
-    ``chat.messages``), None for a plain one: its held-out queries are user turns."""
-    path = folder / "report.json"
-    try:
-        chat = json.loads(path.read_text(encoding="utf-8")).get("chat")
-    except (OSError, ValueError, AttributeError):
+def _lines(path: Path | None) -> tuple[str, ...] | None:
+    """The non-blank lines of a query file (one line naming a bad file), None without one."""
+    if path is None:
         return None
-    if not chat:
-        return None
-    from ctxc.bake.chat import chat_format
+    from ctxc.core.textfile import read_text
 
-    found = chat_format(tokenizer, chat["messages"])
-    if found.context_ids != list(context_ids):
-        raise CtxcError(f"{path}'s chat turns do not render to the patch's context ids")
-    return found
-
-
-def _held_out(queries: Path | None, questions: Path | None, samples: int) -> dict:
-    """The held-out query and question files' lines (None where not given); ``samples``
-    (``--eval-samples``) checked."""
-    from ctxc.bake.data import read_queries
-
-    if samples < 0:
-        raise CtxcError(f"--eval-samples must be at least 0 (got {samples})")
-
-    return {
-        "held_out_queries": read_queries(queries) if queries else None,
-        "held_out_questions": read_queries(questions) if questions else None,
-    }
+    return tuple(
+        line.strip() for line in read_text(path, "query file").splitlines() if line.strip()
+    )
 
 
 def _say_all(lines: list[str]) -> None:
     for line in lines:
         say(line)
-
-
-def _figures(net, tokenizer, result, held: dict, eval_samples: int, seed: int) -> dict:
-    """Fit-data (its first ``FIT_EVAL`` queries) and held-out figures of the patch beside the
-    unpatched control's; held-out questions get the answer-agreement figure too."""
-    from ctxc.bake.driver import bake_data
-    from ctxc.bake.evaluate import evaluate_many
-    from ctxc.bake.selfstudy import as_question
-
-    data, chat = result.data, result.chat
-    ids, prefix = data.context_ids, data.prefix
-
-    def held_data(texts, samples: int, tokens: int, seed: int):
-        """Held-out data as the fit's: plain text, or (chat) user turns, unanswered."""
-        return bake_data(net, tokenizer, ids, texts, samples, tokens, seed, prefix, chat=chat)
-
-    sets = {"fit": (data.part(0, FIT_EVAL), 0)}
-    if eval_samples:
-        sets["held_out_samples"] = (
-            held_data(None, eval_samples, EVAL_TOKENS, seed + 1),
-            EVAL_TOKENS,
-        )
-    if held["held_out_queries"]:
-        sets["held_out_queries"] = (held_data(held["held_out_queries"], 0, 1, seed), EVAL_TOKENS)
-    if held["held_out_questions"]:
-        asked = held["held_out_questions"]  # chat: each question is the user's turn
-        texts = asked if chat is not None else [as_question(q) for q in asked]
-        sets["held_out_questions"] = (held_data(texts, 0, 1, seed), 24)
-    figures = {}
-    for name, (d, gen) in sets.items():
-        stage(f"evaluating on {name}, {len(d.queries)} queries")
-        tok = tokenizer if name == "held_out_questions" else None
-        patched, control = evaluate_many(net, [result.patch, None], d, gen, tokenizer=tok)
-        figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
-    return figures
-
-
-def _emit(net, tokenizer, patch, tmp: Path, kinds: list[str]) -> dict:
-    """The artefacts of ``kinds``, each checked as a compile's are (model/ reloaded too); their
-    figures (at the first fit query) by kind."""
-    from ctxc.backends import emit_checked
-
-    return emit_checked(net, patch, tmp, kinds, on_stage=stage, tokenizer=tokenizer)
-
-
-def _summary(figures: dict) -> list[str]:
-    """A line per measured set, each figure of the patch beside the unpatched model's (named:
-    ``free generation 3.5 tokens (unpatched 4.6)``), then a warning line for a set where the
-    patch did worse than no patch (issue 34)."""
-    lines = []
-    for name, pair in figures.items():
-        p, c = pair["patched"], pair["control"]
-        gen = (
-            f", free generation {p['matched']:.1f} tokens matched (unpatched {c['matched']:.1f})"
-            if p["gen_tokens"]
-            else ""
-        )
-        if p.get("answers") is not None:
-            gen += f", answers {p['answers']:.0%} (unpatched {c['answers']:.0%})"
-        lines.append(
-            f"{name}: KL {p['kl']:.3g} (unpatched {c['kl']:.3g}), top-1 {p['top1']:.1%} "
-            f"(unpatched {c['top1']:.1%}){gen}"
-        )
-        worse = _worse(p, c)
-        if worse:
-            lines.append(f"warning: {name}: the patch did worse than no patch on {worse}")
-    return lines
-
-
-def _worse(p: dict, c: dict) -> str:
-    """The figures where the patch ``p`` did worse than the unpatched control ``c``, as text
-    (empty when none): a higher KL, a lower top-1, fewer tokens matched, fewer answers."""
-    worse = []
-    if p["kl"] > c["kl"]:
-        worse.append(f"KL ({p['kl']:.3g} > {c['kl']:.3g})")
-    if p["top1"] < c["top1"]:
-        worse.append(f"top-1 ({p['top1']:.1%} < {c['top1']:.1%})")
-    if p["gen_tokens"] and p["matched"] < c["matched"]:
-        worse.append(f"free generation ({p['matched']:.1f} < {c['matched']:.1f} tokens)")
-    mine, theirs = p.get("answers"), c.get("answers")
-    if mine is not None and theirs is not None and mine < theirs:
-        worse.append(f"answers ({mine:.0%} < {theirs:.0%})")
-    return ", ".join(worse)
 
 
 def eval_bake_cmd(
@@ -602,29 +418,22 @@ def eval_bake_cmd(
     verbose: bool = VERBOSE,
 ) -> None:
     """Measure a baked patch on held-out queries against the model fed the context."""
-    from ctxc.bake.data import read_queries
-    from ctxc.patch import Patch
+    from ctxc.bake import BakeHooks, evaluate_folder, summary_lines
 
-    texts = read_queries(queries) if queries is not None else None
-    if not texts and samples < 1:
-        raise CtxcError("give --queries FILE or --samples K (at least 1) to evaluate on")
-    if gen_tokens < 0:
-        raise CtxcError(f"--gen-tokens must be at least 0 (got {gen_tokens})")
-    patch = Patch.load(folder)
-    if not patch.meta.update.startswith("bake"):
-        raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
-    from ctxc.bake.driver import bake_data
-    from ctxc.bake.evaluate import evaluate_many
-
-    net, tokenizer = load(model, patch.meta.dtype)
-    patch.check(net)
-    chat = _baked_chat(folder, tokenizer, patch.meta.context_ids)
-    data = bake_data(
-        net, tokenizer, patch.meta.context_ids, texts, max(samples, 0), 32, seed, chat=chat
-    )
-    stage(f"evaluating on {len(data.queries)} queries")
-    patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
-    figures = {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
-    for line in _summary(figures):
-        say(line)
+    texts = _lines(queries)
+    hooks = BakeHooks(on_stage=stage, load=lambda m, d: load(m, d))
+    figures = evaluate_folder(folder, list(texts or []), samples, seed, gen_tokens, model, hooks)
+    _say_all(summary_lines(figures))
     say(json.dumps(figures))
+
+
+def _signature() -> inspect.Signature:
+    """``bake_cmd``'s signature as typer reads it: the context, then every option."""
+    ctx = inspect.Parameter(
+        "ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context
+    )
+    return inspect.Signature([ctx, *_command_parameters(), *_bake_parameters()])
+
+
+bake_cmd.__signature__ = _signature()  # type: ignore[attr-defined]
+bake_cmd.__annotations__ = {p.name: p.annotation for p in _signature().parameters.values()}

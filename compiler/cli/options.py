@@ -15,17 +15,12 @@ from typing import TYPE_CHECKING, Literal, TypeAlias
 import typer
 
 from ctxc.core.errors import CtxcError
+from ctxc.core.options import bake_fields
 from ctxc.core.vocabulary import (
-    BAKE_DATA,
-    BAKE_METHODS,
-    CLOZE_FORMS,
-    CLOZE_TEACHERS,
     DEFAULT_RULE,
     DTYPES,
-    FIT_ROWS,
     FORMATS,
     GGUF_TYPES,
-    QUESTION_PROMPTS,
     RULES,
 )
 from ctxc.models.devices import Placement
@@ -44,16 +39,10 @@ __all__ = [
     "MODEL",
     "SYSTEM",
     "UPDATE",
-    "BakeData",
-    "BakeMethod",
-    "ClozeForm",
-    "ClozeTeacher",
     "DType",
     "Engine",
-    "FitRows",
     "Format",
     "GgufType",
-    "QuestionPrompt",
     "Update",
     "cli_message",
     "emit_help",
@@ -68,25 +57,13 @@ if TYPE_CHECKING:
     DType: TypeAlias = str
     GgufType: TypeAlias = str
     Format: TypeAlias = str
-    BakeMethod: TypeAlias = str
     Engine: TypeAlias = str
-    BakeData: TypeAlias = str
-    QuestionPrompt: TypeAlias = str
-    FitRows: TypeAlias = str
-    ClozeForm: TypeAlias = str
-    ClozeTeacher: TypeAlias = str
 else:
     Update = Literal[RULES]
     DType = Literal[tuple(DTYPES)]
     GgufType = Literal[tuple(GGUF_TYPES)]
     Format = Literal[tuple(FORMATS)]
-    BakeMethod = Literal[tuple(BAKE_METHODS)]
     Engine = Literal["local", "ray"]  # where the lines of --contexts compile
-    BakeData = Literal[tuple(BAKE_DATA)]
-    QuestionPrompt = Literal[tuple(QUESTION_PROMPTS)]
-    FitRows = Literal[tuple(FIT_ROWS)]
-    ClozeForm = Literal[tuple(CLOZE_FORMS)]
-    ClozeTeacher = Literal[tuple(CLOZE_TEACHERS)]
 
 # Declared once, taken by every command that loads a model or writes an output folder.
 MODEL = typer.Option(
@@ -173,28 +150,9 @@ FLAGS: dict[str, str] = {
     "device_map": "--device-map",
     "max_memory": "--max-memory",
     "max_new_tokens": "--max-new-tokens",
-    "samples": "--samples",
-    "sample_tokens": "--sample-tokens",
-    "rank": "--rank",
+    "gen_tokens": "--gen-tokens",
     "queries": "--queries",
-    "method": "--method",
-    "distill_steps": "--steps",
-    "distill_seconds": "--seconds",
-    "distill_lr": "--lr",
-    "data": "--data",
-    "questions": "--questions",
-    "answer_tokens": "--answer-tokens",
-    "question_prompt": "--question-prompt",
-    "question_temperature": "--question-temperature",
-    "topics": "--topics",
-    "cloze": "--cloze",
-    "cloze_form": "--cloze-form",
-    "cloze_teacher": "--cloze-teacher",
-    "fit_rows": "--fit-rows",
-    "refit_passes": "--refit-passes",
     "rank_per_block": "--rank auto",
-    "attention": "--attention",
-    "on_policy": "--on-policy",
     # The batch run (ctxc.batch, ctxc.compile_many) and its output folder.
     "contexts": "--contexts",
     "out": "--out",
@@ -205,8 +163,15 @@ FLAGS: dict[str, str] = {
     "address": "--address",
     "workers": "--workers",
     "gpus_per_worker": "--gpus-per-worker",
-    "linear_only": "--linear-only",
 }
+
+
+# The bake's parameters: each BakeOptions field's flag is declared on the field (--rank auto is
+# the command's way to set rank_per_block).
+FLAGS.update(
+    {f.name: f.metadata["flag"] for f in bake_fields() if f.metadata["flag"] is not None},
+    rank_per_block="--rank auto",
+)
 
 
 def flag_of(param: str) -> str:

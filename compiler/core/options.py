@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import Field, dataclass, field, fields
+from typing import Any
 
 from ctxc.core.errors import OptionError
 from ctxc.core.vocabulary import (
@@ -27,7 +28,14 @@ from ctxc.core.vocabulary import (
     check_choice,
 )
 
-__all__ = ["BakeOptions", "CompileOptions", "GenerateOptions"]
+__all__ = [
+    "BAKE_GROUPS",
+    "DEFAULT_RANK",
+    "BakeOptions",
+    "CompileOptions",
+    "GenerateOptions",
+    "bake_fields",
+]
 
 
 def _at_least(param: str, value: object, low: int, got: bool = True) -> None:
@@ -89,79 +97,86 @@ class GenerateOptions:
         check_choice("apply", self.apply, APPLY_MODES, "apply mode")
 
 
+# The groups of ``BakeOptions``' fields, in the order ``ctxc bake --help`` shows them (a panel
+# each); a field without a flag is library-only (``LIBRARY_ONLY``).
+BAKE_GROUPS: dict[str, str] = {
+    "data": "Fit data",
+    "fit": "Fit",
+    "distill": "Distill (method distill)",
+    "serving": "Serving",
+}
+# The rank a bake gives every matrix when none is asked for: R = 64 was as good as full rank in
+# issue 13's table, and cheaper to apply (docs/results/bake_defaults.md).
+DEFAULT_RANK = 64
+
+
+def _option(default: Any, group: str, flag: str | None, help: str, **more: Any) -> Any:
+    """A ``BakeOptions`` field: its default once, its group, and the flag and help text
+    ``ctxc bake`` builds its option from (``flag`` None: library-only). ``more``: ``choices``
+    (the vocabulary's dict), ``negative`` (a ``--no-`` form for a tri-state bool)."""
+    return field(default=default, metadata={"group": group, "flag": flag, "help": help, **more})
+
+
 @dataclass(frozen=True)
 class BakeOptions:
-    """How a thought patch is made (``ctxc.bake.driver.bake``).
+    """How a thought patch is made (``ctxc.bake.driver.bake``), one field per decision: its
+    default, its flag and its help text are declared here once (``compiler/cli/bake.py`` builds
+    ``ctxc bake``'s options from them).
 
     Attributes:
-        samples: K, continuations sampled from the model fed the context (at least 0). The
-            defaults (``both``: 16 samples of 16 tokens and 16 self-study questions with 16
-            answer tokens, rank 64 in ``ctxc bake``) are the table's best of those within the
-            time goal (docs/results/bake_defaults.md).
+        data: what the fit data are besides the query file (``ctxc.core.vocabulary.BAKE_DATA``):
+            ``continuations`` (``samples`` of ``sample_tokens``), ``self-study`` (``questions``
+            the model writes about the context, each with its greedy answer of
+            ``answer_tokens``; ``ctxc.bake.selfstudy``) or ``both``. The defaults (``both``: 16
+            samples of 16 tokens and 16 self-study questions with 16 answer tokens, rank 64)
+            are the table's best of those within the time goal
+            (docs/results/bake_defaults.md).
+        samples: K, continuations sampled from the model fed the context (at least 0).
         sample_tokens: tokens per sampled continuation (at least 1).
+        questions: self-study questions (at least 0; used by ``self-study`` and ``both``).
+        answer_tokens: greedy answer tokens per self-study question (at least 1).
+        question_temperature: the sampling temperature of the questions (answers are greedy).
+        cloze: extractive self-study queries besides ``questions`` (at least 0;
+            ``ctxc.bake.cloze``): a sentence of the context with one of its names or numbers
+            replaced by a wh-word is the question, that span of the context the answer.
+            Evenly spaced over the text's names and numbers, all of them when it has fewer; in
+            a chat bake the question is the user's turn after the context turns. Default 64: on
+            SQuAD paragraphs the patch keeps 0.68 of the F1 the context adds with them, 0.35
+            without (30 paragraphs, issue 35; docs/bake.md, "Measured").
+        cloze_form: how a cloze question is cut (``CLOZE_FORMS``): ``sentence`` (the
+            sentence's words before the span, then its clause after it), ``clause`` (the
+            span's clause alone) or ``both`` (each span asked both ways).
+        seed: the sampling (and training) seed.
+        question_prompt: library-only (``facts`` was within noise of ``plain``): how the model
+            is asked to write a self-study question after the context
+            (``ctxc.bake.selfstudy.QUESTION_PROMPTS``): ``plain`` (`` Question: <wh>``) or
+            ``facts`` (a line asking for questions answered by a name, number, date or short
+            phrase from the text, then ``Question: <wh>``).
+        topics: library-only (they scored below no context): topic questions besides
+            ``questions``, ``What does the text say about <X>?`` for the first ``topics``
+            names and numbers the context mentions (``ctxc.bake.selfstudy.topics``).
+        cloze_teacher: whose reading gives a cloze query's targets (``CLOZE_TEACHERS``):
+            ``shown`` (the default, and the command's only one), the full-context model after
+            it has read the question and its span once (the cloze query put before itself), so
+            its targets give the span where its own reading of the context gives another
+            answer (Gemma 3 270M gives the span for 3 of 16 cloze questions on the Normans
+            paragraph, 14 of 16 shown); ``plain`` (library-only), the same model reading the
+            question after the context alone. On SQuAD paragraphs the patch keeps 1.08 of the
+            F1 the context adds with ``shown``, 0.68 with ``plain`` (30 paragraphs, issue 35;
+            docs/bake.md, "Measured").
+        fit_rows: library-only (``answers`` kept 0.30 against 0.34): which positions of a
+            self-study query are fitted (``FIT_ROWS``): ``all`` or ``answers`` (from the one
+            that predicts the answer's first token: the question's own positions are run, not
+            fitted).
+        method: ``fit``, ``distill`` or ``additive`` (``ctxc.core.vocabulary.BAKE_METHODS``;
+            distill needs peft installed).
         rank: rank budget per matrix (at least 1; the model bounds it above); None: no budget.
-        method: ``fit`` or ``distill`` (``ctxc.core.vocabulary.BAKE_METHODS``; distill needs
-            peft installed).
+        rank_per_block: each block's matrices at its measured effective rank (rounded up),
+            at most ``rank`` (``fit`` only; ``FitOptions.rank_per_block``; ``--rank auto``).
         ridge: relative ridge of the matrix fits
             (:class:`~ctxc.passes.solver.fit_moves.FitOptions`); among 0.05-5, 1.0 was best
             held out on the hand-written questions and within 0.02 of 5 on fresh samples
             (docs/thought_patches.md, levers).
-        scale_ridge: relative ridge of the post-norm scale fit (0.1: best among 0.01-1).
-        seed: the sampling (and training) seed.
-        distill_steps: optimiser steps of ``distill`` (at least 1).
-        distill_seconds: a wall-time budget for ``distill`` instead of ``distill_steps`` (the
-            training loop's time; the report gives the steps reached). None: the step count.
-        distill_lr: its learning rate; None: 1e-3 from scratch, 1e-4 from the fit (at 1e-3
-            the first steps undo the fit: held-out KL 0.34x of the unpatched model's against
-            the fit's own 0.29x; at 1e-4, 0.21x; docs/results/bake_defaults.md).
-        distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
-        fit_prefix: the prefix positions (BOS, matched to the context's last token) are
-            constraints too; False (default): they are run but not fitted. The BOS position is
-            the same in every query (K identical rows of a very large norm): fitted, it
-            dominated the least squares and held-out KL on fresh samples was 0.71 against
-            0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64; docs/thought_patches.md).
-        input_moves: fit the inner linears' input moves too; False: the output move only.
-        data: what the fit data are besides the query file (``ctxc.core.vocabulary.BAKE_DATA``):
-            ``continuations`` (``samples`` of ``sample_tokens``), ``self-study`` (``questions``
-            the model writes about the context, each with its greedy answer of
-            ``answer_tokens``; ``ctxc.bake.selfstudy``) or ``both``.
-        questions: self-study questions (at least 0; used by ``self-study`` and ``both``).
-        answer_tokens: greedy answer tokens per self-study question (at least 1).
-        rank_per_block: each block's matrices at its measured effective rank (rounded up),
-            at most ``rank`` (``fit`` only; ``FitOptions.rank_per_block``).
-        refit_passes: refit passes after the first fit (at least 0): each runs the queries
-            again with the patch so far and fits every block's remaining error on top of it
-            (:func:`~ctxc.passes.solver.fit_solve.fit_solve`).
-        question_prompt: how the model is asked to write a self-study question after the
-            context (``ctxc.bake.selfstudy.QUESTION_PROMPTS``): ``plain`` (`` Question: <wh>``)
-            or ``facts`` (a line asking for questions answered by a name, number, date or short
-            phrase from the text, then ``Question: <wh>``).
-        question_temperature: the sampling temperature of the questions (answers are greedy).
-        topics: topic questions besides ``questions``: ``What does the text say about <X>?``
-            for the first ``topics`` names and numbers the context mentions
-            (``ctxc.bake.selfstudy.topics``), each answered by the model with the context.
-        cloze: extractive self-study queries besides ``questions`` (at least 0;
-            ``ctxc.bake.cloze``): a sentence of the context with one of its names or numbers
-            replaced by a wh-word is the question, that span of the context the answer (with
-            ``fit_rows`` ``answers``, only the span's positions are fitted). Evenly spaced over
-            the text's names and numbers, all of them when it has fewer; in a chat bake the
-            question is the user's turn after the context turns. Default 64: on SQuAD
-            paragraphs the patch keeps 0.68 of the F1 the context adds with them, 0.35 without
-            (30 paragraphs, issue 35; docs/bake.md).
-        cloze_form: how a cloze question is cut (``CLOZE_FORMS``): ``sentence`` (the
-            sentence's words before the span, then its clause after it), ``clause`` (the
-            span's clause alone) or ``both`` (each span asked both ways).
-        cloze_teacher: whose reading gives a cloze query's targets (``CLOZE_TEACHERS``):
-            ``shown`` (default), the full-context model after it has read the question and its
-            span once (the cloze query put before itself), so its targets give the span where
-            its own reading of the context gives another answer (Gemma 3 270M gives the span
-            for 3 of 16 cloze questions on the Normans paragraph, 14 of 16 shown); ``plain``,
-            the same model reading the question after the context alone. On SQuAD paragraphs
-            the patch keeps 1.08 of the F1 the context adds with ``shown``, 0.68 with
-            ``plain`` (30 paragraphs, issue 35; docs/bake.md).
-        fit_rows: which positions of a self-study query are fitted (``FIT_ROWS``): ``all``
-            (default) or ``answers`` (from the one that predicts the answer's first token: the
-            question's own positions are run, not fitted).
         attention: move the attention output projections too (and their post-norm scales, in
             ``fit``; a LoRA on them, in ``distill``) where a block has that surface (sandwich
             norms: Gemma 2/3, OLMo 2). None: wherever the model has it; True: the same, and a
@@ -172,42 +187,116 @@ class BakeOptions:
             (SmolLM2-135M-Instruct, 10 SQuAD paragraphs: the baked answers that looped, 2 of
             61, loop no more; issue 35, docs/bake.md), not in plain text; True or False: always
             or never.
+        refit_passes: library-only (0.60 against 1.01 kept): refit passes after the first fit
+            (at least 0): each runs the queries again with the patch so far and fits every
+            block's remaining error on top of it
+            (:func:`~ctxc.passes.solver.fit_solve.fit_solve`).
+        scale_ridge: library-only: relative ridge of the post-norm scale fit (0.1: best among
+            0.01-1).
+        fit_prefix: library-only: the prefix positions (BOS, matched to the context's last
+            token) are constraints too; False (default): they are run but not fitted. The BOS
+            position is the same in every query (K identical rows of a very large norm):
+            fitted, it dominated the least squares and held-out KL on fresh samples was 0.71
+            against 0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64;
+            docs/thought_patches.md).
+        input_moves: library-only: fit the inner linears' input moves too; False: the output
+            move only.
+        distill_steps: optimiser steps of ``distill`` (at least 1).
+        distill_seconds: a wall-time budget for ``distill`` instead of ``distill_steps`` (the
+            training loop's time; the report gives the steps reached). None: the step count.
+        distill_lr: its learning rate; None: 1e-3 from scratch, 1e-4 from the fit (at 1e-3
+            the first steps undo the fit: held-out KL 0.34x of the unpatched model's against
+            the fit's own 0.29x; at 1e-4, 0.21x; docs/results/bake_defaults.md).
+        distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
         linear_only: ``fit``: move linear weights only, no post-norm scale (a serving LoRA
             holds no norm weight: vLLM and llama.cpp refuse them); the output move is the
             outer linear's alone. ``additive`` is linear-only whatever this says.
 
     Raises:
-        OptionError: a bad value, naming its attribute.
+        OptionError: a bad value, or an option of another method than ``method``, naming its
+            attribute.
     """
 
-    samples: int = 16
-    sample_tokens: int = 16
-    rank: int | None = None
-    method: str = "fit"
-    ridge: float = 1.0
-    scale_ridge: float = 0.1
-    seed: int = 0
-    distill_steps: int = 200
-    distill_seconds: float | None = None
-    distill_lr: float | None = None
-    distill_from_fit: bool = False
-    fit_prefix: bool = False
-    input_moves: bool = True
-    data: str = "both"
-    questions: int = 16
-    answer_tokens: int = 16
-    refit_passes: int = 0
-    rank_per_block: bool = False
-    attention: bool | None = None
-    question_prompt: str = "plain"
-    question_temperature: float = 1.0
-    topics: int = 0
-    cloze: int = 64
-    cloze_form: str = "sentence"
-    cloze_teacher: str = "shown"
-    fit_rows: str = "all"
-    linear_only: bool = False
-    on_policy: bool | None = None
+    data: str = _option(
+        "both", "data", "--data", "Fit data: continuations, self-study or both.", choices=BAKE_DATA
+    )
+    samples: int = _option(16, "data", "--samples", "K continuations sampled to fit on.")
+    sample_tokens: int = _option(16, "data", "--sample-tokens", "Tokens per sample.")
+    questions: int = _option(16, "data", "--questions", "Self-study questions the model writes.")
+    answer_tokens: int = _option(
+        16, "data", "--answer-tokens", "Greedy tokens per self-study answer."
+    )
+    question_temperature: float = _option(
+        1.0, "data", "--question-temperature", "Sampling temperature of the self-study questions."
+    )
+    cloze: int = _option(
+        64,
+        "data",
+        "--cloze",
+        "Extractive questions: a sentence of the context asking for one of its names or "
+        "numbers, answered by that span.",
+    )
+    cloze_form: str = _option(
+        "sentence",
+        "data",
+        "--cloze-form",
+        "How a cloze question is cut: sentence, clause, or both (each span asked both ways).",
+        choices=CLOZE_FORMS,
+    )
+    seed: int = _option(0, "data", "--seed", "Sampling and training seed.")
+    question_prompt: str = _option("plain", "data", None, "", choices=QUESTION_PROMPTS)
+    topics: int = _option(0, "data", None, "")
+    cloze_teacher: str = _option("shown", "data", None, "", choices=CLOZE_TEACHERS)
+    fit_rows: str = _option("all", "data", None, "", choices=FIT_ROWS)
+    method: str = _option(
+        "fit",
+        "fit",
+        "--method",
+        "fit (closed form), distill (a trained LoRA) or additive (chunks that add and remove).",
+        choices=BAKE_METHODS,
+    )
+    rank: int | None = _option(
+        DEFAULT_RANK,
+        "fit",
+        "--rank",
+        "Rank budget per matrix, 'full', or 'auto' (each block's own).",
+    )
+    rank_per_block: bool = _option(False, "fit", None, "")  # the command's --rank auto
+    ridge: float = _option(1.0, "fit", "--ridge", "Relative ridge of the matrix fits.")
+    attention: bool | None = _option(
+        None,
+        "fit",
+        "--attention",
+        "Move the attention output projections too (sandwich-norm blocks: Gemma 2/3, OLMo 2). "
+        "Default: where the model has them; --attention refuses a model without.",
+        negative="--no-attention",
+    )
+    on_policy: bool | None = _option(
+        None,
+        "fit",
+        "--on-policy",
+        "fit: fit again with the patched model's own answers, read by the full-context model. "
+        "Default: in a chat bake (--chat), not in plain text.",
+        negative="--no-on-policy",
+    )
+    refit_passes: int = _option(0, "fit", None, "")
+    scale_ridge: float = _option(0.1, "fit", None, "")
+    fit_prefix: bool = _option(False, "fit", None, "")
+    input_moves: bool = _option(True, "fit", None, "")
+    distill_steps: int = _option(200, "distill", "--steps", "Optimiser steps.")
+    distill_seconds: float | None = _option(
+        None, "distill", "--seconds", "Train for this wall time instead of --steps."
+    )
+    distill_lr: float | None = _option(
+        None, "distill", "--lr", "Learning rate (1e-3; 1e-4 with --from-fit)."
+    )
+    distill_from_fit: bool = _option(False, "distill", "--from-fit", "Start from the fit.")
+    linear_only: bool = _option(
+        False,
+        "serving",
+        "--linear-only",
+        "fit: move linear weights only, no norm scale (servable: --emit lora,gguf-lora).",
+    )
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
@@ -243,6 +332,14 @@ class BakeOptions:
             )
         if self.on_policy and self.method != "fit":
             raise OptionError("{on_policy} refits the fit: it needs {method} fit")
+        if self.method != "distill":
+            # A distill option beside another method would be ignored: one line, not a bake
+            # that runs without it (``--steps 5 --seconds 3`` ran a 548 s fit, issue 52).
+            moved = [f.name for f in bake_fields("distill") if _moved(self, f)]
+            if moved:
+                raise OptionError(
+                    "{" + moved[0] + "} is for {method} distill (not {})", self.method
+                )
         if self.method == "distill" and importlib.util.find_spec("peft") is None:
             raise OptionError("{method} distill needs peft: pip install 'ctxc[peft]'")
 
@@ -254,7 +351,8 @@ class BakeOptions:
         """
         if self.sampled or self.asked or self.topical or self.clozed or queries:
             return
-        asked = "{questions} 0 and {topics} 0 and {cloze} 0"
+        # topics is library-only and 0 here (else there would be questions): not named.
+        asked = "{questions} 0 and {cloze} 0"
         zero = {"continuations": "{samples} 0", "self-study": asked}
         raise OptionError(
             zero.get(self.data, "{samples} 0 and " + asked)
@@ -296,3 +394,14 @@ class BakeOptions:
     def asked(self) -> int:
         """Self-study questions: ``questions`` unless ``data`` is ``continuations``."""
         return 0 if self.data == "continuations" else self.questions
+
+
+def bake_fields(group: str | None = None) -> list[Field]:
+    """``BakeOptions``' fields in declaration order (those of ``group`` only, if given); each
+    field's ``metadata`` holds its ``group``, ``flag`` (None: library-only) and ``help``."""
+    return [f for f in fields(BakeOptions) if group is None or f.metadata["group"] == group]
+
+
+def _moved(options: BakeOptions, f: Field) -> bool:
+    """Whether ``options`` sets field ``f`` to other than its default."""
+    return bool(getattr(options, f.name) != f.default)

@@ -38,6 +38,7 @@ __all__ = [
     "load_tokenizer",
     "max_positions",
     "model_directory",
+    "positions_of",
     "resolve_dtype",
     "source_gguf",
 ]
@@ -101,6 +102,20 @@ def max_positions(config) -> tuple[int, str] | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value, key
     return None
+
+
+def positions_of(directory: Path) -> tuple[int, str] | None:
+    """:func:`max_positions` of the model folder ``directory``'s config alone (no weights
+    read): what a command checks an input's length against before the model loads. None when
+    the config states no limit or cannot be read (the load then says why).
+    """
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(directory))
+    except (OSError, ValueError, KeyError):
+        return None
+    return max_positions(config)
 
 
 def check_length(model: torch.nn.Module, n: int, what: str = "context + query") -> None:

@@ -110,7 +110,7 @@ def test_cloze_is_a_count_and_counts_as_fit_data() -> None:
     with pytest.raises(OptionError, match="cloze must be an integer"):
         BakeOptions(cloze="8")  # type: ignore[arg-type]
     BakeOptions(data="self-study", questions=0, cloze=8).check_fit(None)
-    with pytest.raises(OptionError, match="topics 0 and cloze 0 and no queries"):
+    with pytest.raises(OptionError, match="questions 0 and cloze 0 and no queries"):
         BakeOptions(data="self-study", questions=0, cloze=0).check_fit(None)
     assert BakeOptions(data="continuations", cloze=8).clozed == 0
     with pytest.raises(OptionError, match="cloze_form: unknown cloze form 'short'"):

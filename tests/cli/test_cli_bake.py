@@ -28,7 +28,7 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     proc = run_cli(
         "bake", "--model", str(tiny_model_dir), "--context", str(context),
         "--queries", str(queries), "--samples", "2", "--sample-tokens", "4", "--rank", "4",
-        "--refit-passes", "1", "--eval-queries", str(held), "--eval-questions", str(held),
+        "--eval-queries", str(held), "--eval-questions", str(held),
         "--eval-samples", "1", "--out", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
@@ -37,7 +37,7 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     ]  # fmt: skip
     report = json.loads((out / "report.json").read_text())
     assert report["fit_queries"] == 5 and report["fit_kinds"] == {"file": 3, "sample": 2}
-    assert report["options"]["refit_passes"] == 1 and report["options"]["rank"] == 4
+    assert report["options"]["rank"] == 4
     figures = report["figures"]
     assert set(figures) == {"fit", "held_out_samples", "held_out_queries", "held_out_questions"}
     answers = figures["held_out_questions"]["patched"]["answers"]
@@ -70,14 +70,14 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     [
         (["--samples", "0", "--questions", "0", "--cloze", "0"], "nothing to fit"),
         (["--data", "continuations", "--samples", "0"], "--samples 0 and no --queries"),
-        (["--data", "self-study", "--questions", "0", "--cloze", "0"], "--topics 0 and --cloze 0"),
+        (["--data", "self-study", "--questions", "0", "--cloze", "0"], "--questions 0 and --cloze 0"),
         # the default's cloze questions, but a context with no name or number to ask about
         (["--samples", "0", "--questions", "0"], "no name or number to ask about (--cloze)"),
         (["--rank", "0"], "--rank must be at least 1"),
         (["--rank", "99999"], "past the matrix size"),
         (["--queries", "EMPTY"], "query file is empty"),
         (["--sample-tokens", "5000"], "the model takes at most"),
-        (["--refit-passes", "-1"], "--refit-passes must be at least 0"),
+        (["--steps", "5", "--seconds", "3"], "--steps is for --method distill (not fit)"),
         (["--rank", "auto", "--method", "distill"], "--rank auto is for --method fit"),
         (["--rank", "many"], "--rank 'many' is not an integer, 'full' or 'auto'"),
         (["--method", "distill", "--lr", "0"], "--lr must be positive"),

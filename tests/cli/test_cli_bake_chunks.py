@@ -62,7 +62,7 @@ def test_add_and_remove_chunks(tiny_model_dir, tmp_path) -> None:
         (["--context", "{ctx}", "--context", "{ctx}"], "need --method additive"),
         (["--context", "{ctx}", "--emit", "lora"], "bake with --linear-only"),
         (["--context", "{ctx}", "--emit", "lora", "--linear-only", "--rank", "12"], "not one"),
-        (["--context", "{ctx}", "--method", "additive", "--refit-passes", "1"], "not additive"),
+        (["--context", "{ctx}", "--method", "additive", "--rank", "auto"], "is for --method fit"),
         (["--add", "{dir}", "--context", "{ctx}", "--rank", "8"], "--rank cannot change them"),
         (["--remove", "{dir}", "--chunk", "a", "--linear-only"], "--linear-only cannot change"),
     ],

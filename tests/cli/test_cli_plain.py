@@ -99,7 +99,7 @@ def _pair(kl: float, top1: float, matched: float, answers=None) -> dict:
 def test_bake_summary_names_each_side_and_warns_when_the_patch_is_worse() -> None:
     """``free generation 3.5 vs 4.6`` said which was which nowhere (issue 34): each figure is
     the patch's beside ``(unpatched ...)``, and a worse patch gets a warning line."""
-    from ctxc.cli.bake import _summary
+    from ctxc.bake import summary_lines as _summary
 
     lines = _summary(
         {

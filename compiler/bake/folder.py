@@ -1,0 +1,241 @@
+"""A bake's folder: its figures measured, its patch, artefacts and report written; and a baked
+folder measured again (``ctxc eval-bake``).
+
+A bake folder holds ``patch.safetensors``, ``report.json`` (the bake's report with its figures
+under ``figures`` and each artefact's check under ``artefacts``) and what ``emit`` asked for,
+each checked as a compile's are (:func:`ctxc.backends.emit_checked`). The figures are the
+patch's against the unpatched control's on the fit data's first :data:`FIT_EVAL` queries and
+on held-out data (:class:`HeldOut`), in the fit's own form (plain text, or chat turns).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ctxc.bake.driver import BakeResult, bake_data
+from ctxc.bake.hooks import BakeHooks, OnStage
+from ctxc.bake.job import HeldOut
+from ctxc.core.errors import CtxcError, OptionError
+from ctxc.core.report import REPORT_FILE, write_report
+from ctxc.core.vocabulary import PATCH_FILE
+
+__all__ = [
+    "EVAL_TOKENS",
+    "FIT_EVAL",
+    "baked_chat",
+    "evaluate_folder",
+    "measure_figures",
+    "summary_lines",
+    "worse",
+    "write_bake",
+]
+
+# The report's figures, kept within the default's time budget (docs/results/bake_defaults.md):
+# held-out samples of EVAL_TOKENS tokens (greedy generation as long), the fit set's first
+# FIT_EVAL queries.
+EVAL_TOKENS = 16
+FIT_EVAL = 8
+# Greedy tokens of a held-out question's answer (its answer-agreement figure).
+QUESTION_TOKENS = 24
+
+
+def measure_figures(
+    net, tokenizer, result: BakeResult, held: HeldOut, seed: int, on_stage: OnStage | None = None
+) -> dict:
+    """The patch's figures beside the unpatched control's: the fit data's first
+    :data:`FIT_EVAL` queries and every held-out set (held-out questions get the
+    answer-agreement figure too).
+
+    Args:
+        net, tokenizer: the unpatched model the patch was baked on.
+        result: the bake.
+        held: the held-out sets.
+        seed: the bake's seed (held-out samples draw with ``seed + 1``).
+        on_stage: called with each set's name before it is measured.
+
+    Returns:
+        set name -> ``{"patched": ..., "control": ...}`` (``BakeEval.to_dict``).
+    """
+    from ctxc.bake.evaluate import evaluate_many
+    from ctxc.bake.selfstudy import as_question
+
+    data, chat = result.data, result.chat
+    ids, prefix = data.context_ids, data.prefix
+
+    def held_data(texts, samples: int, tokens: int, seed: int):
+        """Held-out data as the fit's: plain text, or (chat) user turns, unanswered."""
+        return bake_data(net, tokenizer, ids, texts, samples, tokens, seed, prefix, chat=chat)
+
+    sets = {"fit": (data.part(0, FIT_EVAL), 0)}
+    if held.samples:
+        sets["held_out_samples"] = (
+            held_data(None, held.samples, EVAL_TOKENS, seed + 1),
+            EVAL_TOKENS,
+        )
+    if held.queries:
+        sets["held_out_queries"] = (held_data(list(held.queries), 0, 1, seed), EVAL_TOKENS)
+    if held.questions:
+        # Chat: each question is the user's turn; plain text: asked as self-study asks.
+        texts = (
+            list(held.questions) if chat is not None else [as_question(q) for q in held.questions]
+        )
+        sets["held_out_questions"] = (held_data(texts, 0, 1, seed), QUESTION_TOKENS)
+    figures = {}
+    for name, (d, gen) in sets.items():
+        if on_stage is not None:
+            on_stage(f"evaluating on {name}, {len(d.queries)} queries")
+        tok = tokenizer if name == "held_out_questions" else None
+        patched, control = evaluate_many(net, [result.patch, None], d, gen, tokenizer=tok)
+        figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
+    return figures
+
+
+def write_bake(
+    net, tokenizer, result: BakeResult, folder: Path, kinds, held: HeldOut, hooks: BakeHooks
+) -> dict:
+    """Write one bake's folder: its figures (in the report), the patch, the ``kinds``
+    artefacts checked, ``report.json``.
+
+    Args:
+        net, tokenizer: the unpatched model the patch was baked on.
+        result: the bake (its ``report`` gains ``figures``).
+        folder: the (staging) folder to write into.
+        kinds: the ``emit`` backends' names.
+        held: what the figures are measured on.
+        hooks: the stage's reporters.
+
+    Returns:
+        the report written (``figures`` and ``artefacts`` in it).
+
+    Side effects:
+        writes ``folder``; sets ``result.report["figures"]``.
+    """
+    report = result.report
+    seed = int(report["options"]["seed"])
+    report["figures"] = measure_figures(net, tokenizer, result, held, seed, hooks.on_stage)
+    result.patch.save(folder / PATCH_FILE)
+    artefacts = _emit(net, tokenizer, result.patch, folder, kinds, hooks) if kinds else {}
+    return write_report(folder, report, artefacts, under="artefacts")
+
+
+def _emit(net, tokenizer, patch, folder: Path, kinds, hooks: BakeHooks) -> dict:
+    """The artefacts of ``kinds``, each checked as a compile's are (model/ reloaded too);
+    their figures (at the first fit query) by kind."""
+    from ctxc.backends import emit_checked
+
+    return emit_checked(
+        net, patch, folder, list(kinds), on_stage=hooks.on_stage, tokenizer=tokenizer
+    )
+
+
+def baked_chat(folder: Path, tokenizer, context_ids: list[int]):
+    """The :class:`~ctxc.bake.chat.ChatFormat` of a chat bake (its report's ``chat.messages``),
+    None for a plain one: its held-out queries are user turns.
+
+    Raises:
+        CtxcError: the report's turns do not render to the patch's context ids.
+    """
+    path = Path(folder) / REPORT_FILE
+    try:
+        chat = json.loads(path.read_text(encoding="utf-8")).get("chat")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not chat:
+        return None
+    from ctxc.bake.chat import chat_format
+
+    found = chat_format(tokenizer, chat["messages"])
+    if found.context_ids != list(context_ids):
+        raise CtxcError(f"{path}'s chat turns do not render to the patch's context ids")
+    return found
+
+
+def evaluate_folder(
+    folder: Path,
+    queries: list[str] | None,
+    samples: int,
+    seed: int,
+    gen_tokens: int,
+    model: str | None = None,
+    hooks: BakeHooks | None = None,
+) -> dict:
+    """A baked folder's patch measured on held-out queries against the model fed its context
+    (``ctxc eval-bake``).
+
+    Args:
+        folder: a bake folder.
+        queries: held-out query texts (user turns, for a chat bake), or None.
+        samples: continuations to sample (seed ``seed``), at least 0.
+        gen_tokens: greedy tokens per query, at least 0.
+        model: the model the patch was baked on (None: the bundled one).
+        hooks: the stage's reporters and model load.
+
+    Returns:
+        ``{"held_out": {"patched": ..., "control": ...}}``.
+
+    Raises:
+        CtxcError: nothing to evaluate on, a bad count, an exact compile's patch, a patch of
+            another model.
+    """
+    from ctxc.patch import Patch
+
+    hooks = hooks or BakeHooks()
+    if not queries and samples < 1:
+        raise OptionError("give {queries} or {samples} (at least 1) to evaluate on")
+    if gen_tokens < 0:
+        raise OptionError("{gen_tokens} must be at least 0 (got {})", gen_tokens)
+    patch = Patch.load(folder)
+    if not patch.meta.update.startswith("bake"):
+        raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
+    from ctxc.bake.evaluate import evaluate_many
+
+    net, tokenizer = hooks.load(model, patch.meta.dtype)
+    patch.check(net)
+    chat = baked_chat(folder, tokenizer, patch.meta.context_ids)
+    data = bake_data(
+        net, tokenizer, patch.meta.context_ids, queries, max(samples, 0), 32, seed, chat=chat
+    )
+    hooks.on_stage(f"evaluating on {len(data.queries)} queries")
+    patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
+    return {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
+
+
+def summary_lines(figures: dict) -> list[str]:
+    """A line per measured set, each figure of the patch beside the unpatched model's (named:
+    ``free generation 3.5 tokens (unpatched 4.6)``), then a warning line for a set where the
+    patch did worse than no patch (issue 34)."""
+    lines = []
+    for name, pair in figures.items():
+        p, c = pair["patched"], pair["control"]
+        gen = (
+            f", free generation {p['matched']:.1f} tokens matched (unpatched {c['matched']:.1f})"
+            if p["gen_tokens"]
+            else ""
+        )
+        if p.get("answers") is not None:
+            gen += f", answers {p['answers']:.0%} (unpatched {c['answers']:.0%})"
+        lines.append(
+            f"{name}: KL {p['kl']:.3g} (unpatched {c['kl']:.3g}), top-1 {p['top1']:.1%} "
+            f"(unpatched {c['top1']:.1%}){gen}"
+        )
+        bad = worse(p, c)
+        if bad:
+            lines.append(f"warning: {name}: the patch did worse than no patch on {bad}")
+    return lines
+
+
+def worse(p: dict, c: dict) -> str:
+    """The figures where the patch ``p`` did worse than the unpatched control ``c``, as text
+    (empty when none): a higher KL, a lower top-1, fewer tokens matched, fewer answers."""
+    found = []
+    if p["kl"] > c["kl"]:
+        found.append(f"KL ({p['kl']:.3g} > {c['kl']:.3g})")
+    if p["top1"] < c["top1"]:
+        found.append(f"top-1 ({p['top1']:.1%} < {c['top1']:.1%})")
+    if p["gen_tokens"] and p["matched"] < c["matched"]:
+        found.append(f"free generation ({p['matched']:.1f} < {c['matched']:.1f} tokens)")
+    mine, theirs = p.get("answers"), c.get("answers")
+    if mine is not None and theirs is not None and mine < theirs:
+        found.append(f"answers ({mine:.0%} < {theirs:.0%})")
+    return ", ".join(found)

@@ -1,0 +1,56 @@
+"""How a bake reports and loads its model: the caller's choice (as ``ctxc.batch.hooks``).
+
+The bake stage prints nothing and knows no flag. A library caller runs it silently (the
+default hooks) and gets its figures and artefacts back (:class:`~ctxc.bake.run.BakeRun`); the
+command line (``compiler/cli/bake.py``) gives its progress trail, its stderr lines and its model
+load with its notices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+
+__all__ = ["BakeHooks", "OnBlock", "OnStage"]
+
+OnStage = Callable[[str], None]
+OnBlock = Callable[[int, int, str], None]
+
+
+def _silent(*_) -> None:
+    """A hook that does nothing (the library's default: no output)."""
+
+
+@contextlib.contextmanager
+def _no_progress(_label: str, _verb: str) -> Iterator[tuple[OnStage, OnBlock]]:
+    """The library's progress: callbacks that do nothing."""
+    yield _silent, _silent
+
+
+def _load(model: str | None, dtype: str):
+    """``(net, tokenizer)`` of ``model`` on the CPU, enabled for the export cache and the
+    frozen shards of ``model/`` (``ctxc.store.model_load.load_with_stores``)."""
+    from ctxc.store.model_load import load_with_stores
+
+    return load_with_stores(model, dtype, None)
+
+
+@dataclasses.dataclass(frozen=True)
+class BakeHooks:
+    """The callbacks of a bake (every one optional).
+
+    Attributes:
+        on_stage: ``(text)``: what the bake does now (evaluating, writing an artefact, a
+            chunk's start).
+        progress: ``(label, verb)`` -> a context manager yielding ``(on_stage, on_block)``
+            for one fit: its stages (``full runs``, ``fitting``) and its blocks
+            (``(done, total, block)``); the CLI's draws its trail.
+        load: ``(model, dtype) -> (net, tokenizer)``: the model load (the CLI's says so on
+            stderr, a first-run GGUF conversion included).
+    """
+
+    on_stage: OnStage = _silent
+    progress: Callable[[str, str], AbstractContextManager[tuple[OnStage, OnBlock]]] = _no_progress
+    load: Callable = _load
