@@ -139,9 +139,16 @@ def remove_chunk(
     timings: dict[str, float] = {}
     traced, blocks = fit_blocks(model, o)
     share = _gather(
-        model, traced, blocks, chunk.data, o, chunk.name, on_stage or (lambda _n: None),
-        on_block, timings,
-    )  # fmt: skip
+        model,
+        traced,
+        blocks,
+        chunk.data,
+        o,
+        chunk.name,
+        on_stage or (lambda _n: None),
+        on_block,
+        timings,
+    )
     return _solved(model, traced.dtype, stats.minus(share), o, None, timings)
 
 

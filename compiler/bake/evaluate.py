@@ -154,8 +154,12 @@ def _continue_batch(model: torch.nn.Module, out, steps: int) -> list[list[int]]:
         tok = out.logits[:, -1].argmax(-1)  # [b]
         got.append(tok.cpu())
         if i + 1 < steps:
-            out = model(input_ids=tok[:, None].to(device), **with_cache(model, cache_of(out)),
-                        use_cache=True, logits_to_keep=1)  # fmt: skip
+            out = model(
+                input_ids=tok[:, None].to(device),
+                **with_cache(model, cache_of(out)),
+                use_cache=True,
+                logits_to_keep=1,
+            )
     rows = out.logits.shape[0]
     return torch.stack(got, 1).tolist() if got else [[] for _ in range(rows)]
 

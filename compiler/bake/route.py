@@ -127,8 +127,9 @@ class Router:
                 f"no chunk {chunk!r} in this routed bake (it has {', '.join(self.ids)})"
             )
         keep = [i for i, c in enumerate(self.ids) if c != chunk]
-        return dataclasses.replace(self, ids=tuple(self.ids[i] for i in keep),
-                                   texts=tuple(self.texts[i] for i in keep))  # fmt: skip
+        return dataclasses.replace(
+            self, ids=tuple(self.ids[i] for i in keep), texts=tuple(self.texts[i] for i in keep)
+        )
 
     def next_ids(self, count: int) -> list[str]:
         """``count`` new chunk ids after the ones held: zero-padded numbers, never reused."""
@@ -139,8 +140,13 @@ class Router:
     def save(self, folder: Path) -> None:
         """Write ``folder/router.json``."""
         chunks = [{"id": i, "text": t} for i, t in zip(self.ids, self.texts, strict=True)]
-        doc = {"format": _FORMAT, "options": self.options, "chunk_words": self.chunk_words,
-               "emit": list(self.emit), "chunks": chunks}  # fmt: skip
+        doc = {
+            "format": _FORMAT,
+            "options": self.options,
+            "chunk_words": self.chunk_words,
+            "emit": list(self.emit),
+            "chunks": chunks,
+        }
         (folder / ROUTER_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
 
     @classmethod
@@ -156,8 +162,12 @@ class Router:
             if doc.get("format") != _FORMAT:
                 raise ValueError(f"format {doc.get('format')!r}")
             chunks = doc["chunks"]
-            return cls(tuple(c["id"] for c in chunks), tuple(c["text"] for c in chunks),
-                       dict(doc["options"]), int(doc["chunk_words"]),
-                       tuple(doc["emit"]))  # fmt: skip
+            return cls(
+                tuple(c["id"] for c in chunks),
+                tuple(c["text"] for c in chunks),
+                dict(doc["options"]),
+                int(doc["chunk_words"]),
+                tuple(doc["emit"]),
+            )
         except (ValueError, KeyError, TypeError) as exc:
             raise CtxcError(f"{path} is not a ctxc router ({exc})") from None

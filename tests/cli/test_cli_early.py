@@ -207,3 +207,62 @@ def test_bake_chat_refusals_come_before_the_load(tmp_path, no_load, args, messag
         ["bake", *args, "--model", str(model), "--out", "out"], tmp_path / "work", no_load
     )
     assert line.startswith(f"ctxc: error: {message}"), line
+
+
+def _plain_model(folder: Path) -> Path:
+    """A model folder with a tokenizer and a config of 256 positions, no weights."""
+    from testbed.tiny_models import tiny_tokenizer
+
+    folder.mkdir()
+    tiny_tokenizer().save_pretrained(str(folder))
+    config = {"model_type": "llama", "max_position_embeddings": 256}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--steps", "5", "--seconds", "3"],
+            "--steps is for --method distill (not fit)",
+        ),
+        (["--from-fit"], "--from-fit is for --method distill (not fit)"),
+        (
+            ["--data", "continuations", "--samples", "0"],
+            "--samples 0 and no --queries: nothing to fit the patch on",
+        ),
+        (["--queries", "empty.txt"], "query file is empty: empty.txt"),
+        (["LONG"], "the context is 300 tokens; the model takes at most 256 positions"),
+        (["--route", "LONG", "--chunk-words", "500"], "the context is 300 tokens"),
+        (["--method", "additive", "LONG"], "the context is 300 tokens"),
+        (["--chunk-words", "50"], "--chunk-words goes with --route"),
+        (["--question-prompt", "facts"], "no such option: --question-prompt"),
+    ],
+    ids=[
+        "distill-options-with-fit",
+        "from-fit-with-fit",
+        "nothing-to-fit",
+        "empty-queries",
+        "too-long",
+        "too-long-routed",
+        "too-long-additive",
+        "chunk-words-without-route",
+        "library-only-setting",
+    ],
+)
+def test_bake_refusals_come_before_the_load(tmp_path, no_load, args, message) -> None:
+    """``ctxc bake`` (issue 52): options of another method, nothing to fit on, a context past
+    the model's positions, a setting the benchmarks rejected: one line, before the model loads
+    (the issue measured 27.9-548 s for these)."""
+    model = _plain_model(tmp_path / "model")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "c.txt").write_text("w1 w2 w3 w4")
+    (work / "long.txt").write_text(" ".join(f"w{i % 90}" for i in range(299)))
+    (work / "empty.txt").write_text("\n \n")
+    context = ["--context", "long.txt"] if "LONG" in args else ["--context", "c.txt"]
+    args = [a for a in args if a != "LONG"]
+    argv = ["bake", *context, *args, "--model", str(model), "--out", "out"]
+    line = _refused(argv, work, no_load)
+    assert message in line, line
