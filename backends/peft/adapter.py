@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from ctxc.backends.peft import PEFT
+from ctxc.backends.base import require_installed
+from ctxc.backends.peft.facts import EXTRA, NAME, REQUIRES
 from ctxc.backends.peft.write import fill_adapter, flags_kept, shared_copy, write_card
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
@@ -136,7 +137,7 @@ class PeftFigures:
 
 def require_peft() -> None:
     """Raise a one-line CtxcError when PEFT is not installed."""
-    PEFT.require()
+    require_installed(NAME, REQUIRES, EXTRA)
 
 
 def plan_adapter(model: torch.nn.Module, patch: Patch) -> AdapterPlan:
