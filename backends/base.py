@@ -6,8 +6,8 @@ Each backend folder (``backends/torch/``, ``backends/onnx/``, ...) declares its 
 and a usage error load neither torch nor onnx. A declaration is the one place a backend's facts
 live: its name, what it writes, the extra it needs, its emitter (which writes the artefact and
 checks it where a user runs it) and how the rest of ctxc treats it (:attr:`Backend.emitted`,
-:attr:`Backend.dispersed`); its figures say which of their fidelities the gate holds to the
-patch's figure (:meth:`Figures.fidelities`).
+:attr:`Backend.dispersed`, :attr:`Backend.rules`, :attr:`Backend.ranks`); its figures say which
+of their fidelities the gate holds to the patch's figure (:meth:`Figures.fidelities`).
 
 The emitter is declared as a loader: a function of the folder's ``__init__.py`` that imports
 the emitter's module when called and returns the emitter (:data:`Loader`), so the declaration
@@ -95,7 +95,10 @@ class Backend:
         also: the other files it writes beside ``writes``, for the closing ``wrote`` line (and
             the names its checks may give, as ``writes`` and ``alone``'s do).
         rules: the update rules whose patch it can hold (``None``: every rule), checked with
-            the options before anything loads.
+            the options before anything loads; a backend with rules holds linear weights only
+            (a serving LoRA), so a thought patch for it must be linear-only too.
+        ranks: the ranks its serving engine loads (one for every module; ``None``: any rank),
+            which a thought patch's ``rank`` must be one of (``ctxc.bake.serve``).
         emitted: its check reloads the patched model as a user loads it: that figure is the
             report's ``emitted``, so it is written first, and a compile asked for it skips its
             own in-memory check (the same weights, measured twice).
@@ -115,6 +118,7 @@ class Backend:
     precheck: Precheck | None = None
     alone: tuple[str, str] | None = None
     rules: tuple[str, ...] | None = None
+    ranks: tuple[int, ...] | None = None
     also: tuple[str, ...] = ()
     emitted: bool = False
     dispersed: bool = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ctxc.backends.base import Backend, Emitter
-from ctxc.backends.peft.facts import EXTRA, NAME, REQUIRES
+from ctxc.backends.peft.facts import EXTRA, MAX_LORA_RANKS, NAME, REQUIRES
 from ctxc.core.vocabulary import LORA_RULE
 
 __all__ = ["DECLARED", "PEFT"]
@@ -44,5 +44,8 @@ DECLARED = (
         requires=REQUIRES,
         takes=("baked",),
         rules=(LORA_RULE,),  # linear weights only: no norm scale, bias or expert bank
+        # A bake's one rank must be a --max-lora-rank value; past 1, as `ctxc bake --emit lora`
+        # has always refused --rank 1 (vLLM itself loads r = 1 at max_lora_rank 1).
+        ranks=MAX_LORA_RANKS[1:],
     ),
 )
