@@ -24,12 +24,12 @@ import torch
 from ctxc.backends.gguf.llama_cpp.check import run_in_llama_cpp
 from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures
 from ctxc.backends.gguf.names import gguf_arch
+from ctxc.backends.gguf.thresholds import GGUF_ATOL
 from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import GGUF_ATOL
 from ctxc.core.vocabulary import GGUF_TYPES, check_choice
 from ctxc.patch import Patch
 
