@@ -1,5 +1,6 @@
-"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, formats (and the name
-of the file a patch is saved as); the backends declare themselves (``backends/base.py``).
+"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, formats (and the names
+of the files a patch and its report are saved as); the backends declare themselves
+(``backends/base.py``).
 
 Each choice is a name and a one-line meaning, in the order the help lists them. The CLI builds its
 option choices from here (``compiler/cli/options.py``); the library validates a value against
@@ -30,6 +31,7 @@ __all__ = [
     "OUTPUT_RULE",
     "PATCH_FILE",
     "QUESTION_PROMPTS",
+    "REPORT_FILE",
     "RULES",
     "RULE_MEANINGS",
     "STABLE_RULE",
@@ -62,6 +64,8 @@ EXACT_RULES: tuple[str, ...] = (STANDARD_RULE, STABLE_RULE, OUTPUT_RULE)
 
 # The file a patch is saved as in an output folder (``ctxc compile``, ``bake``, ``--contexts``).
 PATCH_FILE = "patch.safetensors"
+# The file its figures are written to beside it (``ctxc.core.report.write_report``).
+REPORT_FILE = "report.json"
 
 # How a patch's deltas are applied in memory (MATH.md 6).
 APPLY_MODES: dict[str, str] = {
