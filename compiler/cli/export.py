@@ -25,7 +25,7 @@ from ctxc.cli.support import load, parse_emit, summaries
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
-from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.core.vocabulary import GGUF_F32, PATCH_FILE
 from ctxc.store.output import output_folder
 
 __all__ = ["export_cmd"]
@@ -37,7 +37,7 @@ def export_cmd(
     ),
     model: str | None = MODEL,
     to: str = typer.Option("torch", "--to", help=emit_help("Artefact (torch: the folder itself)")),
-    gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
+    gguf_type: GgufType = typer.Option(GGUF_F32, "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),

@@ -26,6 +26,7 @@ __all__ = [
     "EXACT_RULES",
     "FIT_ROWS",
     "FORMATS",
+    "GGUF_F32",
     "GGUF_TYPES",
     "LORA_RULE",
     "OUTPUT_RULE",
@@ -79,9 +80,11 @@ DTYPES: dict[str, str] = {
     "float16": "half the memory; a narrower range than bfloat16",
 }
 
-# GGUF matrix types of the patched weights (``--gguf-type``).
+# GGUF matrix types of the patched weights (``--gguf-type``). F32 rounds nothing: the default, and
+# the one type the GGUF checks bound (F16 and BF16 files are reported).
+GGUF_F32 = "F32"
 GGUF_TYPES: dict[str, str] = {
-    "F32": "float32 matrices (exact)",
+    GGUF_F32: "float32 matrices (exact)",
     "F16": "float16 matrices",
     "BF16": "bfloat16 matrices",
 }
