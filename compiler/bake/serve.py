@@ -20,6 +20,7 @@ import torch
 from ctxc.backends import backend
 from ctxc.core.errors import OptionError
 from ctxc.core.options import BakeOptions
+from ctxc.core.vocabulary import ADDITIVE_METHOD, DISTILL_METHOD
 from ctxc.patch import Patch
 
 __all__ = ["check_servable", "pad_to_rank"]
@@ -42,12 +43,12 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
     if not asked:
         return
     kind = asked[0]
-    if options.method == "distill":
+    if options.method == DISTILL_METHOD:
         raise OptionError(
             "{emit} {} takes a fitted bake: {method} fit with {linear_only}, or {method} additive",
             kind,
         )
-    if not (options.linear_only or options.method == "additive"):
+    if not (options.linear_only or options.method == ADDITIVE_METHOD):
         raise OptionError(
             "{emit} {} holds linear weights only, and this bake moves norm scales: bake with "
             "{linear_only} (or {method} additive)",

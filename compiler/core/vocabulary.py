@@ -16,25 +16,36 @@ from collections.abc import Iterable
 from ctxc.core.errors import OptionError
 
 __all__ = [
+    "ADDITIVE_METHOD",
     "APPLY_MODES",
     "BAKE_DATA",
     "BAKE_METHODS",
+    "BOTH_DATA",
     "CLOZE_FORMS",
+    "CLOZE_KIND",
     "CLOZE_TEACHERS",
+    "CONTINUATIONS_DATA",
     "DEFAULT_RULE",
+    "DISTILL_METHOD",
     "DTYPES",
     "EXACT_RULES",
+    "FILE_KIND",
+    "FIT_METHOD",
     "FIT_ROWS",
     "FORMATS",
     "GGUF_F32",
     "GGUF_TYPES",
     "LORA_RULE",
+    "ON_POLICY_KIND",
     "OUTPUT_RULE",
     "PATCH_FILE",
     "QUESTION_PROMPTS",
     "REPORT_FILE",
     "RULES",
     "RULE_MEANINGS",
+    "SAMPLE_KIND",
+    "SELF_STUDY_DATA",
+    "SELF_STUDY_KIND",
     "STABLE_RULE",
     "STANDARD_RULE",
     "check_choice",
@@ -96,19 +107,35 @@ FORMATS: dict[str, str] = {
     "html": "a page with a diagram per block shape",
 }
 
-# How ``ctxc bake`` makes a thought patch (issue 13).
+# How ``ctxc bake`` makes a thought patch (issue 13); code compares a method with these names.
+FIT_METHOD = "fit"
+DISTILL_METHOD = "distill"
+ADDITIVE_METHOD = "additive"
 BAKE_METHODS: dict[str, str] = {
-    "fit": "closed-form least squares over every fit position",
-    "distill": "a LoRA trained by context distillation (needs peft)",
-    "additive": "linear moves from sums over teacher-forced runs: chunks add and remove",
+    FIT_METHOD: "closed-form least squares over every fit position",
+    DISTILL_METHOD: "a LoRA trained by context distillation (needs peft)",
+    ADDITIVE_METHOD: "linear moves from sums over teacher-forced runs: chunks add and remove",
 }
 
-# What ``ctxc bake`` fits on (issue 25).
+# What ``ctxc bake`` fits on (issue 25); code compares ``data`` with these names.
+CONTINUATIONS_DATA = "continuations"
+SELF_STUDY_DATA = "self-study"
+BOTH_DATA = "both"
 BAKE_DATA: dict[str, str] = {
-    "continuations": "continuations sampled from the model fed the context",
-    "self-study": "questions the model writes about the context, answered with it in view",
-    "both": "self-study questions and continuations",
+    CONTINUATIONS_DATA: "continuations sampled from the model fed the context",
+    SELF_STUDY_DATA: "questions the model writes about the context, answered with it in view",
+    BOTH_DATA: "self-study questions and continuations",
 }
+
+# Where each of a bake's fit queries came from (``FitData.kinds``; counted in the report's
+# ``fit_kinds``): a line of the query file, a self-study question and its answer, a cloze
+# question and its span, a sampled continuation, a fitted question answered by the first fit's
+# patched model (``ctxc.bake.onpolicy``).
+FILE_KIND = "file"
+SELF_STUDY_KIND = "self-study"
+CLOZE_KIND = "cloze"
+SAMPLE_KIND = "sample"
+ON_POLICY_KIND = "on-policy"
 
 # Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {
