@@ -120,10 +120,9 @@ def precheck(model, names: list[str]) -> None:
         CtxcError: a backend cannot write this model.
     """
     for name in names:
-        target = BACKENDS[name].precheck
-        if target:
-            module, function = target.split(":")
-            getattr(importlib.import_module(module), function)(model)
+        load = BACKENDS[name].precheck
+        if load is not None:
+            load()(model)
 
 
 def emit_checked(

@@ -242,9 +242,6 @@ class Delta:
         gram = (self.u.mT @ self.u) * (self.v.mT @ self.v)  # [r, r] (or [n, r, r] for experts)
         return float(gram.sum().clamp_min(0).sqrt())
 
-    def max_abs(self) -> float:
-        return float(self.dense().abs().max())
-
 
 @dataclass(frozen=True)
 class PatchMeta:

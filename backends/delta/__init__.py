@@ -3,9 +3,16 @@ ctxc; checked applied so."""
 
 from __future__ import annotations
 
-from ctxc.backends.base import Backend
+from ctxc.backends.base import Backend, Emitter
 
 __all__ = ["DECLARED"]
+
+
+def _emitter() -> Emitter:
+    from ctxc.backends.delta.deltas import emit_deltas
+
+    return emit_deltas
+
 
 DECLARED = (
     Backend(
@@ -13,7 +20,7 @@ DECLARED = (
         writes="deltas.safetensors",
         meaning="the patch's weight deltas, dense, to add to the base model",
         status="writing deltas.safetensors and checking it added to the model",
-        emitter="ctxc.backends.delta.deltas:emit_deltas",
+        emitter=_emitter,
         takes=("baked",),
     ),
 )

@@ -23,11 +23,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ctxc.backends.reference import check_ids, reference_logits
+from ctxc.backends.thresholds import reload_bound
 from ctxc.core.checks import enforce
 from ctxc.core.delta_math import add_in_float32, at_alignment_of
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import reload_bound
 from ctxc.models.offload import input_device
 from ctxc.patch import Patch
 from ctxc.runs.patched_forward import patched_logits

@@ -31,7 +31,7 @@ from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.vocabulary import GGUF_TYPES, check_choice
+from ctxc.core.vocabulary import GGUF_F32, GGUF_TYPES, check_choice
 from ctxc.patch import Patch
 
 __all__ = ["GGUF_LORA_FILE", "GgufLoraFigures", "emit_gguf_lora", "write_gguf_lora"]
@@ -100,7 +100,7 @@ class GgufLoraFigures:
 
 
 def write_gguf_lora(
-    model, patch: Patch, path: Path, gguf_type: str = "F32"
+    model, patch: Patch, path: Path, gguf_type: str = GGUF_F32
 ) -> tuple[dict[str, str], float]:
     """Write the patch's linear deltas as llama.cpp's LoRA GGUF ``path`` (no check).
 
@@ -186,7 +186,7 @@ def emit_gguf_lora(
     out: Path,
     *,
     full: torch.Tensor | None = None,
-    gguf_type: str = "F32",
+    gguf_type: str = GGUF_F32,
     tokenizer=None,
 ) -> tuple[Path, GgufLoraFigures]:
     """Write ``out/lora.gguf`` and check the deltas it holds.
@@ -268,7 +268,7 @@ def _check_file(model, patch: Patch, path: Path, names, alpha, patched, gguf_typ
     )
     applied = _applied_logits(model, dense, query)
     vs = float((applied - patched).abs().max())
-    tol = GGUF_ATOL if gguf_type == "F32" else None
+    tol = GGUF_ATOL if gguf_type == GGUF_F32 else None
     enforce(
         GGUF_LORA_FILE,
         "its deltas applied vs the torch patched model: max |diff|",

@@ -24,13 +24,13 @@ import torch
 from ctxc.backends.gguf.llama_cpp.check import run_in_llama_cpp
 from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures
 from ctxc.backends.gguf.names import gguf_arch
+from ctxc.backends.gguf.thresholds import GGUF_ATOL
 from ctxc.backends.gguf.write import write_gguf
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import GGUF_ATOL
-from ctxc.core.vocabulary import GGUF_TYPES, check_choice
+from ctxc.core.vocabulary import GGUF_F32, GGUF_TYPES, check_choice
 from ctxc.patch import Patch
 
 __all__ = [
@@ -104,7 +104,7 @@ class GgufFigures:
 
 
 def _rounded(w: torch.Tensor, gguf_type: str) -> torch.Tensor:
-    if w.ndim < 2 or gguf_type == "F32":
+    if w.ndim < 2 or gguf_type == GGUF_F32:
         return w.float().clone()  # a copy: the patch is removed from the live weights after
     return w.to(torch.float16 if gguf_type == "F16" else torch.bfloat16).float()
 
@@ -147,7 +147,7 @@ def emit_gguf(
     *,
     full: torch.Tensor | None = None,
     tokenizer=None,
-    gguf_type: str = "F32",
+    gguf_type: str = GGUF_F32,
 ) -> tuple[Path, GgufFigures]:
     """Write ``out/model.gguf``: the patched model, and check it through Transformers' loader.
 
@@ -185,7 +185,7 @@ def emit_gguf(
     tensor_diff, reloaded = _reloaded(out, want, query)
     del want
     vs_patched = float((reloaded - patched).abs().max())
-    tol = GGUF_ATOL if gguf_type == "F32" else None
+    tol = GGUF_ATOL if gguf_type == GGUF_F32 else None
     enforce(
         GGUF_FILE,
         "reloaded by Transformers vs the torch patched model: max |diff|",

@@ -8,6 +8,7 @@ import numpy as np
 
 from ctxc.backends.gguf.metadata import copy_metadata, write_metadata
 from ctxc.backends.gguf.names import gguf_arch, gguf_tensors
+from ctxc.core.vocabulary import GGUF_F32
 from ctxc.models.load import source_gguf
 
 __all__ = ["tensor_array", "write_gguf"]
@@ -17,7 +18,7 @@ def tensor_array(w: np.ndarray, gguf_type: str):
     """``(data, raw_dtype)`` for ``GGUFWriter.add_tensor``: matrices in ``gguf_type``, else F32."""
     import gguf
 
-    if w.ndim < 2 or gguf_type == "F32":
+    if w.ndim < 2 or gguf_type == GGUF_F32:
         return w.astype(np.float32), None
     if gguf_type == "F16":
         return w.astype(np.float16), None
@@ -25,7 +26,7 @@ def tensor_array(w: np.ndarray, gguf_type: str):
     return gguf.quants.quantize(w.astype(np.float32), bf16), bf16
 
 
-def write_gguf(model, tokenizer, path: Path, gguf_type: str = "F32") -> tuple[int, str]:
+def write_gguf(model, tokenizer, path: Path, gguf_type: str = GGUF_F32) -> tuple[int, str]:
     """Write ``model`` as it is now (no patch applied here) to the GGUF file ``path``.
 
     Args:

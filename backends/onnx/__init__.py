@@ -4,21 +4,39 @@ checked in onnxruntime.
 
 from __future__ import annotations
 
-from ctxc.backends.base import Backend
+from ctxc.backends.base import Backend, Emitter
+from ctxc.backends.onnx.facts import EXTRA, NAME, REQUIRES
 
 __all__ = ["DECLARED", "ONNX"]
 
-_REQUIRES = ("onnx", "onnxruntime", "onnxscript")
+
+def _model() -> Emitter:
+    from ctxc.backends.onnx.model import emit_onnx
+
+    return emit_onnx
+
+
+def _patchable() -> Emitter:
+    from ctxc.backends.onnx.patchable import emit_onnx_patchable
+
+    return emit_onnx_patchable
+
+
+def _adapter() -> Emitter:
+    from ctxc.backends.onnx.ort_adapter import emit_ort_adapter
+
+    return emit_ort_adapter
+
 
 ONNX = Backend(
-    "onnx",
+    NAME,
     writes="model.onnx",
     meaning="an ONNX model checked in onnxruntime",
     status="exporting model.onnx and checking it with onnxruntime",
-    emitter="ctxc.backends.onnx.model:emit_onnx",
-    patchable="ctxc.backends.onnx.patchable:emit_onnx_patchable",
-    extra="onnx",
-    requires=_REQUIRES,
+    emitter=_model,
+    patchable=_patchable,
+    extra=EXTRA,
+    requires=REQUIRES,
 )
 
 DECLARED = (
@@ -28,9 +46,9 @@ DECLARED = (
         writes="context.onnx_adapter",
         meaning="an onnxruntime LoRA adapter (and patchable.onnx)",
         status="writing the onnxruntime adapter (and patchable.onnx) and checking it",
-        emitter="ctxc.backends.onnx.ort_adapter:emit_ort_adapter",
-        extra="onnx",
-        requires=_REQUIRES,
+        emitter=_adapter,
+        extra=EXTRA,
+        requires=REQUIRES,
         also=("context.onnx_adapter.json", "patchable.onnx"),  # its record, its graph
     ),
 )

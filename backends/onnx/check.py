@@ -20,10 +20,11 @@ import torch
 
 from ctxc.backends.onnx.export import root_cause
 from ctxc.backends.onnx.files import file_size
+from ctxc.backends.onnx.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR, floor_bound
+from ctxc.core.thresholds import floor_bound
 
 __all__ = [
     "ONNX_ATOL",
@@ -207,7 +208,7 @@ def runtime_floor(
     ids: Sequence[torch.Tensor],
     unpatched: Sequence[torch.Tensor],
 ) -> float:
-    """onnxruntime's own distance from torch on the unpatched model (compiler/core/thresholds.py).
+    """onnxruntime's own distance from torch on the unpatched model (backends/onnx/thresholds.py).
 
     Args:
         run: int64 ids [1, n] -> the unpatched model's logits [1, n, vocab] in onnxruntime

@@ -39,7 +39,8 @@ import torch
 from torch.export import Dim, ExportedProgram
 from torch.func import functional_call
 
-from ctxc.backends.onnx import ONNX
+from ctxc.backends.base import require_installed
+from ctxc.backends.onnx.facts import EXTRA, NAME, REQUIRES
 from ctxc.core.errors import CtxcError
 from ctxc.frontend.trace import MAX_SEQ, no_cache, trace
 from ctxc.passes.runtime.insert_deltas import InsertResult, insert_deltas
@@ -66,7 +67,7 @@ EXPORTABLE_EXPERTS = "batched_mm"
 
 def require_onnx() -> None:
     """Raise a one-line CtxcError when the ONNX extras are not installed."""
-    ONNX.require()
+    require_installed(NAME, REQUIRES, EXTRA)
 
 
 def experts_implementation(model: torch.nn.Module) -> str:

@@ -38,10 +38,11 @@ from ctxc.backends.onnx.check import (
 from ctxc.backends.onnx.export import export_settings, patched_logits, require_onnx
 from ctxc.backends.onnx.files import file_size
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, inputs_of, patch_feeds
+from ctxc.backends.onnx.thresholds import ONNX_FLOOR_FACTOR
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
+from ctxc.core.thresholds import floor_bound
 from ctxc.patch import Patch
 
 __all__ = [

@@ -215,7 +215,7 @@ def emit_onnx_patchable(
         if full is None:
             full = reference_logits(model, patch)
         expected = patched_logits(model, patch, ids)
-        unpatched = torch_logits(model, ids)  # onnxruntime's floor (compiler/core/thresholds.py)
+        unpatched = torch_logits(model, ids)  # onnxruntime's floor (onnx/thresholds.py)
         program = export_program(
             _Patchable(model, slots).eval(),
             (ids[-1], *_example(slots, patch)),

@@ -25,13 +25,14 @@ from pathlib import Path
 
 import torch
 
-from ctxc.backends.peft import PEFT
+from ctxc.backends.base import require_installed
+from ctxc.backends.peft.facts import EXTRA, NAME, REQUIRES
+from ctxc.backends.peft.thresholds import PEFT_RTOL
 from ctxc.backends.peft.write import fill_adapter, flags_kept, shared_copy, write_card
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import PEFT_RTOL
 from ctxc.models.offload import input_device
 from ctxc.patch import Delta, Patch
 from ctxc.runs.patched_forward import patched_logits
@@ -40,7 +41,7 @@ __all__ = ["ADAPTER_DIR", "DEFAULT_RTOL", "AdapterPlan", "PeftFigures", "emit_pe
 
 ADAPTER_DIR = "adapter"
 
-DEFAULT_RTOL = PEFT_RTOL  # the bound and why: compiler/core/thresholds.py
+DEFAULT_RTOL = PEFT_RTOL  # the bound and why: backends/peft/thresholds.py
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ class PeftFigures:
 
 def require_peft() -> None:
     """Raise a one-line CtxcError when PEFT is not installed."""
-    PEFT.require()
+    require_installed(NAME, REQUIRES, EXTRA)
 
 
 def plan_adapter(model: torch.nn.Module, patch: Patch) -> AdapterPlan:

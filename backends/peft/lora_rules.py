@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
+from ctxc.backends.peft.facts import MAX_LORA_RANKS
 from ctxc.core.errors import CtxcError
 
 __all__ = ["MAX_LORA_RANKS", "VLLM_MODULES", "VllmCheck", "check_vllm_adapter"]
 
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks
 _DENSE = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
 VLLM_MODULES = {
     t: _DENSE

@@ -5,7 +5,7 @@ writes the folder, reloads it as a user would (``from_pretrained``, placed as th
 and feeds it the query alone; the emit loop then holds that figure to the patch's own solver
 figure (``ctxc.core.checks.gate``). A patch without a solver figure to hold it to (a baked
 thought patch) is held instead to the patched model in memory, within the reload bound
-(``ctxc.core.thresholds.reload_bound``): ``ctxc bake --emit torch`` is checked too.
+(``ctxc.backends.thresholds.reload_bound``): ``ctxc bake --emit torch`` is checked too.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from ctxc.backends.reference import reference_logits, torch_logits
+from ctxc.backends.thresholds import reload_bound
 from ctxc.backends.torch.model import emit_torch
 from ctxc.core.checks import enforce, fidelity_limit
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
 from ctxc.core.report import reference_name
-from ctxc.core.thresholds import reload_bound
 from ctxc.frontend.trace import trace
 from ctxc.models.devices import block_device_map, placement_of
 from ctxc.models.offload import input_device

@@ -11,7 +11,7 @@ without ctxc), and with ``lora/`` loaded by ``PeftModel.from_pretrained`` (as lo
 patched model's, at every position:
 
 - ``peft``/``merged``: max |logit diff| from the patched model, and the bound ``ctxc bake``
-  holds them to (``PEFT_RTOL`` times the largest logit, ``compiler/core/thresholds.py``);
+  holds them to (``PEFT_RTOL`` times the largest logit, ``backends/peft/thresholds.py``);
 - ``effect``: the unpatched model from the patched one (what an adapter that changed nothing
   would be off by);
 - top-1 agreement at every position.
@@ -96,7 +96,7 @@ def measure(model: str, paragraph: dict, rank: int, out: Path) -> dict:
     Returns:
         the bake's seconds and the per-question figures, or ``error`` (the last stderr line).
     """
-    from ctxc.core.thresholds import PEFT_RTOL
+    from ctxc.backends.peft.thresholds import PEFT_RTOL
 
     context = out.parent / f"{out.name}.txt"
     context.write_text(paragraph["context"])

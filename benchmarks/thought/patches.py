@@ -38,6 +38,7 @@ from ctxc.bake.data import FitData, read_queries, record_fit_targets
 from ctxc.bake.distill import teacher_top
 from ctxc.bake.driver import BakeOptions, bake, bake_data
 from ctxc.bake.evaluate import evaluate_against, reference
+from ctxc.core.vocabulary import DISTILL_METHOD, FIT_METHOD
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.patch import Delta, Patch
 from ctxc.store.traced import traced_blocks
@@ -149,7 +150,7 @@ class Bench:
         clock = time.perf_counter()
         result = bake(
             self.model, data=data, targets=leading_targets(self.targets, self.data, k),
-            options=self.options(r, "fit"),
+            options=self.options(r, FIT_METHOD),
         )  # fmt: skip
         seconds = time.perf_counter() - clock
         blocks = [
@@ -159,16 +160,18 @@ class Bench:
             for b in result.report["blocks"]
         ]  # fmt: skip
         self.out["fits"].append({"context": self.name, "K": k, "R": r, "blocks": blocks})
-        self.judge(result.patch, "fit", k, r, seconds, fit_positions=data.positions)
+        self.judge(result.patch, FIT_METHOD, k, r, seconds, fit_positions=data.positions)
         return seconds
 
     def distill(self, k: int, r: str, seconds: float, factor: float) -> None:
         data = self.data.part(0, k)
-        opts = self.options(r, "distill", distill_seconds=seconds * factor, seed=self.args.seed)
+        opts = self.options(
+            r, DISTILL_METHOD, distill_seconds=seconds * factor, seed=self.args.seed
+        )
         result = bake(self.model, data=data, teacher=self.teacher_for(k), options=opts)
         d = result.report["distill"]
         self.judge(
-            result.patch, "distill", k, r, d["seconds"], budget=f"{factor:g}x fit",
+            result.patch, DISTILL_METHOD, k, r, d["seconds"], budget=f"{factor:g}x fit",
             steps=d["steps"], lora_rank=d["rank"], last_loss=d["last_loss"],
         )  # fmt: skip
 
@@ -188,22 +191,22 @@ def run_context(args, model, tok, name: str, out: dict) -> None:
         del patch
     methods = args.methods.split(",")
     times: dict[tuple[str, str], float] = {}
-    if "fit" in methods:
+    if FIT_METHOD in methods:
         bench.prepare()
         for k in ks:
             for r in args.ranks.split(","):
                 times[(str(k), r)] = bench.fit(k, r)
-    if "distill" not in methods:
+    if DISTILL_METHOD not in methods:
         return
     if not times and args.fit_times:  # an earlier run's fit times, for distill's budgets
         rows = json.loads(Path(args.fit_times).read_text())["rows"]
         times = {
             (str(x["K"]), str(x["R"])): x["seconds"]
             for x in rows
-            if x["context"] == name and x["method"] == "fit"
+            if x["context"] == name and x["method"] == FIT_METHOD
         }
     if args.distill_at == "best" and times:
-        fits = [x for x in out["rows"] if x["context"] == name and x["method"] == "fit"]
+        fits = [x for x in out["rows"] if x["context"] == name and x["method"] == FIT_METHOD]
         best = min((x for x in fits if x["held_out"] == "samples"), key=lambda x: x["kl"])
         picked = [(str(best["K"]), str(best["R"]))]
     elif args.distill_at in ("all", "best"):

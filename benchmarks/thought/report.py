@@ -18,6 +18,8 @@ import argparse
 import json
 from pathlib import Path
 
+from ctxc.core.vocabulary import DISTILL_METHOD, FIT_METHOD
+
 KINDS = ("samples", "questions")
 
 
@@ -38,7 +40,7 @@ def load_rows(paths: list[str]) -> tuple[list[dict], list[dict]]:
 
 def label(row: dict) -> str:
     m = row["method"]
-    if m == "distill":
+    if m == DISTILL_METHOD:
         return f"distill ({row['budget']}, {row['steps']} steps)"
     if m == "mean-exact":
         return f"mean of {row.get('exact_positions', '?')} exact patches"
@@ -46,7 +48,7 @@ def label(row: dict) -> str:
 
 
 def _key(row: dict) -> tuple:
-    order = {"unpatched": 0, "mean-exact": 1, "fit": 2, "distill": 3}
+    order = {"unpatched": 0, "mean-exact": 1, FIT_METHOD: 2, DISTILL_METHOD: 3}
     rank = {"8": 0, "64": 1, "full": 2}.get(str(row["R"]), -1)
     factor = float(row.get("budget", "0x").split("x")[0])  # distill's "1x fit", "10x fit"
     return (order[row["method"]], row["K"], rank, factor)
@@ -140,7 +142,7 @@ def plot(rows: list[dict], path: str) -> None:
 
     contexts = list(dict.fromkeys(r["context"] for r in rows))
     fig, axes = plt.subplots(4, len(contexts), figsize=(4.2 * len(contexts), 12), squeeze=False)
-    styles = {"fit": "-", "distill": "--"}
+    styles = {FIT_METHOD: "-", DISTILL_METHOD: "--"}
     for c, context in enumerate(contexts):
         for k, kind in enumerate(KINDS):
             mine = [r for r in rows if r["context"] == context and r["held_out"] == kind]
@@ -165,7 +167,7 @@ def _lines(ax, mine: list[dict], metric: str, styles: dict) -> None:
         if r["method"] == "unpatched":
             continue
         name = r["method"] if r["method"] == "mean-exact" else f"{r['method']} R={r['R']}"
-        if r["method"] == "distill":
+        if r["method"] == DISTILL_METHOD:
             name += f" {r['budget']}"
         groups.setdefault(name, []).append(r)
     for name, pts in groups.items():

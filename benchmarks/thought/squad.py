@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.thought.squad_render import render, summary
+from ctxc.core.vocabulary import FILE_KIND
 from testbed.squad_score import score
 from testbed.tables import commit, invocation
 
@@ -225,7 +226,7 @@ def _bake_paragraph(model, tok, para: dict, ref: dict, setting: str, chat: bool)
     given = {"messages": turns} if chat else {"context_ids": context_ids}
     result = bake(model, tok, options=setting_options(setting), **given)
     seconds, cpu = time.perf_counter() - clock, time.process_time() - cpu
-    assert "file" not in result.data.kinds, result.data.kinds  # no query was given to the fit
+    assert FILE_KIND not in result.data.kinds, result.data.kinds  # no query was given to the fit
     fitted = [tok.decode(q) for q in result.data.queries]
     leaked = sum(any(q.strip() in text for text in fitted) for q in questions)
     got = answers(model, tok, prefix, queries, patch=result.patch, gen=_gen(chat))

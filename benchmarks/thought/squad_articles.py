@@ -63,6 +63,7 @@ from benchmarks.thought.squad import (
 )
 from benchmarks.thought.squad_build import MEMBER, answerable
 from benchmarks.thought.squad_render import summary
+from ctxc.core.vocabulary import ADDITIVE_METHOD
 from testbed.tables import commit, invocation, stamp, table
 
 __all__ = [
@@ -180,7 +181,7 @@ def _chunked(model, tok, chunks: list[str], work: Path, ref, queries, golds, ext
     for n, text in enumerate(chunks, 1):
         path = work / f"chunk{n}.txt"
         path.write_text(text, encoding="utf-8")
-        first = ["--method", "additive", "--out", str(out), *extra]
+        first = ["--method", ADDITIVE_METHOD, "--out", str(out), *extra]
         runs.append(_ctxc(["bake", *(first if n == 1 else ["--add", str(out), *model_args]),
                            "--context", str(path)], work / "log"))  # fmt: skip
         print(f"  chunk {n}/{len(chunks)}: {runs[-1]['seconds']:.0f} s, "

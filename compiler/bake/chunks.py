@@ -26,6 +26,7 @@ from ctxc.bake.statistics import Chunk, Statistics, chunk_id, gather, solve
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.options import BakeOptions
+from ctxc.core.vocabulary import ADDITIVE_METHOD
 from ctxc.patch import Patch
 
 __all__ = ["ChunkBake", "bake_chunks", "find_chunk", "fit_rows", "remove_chunk"]
@@ -90,7 +91,7 @@ def bake_chunks(
             model whose blocks cannot be fitted so.
     """
     o = BakeOptions(**start.options) if start is not None else options or BakeOptions()
-    if o.method != "additive":
+    if o.method != ADDITIVE_METHOD:
         raise OptionError("chunks add up in {method} additive only (the fit is sequential)")
     stage = on_stage or (lambda _name: None)
     items: list[tuple[str, list[int], FitData | None]]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from ctxc.bake.data import FitData
+from ctxc.core.vocabulary import DISTILL_METHOD
 from ctxc.patch import Delta, Patch, PatchMeta
 
 __all__ = ["TOP", "DistillRun", "distill", "teacher_top"]
@@ -183,7 +184,7 @@ def _train(peft_model, data: FitData, teacher, options, on_step) -> tuple[int, f
         opt.step()
         step, last = step + 1, float(loss)
         if on_step is not None:
-            on_step(step, steps, "distill")
+            on_step(step, steps, DISTILL_METHOD)
     return step, time.perf_counter() - clock, last
 
 

@@ -23,14 +23,14 @@ import torch
 
 from ctxc.bake.data import FitData, stacked
 from ctxc.bake.selfstudy import continue_rows
+from ctxc.core.vocabulary import CLOZE_KIND, FILE_KIND, ON_POLICY_KIND, SELF_STUDY_KIND
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.patch import Patch
 
 __all__ = ["ON_POLICY_KIND", "asked_queries", "joined_targets", "with_own_answers"]
 
-ON_POLICY_KIND = "on-policy"
 # The fit queries that hold a question before their answer (FitData.answer_from > 0).
-_ASKED_KINDS = ("file", "self-study", "cloze")
+_ASKED_KINDS = (FILE_KIND, SELF_STUDY_KIND, CLOZE_KIND)
 
 
 def asked_queries(data: FitData) -> list[int]:

@@ -1,7 +1,7 @@
 """``ctxc.bake.route``: a long document as one patch per chunk, and the chunk each question reads.
 
 One rank-64 patch of a whole article keeps 0.13-0.16 of the F1 the article adds (SQuAD, five
-articles of 2.3-2.8k words: docs/results/squad-articles-shown.md): its cloze rows reach 18 of 100
+articles of 2.3-2.8k words: docs/results/squad-articles-cloze.md): its cloze rows reach 18 of 100
 questions' answers, and with every span in the fit one patch does not keep hundreds of
 question-to-span maps apart. A paragraph's own patch keeps 1.08 of its paragraph's
 (docs/results/squad-cloze.md). So a routed bake cuts the document at its blank lines into

@@ -4,8 +4,11 @@ vLLM and llama.cpp load LoRA pairs of linear weights, one rank for every module,
 norm weights and ``modules_to_save``: a servable bake is ``--linear-only`` (or ``--method
 additive``, linear by construction) at an integer rank, every delta padded to it with zero
 columns (they change nothing). ``--emit lora`` is for vLLM, whose ``--max-lora-rank`` takes
-:data:`VLLM_RANKS` only. The artefacts themselves are written and checked by the backends
-``ctxc compile --emit`` uses (:func:`~ctxc.backends.emit_checked`).
+a few ranks only. Which kinds hold linear weights only (:attr:`Backend.rules
+<ctxc.backends.base.Backend.rules>`) and which ranks they load (:attr:`Backend.ranks
+<ctxc.backends.base.Backend.ranks>`) are the backends' declarations, read here; the artefacts
+themselves are written and checked by the backends ``ctxc compile --emit`` uses
+(:func:`~ctxc.backends.emit_checked`).
 """
 
 from __future__ import annotations
@@ -14,14 +17,13 @@ import dataclasses
 
 import torch
 
+from ctxc.backends import backend
 from ctxc.core.errors import OptionError
 from ctxc.core.options import BakeOptions
+from ctxc.core.vocabulary import ADDITIVE_METHOD, DISTILL_METHOD
 from ctxc.patch import Patch
 
-__all__ = ["LINEAR_KINDS", "VLLM_RANKS", "check_servable", "pad_to_rank"]
-
-VLLM_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)  # vllm/config/lora.py MaxLoRARanks, past 1
-LINEAR_KINDS = ("lora", "gguf-lora")  # the --emit kinds that hold linear weights only
+__all__ = ["check_servable", "pad_to_rank"]
 
 
 def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
@@ -34,18 +36,19 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
 
     Raises:
         OptionError: one line naming the parameters: a fit that moves norm scales, a rank
-            that is not one number, or (``lora``) a rank vLLM does not take.
+            that is not one number, or a rank the kind's engine does not load (``lora``:
+            vLLM's).
     """
-    asked = [k for k in kinds if k in LINEAR_KINDS]
+    asked = [k for k in kinds if backend(k).rules is not None]  # linear weights only
     if not asked:
         return
     kind = asked[0]
-    if options.method == "distill":
+    if options.method == DISTILL_METHOD:
         raise OptionError(
             "{emit} {} takes a fitted bake: {method} fit with {linear_only}, or {method} additive",
             kind,
         )
-    if not (options.linear_only or options.method == "additive"):
+    if not (options.linear_only or options.method == ADDITIVE_METHOD):
         raise OptionError(
             "{emit} {} holds linear weights only, and this bake moves norm scales: bake with "
             "{linear_only} (or {method} additive)",
@@ -55,12 +58,15 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
         raise OptionError(
             "{emit} {} needs one rank for every module: give {rank} N, not {}", kind, rank
         )
-    if "lora" in asked and options.rank not in VLLM_RANKS:
-        raise OptionError(
-            "{emit} lora is for vLLM, whose max LoRA rank takes {}: {rank} {} is not one",
-            ", ".join(map(str, VLLM_RANKS)),
-            options.rank,
-        )
+    for name in asked:
+        ranks = backend(name).ranks
+        if ranks is not None and options.rank not in ranks:
+            raise OptionError(
+                "{emit} {} is for vLLM, whose max LoRA rank takes {}: {rank} {} is not one",
+                name,
+                ", ".join(map(str, ranks)),
+                options.rank,
+            )
 
 
 def pad_to_rank(patch: Patch, rank: int) -> Patch:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import deferred_signals
-from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.core.vocabulary import PATCH_FILE, REPORT_FILE
 from ctxc.store.output import (
     MARKER,
     check_out,
@@ -179,7 +179,7 @@ class BatchFolder:
             Patch.load(folder / PATCH_FILE)  # its tensors against its stored digest
             if stored_digest(folder / PATCH_FILE) != marker["patch_sha256"]:
                 return None
-            return headline(json.loads((folder / "report.json").read_text()))
+            return headline(json.loads((folder / REPORT_FILE).read_text()))
         except (OSError, ValueError, KeyError, TypeError, AttributeError, CtxcError):
             return None
 

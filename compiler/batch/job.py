@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from ctxc.core.checks import ArtefactError
 from ctxc.core.interrupts import pause_point
 from ctxc.core.options import CompileOptions
-from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.core.vocabulary import GGUF_F32, PATCH_FILE
 
 if TYPE_CHECKING:
     from ctxc.models.devices import Placement
@@ -33,7 +33,7 @@ class CompileJob:
 
     compile: CompileOptions
     kinds: list[str]
-    gguf_type: str = "F32"
+    gguf_type: str = GGUF_F32
     images: tuple = ()
     placement: Placement | None = None
 

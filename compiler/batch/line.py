@@ -18,6 +18,7 @@ from ctxc.batch.job import CompileJob, compile_into
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError, environment_error
 from ctxc.core.interrupts import pause_point
+from ctxc.core.vocabulary import REPORT_FILE
 
 __all__ = ["LineOutcome", "compile_line", "record", "settle"]
 
@@ -150,7 +151,7 @@ def settle(
     except BaseException:
         folder.discard(staging)
         raise
-    return None, headline(json.loads((folder.final / entry["name"] / "report.json").read_text()))
+    return None, headline(json.loads((folder.final / entry["name"] / REPORT_FILE).read_text()))
 
 
 def _line(exc: BaseException | str) -> str:

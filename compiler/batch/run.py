@@ -20,7 +20,7 @@ from ctxc.batch.line import compile_line, record, settle
 from ctxc.batch.lines import read_lines, refuse_bad_lines
 from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.interrupts import note_interrupt, pause_point
-from ctxc.core.vocabulary import DEFAULT_RULE
+from ctxc.core.vocabulary import DEFAULT_RULE, GGUF_F32
 
 if TYPE_CHECKING:
     from ctxc.batch.ray_engine import RayEngine
@@ -176,7 +176,7 @@ def compile_many(
     update: str = DEFAULT_RULE,
     start_layer: int = 0,
     skip_unpatchable: bool = False,
-    gguf_type: str = "F32",
+    gguf_type: str = GGUF_F32,
     device: str | None = None,
     engine: str = "local",
     address: str | None = None,

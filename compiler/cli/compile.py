@@ -47,6 +47,7 @@ from ctxc.cli.support import (
 )
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import CompileOptions
+from ctxc.core.vocabulary import GGUF_F32
 from ctxc.store.output import output_folder
 
 __all__ = ["compile_cmd"]
@@ -85,7 +86,7 @@ def compile_cmd(
     update: Update = UPDATE,
     dtype: DType = DTYPE,
     emit: str = typer.Option("torch", "--emit", help=emit_help("Comma list of artefacts")),
-    gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
+    gguf_type: GgufType = typer.Option(GGUF_F32, "--gguf-type", help="GGUF matrix type."),
     start_layer: int = typer.Option(0, "--start-layer", help="First block to patch."),
     skip_unpatchable: bool = typer.Option(
         False, "--skip-unpatchable", help="Patch the other blocks when some admit no patch."

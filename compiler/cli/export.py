@@ -25,7 +25,7 @@ from ctxc.cli.support import load, parse_emit, summaries
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError
 from ctxc.core.interrupts import pause_point
-from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.core.vocabulary import GGUF_F32, PATCH_FILE
 from ctxc.store.output import output_folder
 
 __all__ = ["export_cmd"]
@@ -37,7 +37,7 @@ def export_cmd(
     ),
     model: str | None = MODEL,
     to: str = typer.Option("torch", "--to", help=emit_help("Artefact (torch: the folder itself)")),
-    gguf_type: GgufType = typer.Option("F32", "--gguf-type", help="GGUF matrix type."),
+    gguf_type: GgufType = typer.Option(GGUF_F32, "--gguf-type", help="GGUF matrix type."),
     patchable: bool = typer.Option(
         False, "--patchable", help="ONNX with the patch factors as graph inputs."
     ),
@@ -52,8 +52,8 @@ def export_cmd(
     from ctxc.patch import Patch
 
     kinds = parse_emit(to, "--to")
-    if patchable and "onnx" not in kinds:
-        raise CtxcError("--patchable applies to --to onnx")
+    if patchable:
+        _check_patchable(kinds)
     where = placement_for(device, device_map, max_memory, kinds)
     patch = Patch.load(patch_file)  # validated: finite values, factor shapes, ranks
     _refuse_before_load(patch, kinds)
@@ -87,6 +87,20 @@ def export_cmd(
     for line in summaries(figures.values()):
         say(line)
     say(f"wrote {out_dir}/")
+
+
+def _check_patchable(kinds: list[str]) -> None:
+    """Refuse ``--patchable`` unless a kind asked declares a patchable variant
+    (:attr:`Backend.patchable <ctxc.backends.base.Backend.patchable>`: ``onnx``).
+
+    Raises:
+        CtxcError: ``--patchable applies to --to onnx``, naming every kind that has one.
+    """
+    from ctxc.backends import BACKENDS
+
+    if not any(BACKENDS[k].patchable for k in kinds):
+        having = [name for name, b in BACKENDS.items() if b.patchable]
+        raise CtxcError(f"--patchable applies to --to {' or '.join(having)}")
 
 
 def _refuse_before_load(patch, kinds: list[str]) -> None:

@@ -130,7 +130,18 @@ def placement_for(
 
 
 def emit_help(head: str) -> str:
-    """``HEAD: torch (model/), onnx (model.onnx), ...``: the backends and what each writes."""
+    """The help of an artefact option (``--emit``, ``--to``), the same in every command.
+
+    Built from the registry, so a new backend shows in every command's help without a line
+    there; ``tests/cli/test_cli_modules.py`` checks that each command's option lists them all.
+
+    Args:
+        head: what the option takes, before the list (``Comma list of artefacts``).
+
+    Returns:
+        ``HEAD: torch (model/), onnx (model.onnx), ...``: each backend and what it writes, in
+        the registry's order.
+    """
     from ctxc.backends import BACKENDS  # the folders' declarations, torch-free
 
     kinds = ", ".join(f"{name} ({b.writes})" for name, b in BACKENDS.items())

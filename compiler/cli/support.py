@@ -10,7 +10,7 @@ from pathlib import Path
 from ctxc.cli.progress import err, out, quiet_libraries, stage
 from ctxc.core.interrupts import pause_point
 from ctxc.core.textfile import read_text
-from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.core.vocabulary import PATCH_FILE, REPORT_FILE
 
 __all__ = [
     "chat_input",
@@ -143,6 +143,6 @@ def written(kinds: list[str]) -> list[str]:
 
     return [
         PATCH_FILE,
-        "report.json",
+        REPORT_FILE,
         *(name for k in kinds for name in (backend(k).writes, *backend(k).also)),
     ]

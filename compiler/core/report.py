@@ -11,14 +11,12 @@ from typing import TYPE_CHECKING
 
 from ctxc.core.block_stats import BlockStats
 from ctxc.core.metrics import Fidelity, top1_word
-from ctxc.core.vocabulary import LORA_RULE
+from ctxc.core.vocabulary import LORA_RULE, REPORT_FILE
 
 if TYPE_CHECKING:
     from ctxc.core.checks import ArtefactError
 
 __all__ = ["REPORT_FILE", "SOLVER_REFERENCE", "CompileReport", "reference_name", "write_report"]
-
-REPORT_FILE = "report.json"
 
 # What the solver's figure is measured against: its own arithmetic.
 SOLVER_REFERENCE = (

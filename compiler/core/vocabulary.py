@@ -1,5 +1,6 @@
-"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, formats (and the name
-of the file a patch is saved as); the backends declare themselves (``backends/base.py``).
+"""The choices ctxc offers, named once: update rules, dtypes, GGUF types, formats (and the names
+of the files a patch and its report are saved as); the backends declare themselves
+(``backends/base.py``).
 
 Each choice is a name and a one-line meaning, in the order the help lists them. The CLI builds its
 option choices from here (``compiler/cli/options.py``); the library validates a value against
@@ -15,23 +16,36 @@ from collections.abc import Iterable
 from ctxc.core.errors import OptionError
 
 __all__ = [
+    "ADDITIVE_METHOD",
     "APPLY_MODES",
     "BAKE_DATA",
     "BAKE_METHODS",
+    "BOTH_DATA",
     "CLOZE_FORMS",
+    "CLOZE_KIND",
     "CLOZE_TEACHERS",
+    "CONTINUATIONS_DATA",
     "DEFAULT_RULE",
+    "DISTILL_METHOD",
     "DTYPES",
     "EXACT_RULES",
+    "FILE_KIND",
+    "FIT_METHOD",
     "FIT_ROWS",
     "FORMATS",
+    "GGUF_F32",
     "GGUF_TYPES",
     "LORA_RULE",
+    "ON_POLICY_KIND",
     "OUTPUT_RULE",
     "PATCH_FILE",
     "QUESTION_PROMPTS",
+    "REPORT_FILE",
     "RULES",
     "RULE_MEANINGS",
+    "SAMPLE_KIND",
+    "SELF_STUDY_DATA",
+    "SELF_STUDY_KIND",
     "STABLE_RULE",
     "STANDARD_RULE",
     "check_choice",
@@ -62,6 +76,8 @@ EXACT_RULES: tuple[str, ...] = (STANDARD_RULE, STABLE_RULE, OUTPUT_RULE)
 
 # The file a patch is saved as in an output folder (``ctxc compile``, ``bake``, ``--contexts``).
 PATCH_FILE = "patch.safetensors"
+# The file its figures are written to beside it (``ctxc.core.report.write_report``).
+REPORT_FILE = "report.json"
 
 # How a patch's deltas are applied in memory (MATH.md 6).
 APPLY_MODES: dict[str, str] = {
@@ -75,9 +91,11 @@ DTYPES: dict[str, str] = {
     "float16": "half the memory; a narrower range than bfloat16",
 }
 
-# GGUF matrix types of the patched weights (``--gguf-type``).
+# GGUF matrix types of the patched weights (``--gguf-type``). F32 rounds nothing: the default, and
+# the one type the GGUF checks bound (F16 and BF16 files are reported).
+GGUF_F32 = "F32"
 GGUF_TYPES: dict[str, str] = {
-    "F32": "float32 matrices (exact)",
+    GGUF_F32: "float32 matrices (exact)",
     "F16": "float16 matrices",
     "BF16": "bfloat16 matrices",
 }
@@ -89,19 +107,35 @@ FORMATS: dict[str, str] = {
     "html": "a page with a diagram per block shape",
 }
 
-# How ``ctxc bake`` makes a thought patch (issue 13).
+# How ``ctxc bake`` makes a thought patch (issue 13); code compares a method with these names.
+FIT_METHOD = "fit"
+DISTILL_METHOD = "distill"
+ADDITIVE_METHOD = "additive"
 BAKE_METHODS: dict[str, str] = {
-    "fit": "closed-form least squares over every fit position",
-    "distill": "a LoRA trained by context distillation (needs peft)",
-    "additive": "linear moves from sums over teacher-forced runs: chunks add and remove",
+    FIT_METHOD: "closed-form least squares over every fit position",
+    DISTILL_METHOD: "a LoRA trained by context distillation (needs peft)",
+    ADDITIVE_METHOD: "linear moves from sums over teacher-forced runs: chunks add and remove",
 }
 
-# What ``ctxc bake`` fits on (issue 25).
+# What ``ctxc bake`` fits on (issue 25); code compares ``data`` with these names.
+CONTINUATIONS_DATA = "continuations"
+SELF_STUDY_DATA = "self-study"
+BOTH_DATA = "both"
 BAKE_DATA: dict[str, str] = {
-    "continuations": "continuations sampled from the model fed the context",
-    "self-study": "questions the model writes about the context, answered with it in view",
-    "both": "self-study questions and continuations",
+    CONTINUATIONS_DATA: "continuations sampled from the model fed the context",
+    SELF_STUDY_DATA: "questions the model writes about the context, answered with it in view",
+    BOTH_DATA: "self-study questions and continuations",
 }
+
+# Where each of a bake's fit queries came from (``FitData.kinds``; counted in the report's
+# ``fit_kinds``): a line of the query file, a self-study question and its answer, a cloze
+# question and its span, a sampled continuation, a fitted question answered by the first fit's
+# patched model (``ctxc.bake.onpolicy``).
+FILE_KIND = "file"
+SELF_STUDY_KIND = "self-study"
+CLOZE_KIND = "cloze"
+SAMPLE_KIND = "sample"
+ON_POLICY_KIND = "on-policy"
 
 # Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {

@@ -8,7 +8,7 @@ them, while it runs, from tensors made when it starts and dropped when it ends; 
 tensors are never written. The values are those ``Patch.apply`` writes (:meth:`Delta.materialize`)
 at the parameter's own address modulo 64 bytes (``at_alignment_of``: CPU BLAS kernels round by
 alignment), so the logits are bit for bit those of the model with the patch applied
-(``tests/integration/test_patched_forward.py``). :func:`patched_values` does the same for the
+(``tests/pipeline/test_long_context.py``). :func:`patched_values` does the same for the
 whole model at once, for writing its weights out (``ctxc.backends.torch.model.emit_torch``).
 """
 

@@ -33,7 +33,7 @@ from ctxc.core.cache import cache_dir
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError, environment_cause, environment_oserror
 from ctxc.core.interrupts import deferred_signals, pause_point
-from ctxc.core.vocabulary import PATCH_FILE
+from ctxc.core.vocabulary import PATCH_FILE, REPORT_FILE
 
 __all__ = [
     "MARKER",
@@ -57,7 +57,7 @@ __all__ = [
 MARKER = ".ctxc"
 # What ctxc wrote before the marker existed: such folders are recognised too.
 _LEGACY = (
-    ({PATCH_FILE, "report.json"}, {"model", "model.onnx", "model.onnx.data", "adapter"}),
+    ({PATCH_FILE, REPORT_FILE}, {"model", "model.onnx", "model.onnx.data", "adapter"}),
     ({"generate.json"}, {"generate.png"}),
 )
 

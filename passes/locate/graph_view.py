@@ -220,13 +220,6 @@ class GraphView:
         prefix = WRAPPED + "."
         return path[len(prefix) :] if path.startswith(prefix) else path
 
-    def module_type(self, node: fx.Node) -> str:
-        stack = node.meta.get("nn_module_stack") or {}
-        if not stack:
-            return ""
-        typ = list(stack.values())[-1][1]
-        return getattr(typ, "__name__", str(typ).rsplit(".", 1)[-1].strip("'>"))
-
     def shape(self, node: fx.Node) -> tuple[int | None, ...] | None:
         """The node's shape from its fake value; symbolic sizes become None."""
         val = node.meta.get("val")

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 import ctxc
 from ctxc.backends import emit_checked
 from ctxc.backends.delta.deltas import APPLY, DELTAS_FILE, check_deltas, write_deltas
+from ctxc.backends.thresholds import RELOAD_ATOL
 from ctxc.core.checks import ArtefactError, CheckFailed
 from ctxc.core.errors import CtxcError
-from ctxc.core.thresholds import RELOAD_ATOL
 from ctxc.runs.patched_forward import patched_logits
 from testbed.tiny_models import build_any
 from tests.fixtures.helpers import random_ids

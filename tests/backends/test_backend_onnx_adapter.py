@@ -23,7 +23,8 @@ from ctxc.backends.onnx.ort_adapter import (
     run_adapter,
     write_adapter,
 )
-from ctxc.core.thresholds import ONNX_FLOOR_FACTOR, floor_bound
+from ctxc.backends.onnx.thresholds import ONNX_FLOOR_FACTOR
+from ctxc.core.thresholds import floor_bound
 from testbed.tiny_models import build
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
 

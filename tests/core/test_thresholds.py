@@ -1,4 +1,6 @@
-"""Every fidelity bound in one torch-free module (compiler/core/thresholds.py, issue 21)."""
+"""Every fidelity bound in a torch-free module named ``thresholds.py`` (issue 21): the shared
+ones in ``compiler/core/thresholds.py``, each backend's beside it (``backends/<format>/``), the
+reload bound two formats share in ``backends/thresholds.py``."""
 
 from __future__ import annotations
 
@@ -9,23 +11,31 @@ from pathlib import Path
 
 import pytest
 
-from ctxc.core.thresholds import (
-    EXACT_ATOL,
-    ONNX_ATOL,
-    ONNX_FLOOR_FACTOR,
-    RELOAD_ATOL,
-    floor_bound,
-    reload_bound,
-)
+from ctxc.backends.onnx.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR
+from ctxc.backends.thresholds import RELOAD_ATOL, reload_bound
+from ctxc.core.thresholds import EXACT_ATOL, floor_bound
 
 ROOT = Path(__file__).resolve().parents[2]
 # A public module-level numeric bound: NAME_ATOL = 1e-3, NAME_RTOL = ..., NAME_TOL = ... (a
 # private one, ``_TOL``, is a solver's convergence tolerance, not a fidelity bound).
 _BOUND = re.compile(r"^[A-Z][A-Z_]*(?:ATOL|RTOL|TOL)\s*=\s*[0-9.]+(?:e-?[0-9]+)?\s*(?:#.*)?$", re.M)
+# Source folder -> import name (setup.py's mapping).
+_PACKAGES = {"compiler": "ctxc", "passes": "ctxc.passes", "backends": "ctxc.backends"}
+MODULES = sorted(
+    _PACKAGES[path.relative_to(ROOT).parts[0]]
+    + "".join(f".{part}" for part in path.relative_to(ROOT).with_suffix("").parts[1:])
+    for folder in _PACKAGES
+    for path in (ROOT / folder).rglob("thresholds.py")
+)
 
 
-def test_the_module_imports_without_torch():
-    code = "import sys, ctxc.core.thresholds; print('torch' in sys.modules)"
+def test_the_bounds_modules_are_found() -> None:
+    assert "ctxc.core.thresholds" in MODULES and "ctxc.backends.onnx.thresholds" in MODULES, MODULES
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_the_module_imports_without_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", out.stdout + out.stderr
 

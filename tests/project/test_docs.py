@@ -6,13 +6,15 @@ runs), ``docs/architecture.md``'s walkthrough names files and functions that exi
 ``docs/DESIGN.md`` and ``docs/rules.md`` (each ``path:name``, each ```NAME` in `path``` and
 DESIGN.md's data flow, ``name(args) -> Type``, checked against the code), every relative link
 lands on a file (and a heading, when it names one), every benchmark named as
-``python -m benchmarks.<kind>.<name>`` is a module, and every measured table is stamped.
+``python -m benchmarks.<kind>.<name>`` is a module, every measured table is stamped, and every
+repository path or page a docstring of the package names exists.
 """
 
 from __future__ import annotations
 
 import ast
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,20 @@ _CODE = ("compiler", "passes", "backends")
 _LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 _MODULE = re.compile(r"python -m (benchmarks(?:\.\w+)+)")
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+# A repository path in a docstring, backticked or not: ``docs/bake.md``, compiler/bake/route.py,
+# benchmarks/results/bake_cost*.json (a glob); not the tail of another path (vllm/lora/...).
+_DOC_PATH = re.compile(
+    r"(?<![\w./-])((?:compiler|passes|backends|benchmarks|tests|docs|examples|testbed|tools)/"
+    r"[\w./*-]*[\w*/])"
+)
+# A page a docstring names by itself (MATH.md, block-shapes.md): a page of these folders.
+_DOC_PAGE = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
+_PAGE_HOMES = ("", "docs", "docs/results")
+# Docstrings whose broken references their owner fixes (issue 52 rewrites these modules; remove
+# an entry then): (file, path named) -> the path meant.
+_DOCSTRING_PENDING = {
+    ("compiler/core/options.py", "docs/thought_patches.md"): "docs/results/thought_patches.md",
+}
 
 
 def _text(page: Path) -> str:
@@ -104,6 +120,31 @@ def _anchors(page: Path) -> set[str]:
     return {_slug(h) for h in heads}
 
 
+def _docstrings(path: Path) -> Iterator[tuple[int, str]]:
+    """Each docstring of ``path`` (module, class, function) with the line it starts on."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            text = ast.get_docstring(node, clean=False)
+            if text is not None:
+                yield node.body[0].lineno, text
+
+
+def _docstring_references() -> list[tuple[str, str, bool]]:
+    """``(file:line, path, exists)`` for every repository path and page the package's docstrings
+    name."""
+    found = []
+    for path in sorted(p for d in _CODE for p in (ROOT / d).rglob("*.py")):
+        for start, text in _docstrings(path):
+            for pattern, exists in (
+                (_DOC_PATH, lambda n: any(ROOT.glob(n)) if "*" in n else (ROOT / n).exists()),
+                (_DOC_PAGE, lambda n: any((ROOT / home / n).is_file() for home in _PAGE_HOMES)),
+            ):
+                for m in pattern.finditer(text):
+                    where = f"{path.relative_to(ROOT)}:{start + text.count(chr(10), 0, m.start())}"
+                    found.append((where, m.group(1), exists(m.group(1))))
+    return found
+
+
 def test_readme_is_a_front_door() -> None:
     size = len(README.read_bytes())
     assert size <= 12 * 1024, f"README.md is {size} bytes, more than 12 KB: move detail to docs/"
@@ -151,6 +192,17 @@ def test_every_backticked_path_in_the_docs_exists() -> None:
             if not (ROOT / path).exists():
                 missing.append(f"{page.relative_to(ROOT)}: {path}")
     assert not missing, "paths that do not exist:\n" + "\n".join(missing)
+
+
+def test_every_path_a_docstring_names_exists() -> None:
+    refs = _docstring_references()
+    assert sum(ok for *_, ok in refs) >= 100, refs  # the walk sees the docstrings
+    missing = [
+        f"{where}: {name}"
+        for where, name, ok in refs
+        if not ok and (where.rpartition(":")[0], name) not in _DOCSTRING_PENDING
+    ]
+    assert not missing, "docstrings name paths that do not exist:\n" + "\n".join(missing)
 
 
 def test_relative_links_resolve() -> None:

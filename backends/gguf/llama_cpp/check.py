@@ -17,6 +17,7 @@ import torch
 
 from ctxc.backends.gguf.llama_cpp.run import LlamaCppFigures, llama_cpp_check, llama_cpp_unavailable
 from ctxc.backends.reference import torch_logits
+from ctxc.core.vocabulary import GGUF_F32
 from ctxc.models.load import source_gguf
 from ctxc.patch import Patch
 
@@ -46,7 +47,7 @@ def run_in_llama_cpp(
     what: str,
     full: torch.Tensor,
     tokenizer=None,
-    gguf_type: str = "F32",
+    gguf_type: str = GGUF_F32,
     patched: Path | None = None,
     lora: Path | None = None,
     own: float = 0.0,

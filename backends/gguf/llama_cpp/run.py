@@ -40,10 +40,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ctxc.backends.gguf.thresholds import (
+    LLAMA_CPP_FACTOR,
+    LLAMA_CPP_MIN_FLOOR,
+    LLAMA_CPP_PATCH_SHARE,
+)
 from ctxc.core.checks import enforce as enforce_bound
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import LLAMA_CPP_FACTOR, LLAMA_CPP_MIN_FLOOR, LLAMA_CPP_PATCH_SHARE
 
 __all__ = [
     "LLAMA_CPP_FACTOR",
