@@ -21,6 +21,7 @@ from ctxc.bake.job import BakeJob, BakeRun, HeldOut
 from ctxc.bake.route import ROUTER_FILE, Router, split_chunks
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
+from ctxc.core.vocabulary import ADDITIVE_METHOD
 from ctxc.store.output import output_folder
 
 __all__ = ["CHUNKS_DIR", "bake_routed", "change_routed", "is_routed", "routed_chunks"]
@@ -63,7 +64,7 @@ def bake_routed(job: BakeJob, chunk_words: int, hooks: BakeHooks | None = None) 
     from ctxc.bake.run import preflight
 
     hooks = hooks or BakeHooks()
-    if job.options.method == "additive":
+    if job.options.method == ADDITIVE_METHOD:
         raise CtxcError("a routed bake bakes each chunk alone: give method fit or distill")
     if job.messages is not None or job.queries is not None:
         raise CtxcError("a routed bake fits each chunk on its own data (no chat turns, no queries)")

@@ -21,6 +21,7 @@ from ctxc.bake.hooks import BakeHooks
 from ctxc.bake.job import BakeJob, BakeRun, HeldOut
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
+from ctxc.core.vocabulary import ADDITIVE_METHOD
 from ctxc.store.output import output_folder
 
 __all__ = [
@@ -95,7 +96,7 @@ def bake_into(job: BakeJob, hooks: BakeHooks | None = None) -> BakeRun:
     from ctxc.bake.folder import summary_lines, write_bake
 
     hooks = hooks or BakeHooks()
-    if job.options.method == "additive":
+    if job.options.method == ADDITIVE_METHOD:
         raise CtxcError("an additive bake takes chunks: ctxc.bake.run.bake_additive")
     preflight(job, hooks)
     with output_folder(job.out, job.force, "bake") as tmp:

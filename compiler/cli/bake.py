@@ -24,6 +24,7 @@ from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
 from ctxc.cli.support import chat_input, load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BAKE_GROUPS, BakeOptions, bake_fields
+from ctxc.core.vocabulary import ADDITIVE_METHOD, DISTILL_METHOD
 
 __all__ = ["bake_cmd", "eval_bake_cmd", "parse_rank"]
 
@@ -183,7 +184,7 @@ def _options_of(ctx: typer.Context, given: dict) -> BakeOptions:
     when given at all (the library refuses them when they differ from the default)."""
     fields = {f.name: given[f.name] for f in bake_fields() if f.name in given}
     rank = fields.pop("rank")
-    if fields["method"] != "distill":
+    if fields["method"] != DISTILL_METHOD:
         other = [f.metadata["flag"] for f in bake_fields("distill") if _given(ctx, f.name)]
         if other:
             raise CtxcError(f"{other[0]} is for --method distill (not {fields['method']})")
@@ -229,7 +230,7 @@ def bake_cmd(ctx: typer.Context, **given: Any) -> None:
     )
     if a.route:
         _routed(ctx, a, job, contexts, hooks)
-    elif len(contexts) > 1 or opts.method == "additive":
+    elif len(contexts) > 1 or opts.method == ADDITIVE_METHOD:
         _additive(ctx, a, job, contexts, hooks)
     else:
         _single(ctx, a, job, contexts, hooks)
@@ -270,7 +271,7 @@ def _additive(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) ->
         raise CtxcError("--chunk-words goes with --route")
     if a.chat:
         raise CtxcError("--method additive takes --context files (chunks), not --chat turns")
-    if len(contexts) > 1 and job.options.method != "additive":
+    if len(contexts) > 1 and job.options.method != ADDITIVE_METHOD:
         raise CtxcError("several --context files are chunks: they need --method additive")
     if not contexts:
         raise CtxcError("missing option '--context'")
@@ -290,7 +291,7 @@ def _routed(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> N
             "--route takes --context files and fits each chunk on its own data (no --chat, "
             "no --queries)"
         )
-    if job.options.method == "additive":
+    if job.options.method == ADDITIVE_METHOD:
         raise CtxcError("--route bakes each chunk alone: give --method fit or distill")
     if not contexts:
         raise CtxcError("missing option '--context' (--route cuts a document into chunks)")

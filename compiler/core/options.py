@@ -16,15 +16,21 @@ from typing import Any
 
 from ctxc.core.errors import OptionError
 from ctxc.core.vocabulary import (
+    ADDITIVE_METHOD,
     APPLY_MODES,
     BAKE_DATA,
     BAKE_METHODS,
+    BOTH_DATA,
     CLOZE_FORMS,
     CLOZE_TEACHERS,
+    CONTINUATIONS_DATA,
     DEFAULT_RULE,
+    DISTILL_METHOD,
+    FIT_METHOD,
     FIT_ROWS,
     QUESTION_PROMPTS,
     RULES,
+    SELF_STUDY_DATA,
     check_choice,
 )
 
@@ -176,7 +182,7 @@ class BakeOptions:
         ridge: relative ridge of the matrix fits
             (:class:`~ctxc.passes.solver.fit_moves.FitOptions`); among 0.05-5, 1.0 was best
             held out on the hand-written questions and within 0.02 of 5 on fresh samples
-            (docs/thought_patches.md, levers).
+            (docs/results/thought_patches.md, levers).
         attention: move the attention output projections too (and their post-norm scales, in
             ``fit``; a LoRA on them, in ``distill``) where a block has that surface (sandwich
             norms: Gemma 2/3, OLMo 2). None: wherever the model has it; True: the same, and a
@@ -198,7 +204,7 @@ class BakeOptions:
             position is the same in every query (K identical rows of a very large norm):
             fitted, it dominated the least squares and held-out KL on fresh samples was 0.71
             against 0.32 unfitted (unpatched 1.02; factsheet, K=32, R=64;
-            docs/thought_patches.md).
+            docs/results/thought_patches.md, levers).
         input_moves: library-only: fit the inner linears' input moves too; False: the output
             move only.
         distill_steps: optimiser steps of ``distill`` (at least 1).
@@ -218,7 +224,11 @@ class BakeOptions:
     """
 
     data: str = _option(
-        "both", "data", "--data", "Fit data: continuations, self-study or both.", choices=BAKE_DATA
+        BOTH_DATA,
+        "data",
+        "--data",
+        "Fit data: continuations, self-study or both.",
+        choices=BAKE_DATA,
     )
     samples: int = _option(16, "data", "--samples", "K continuations sampled to fit on.")
     sample_tokens: int = _option(16, "data", "--sample-tokens", "Tokens per sample.")
@@ -249,7 +259,7 @@ class BakeOptions:
     cloze_teacher: str = _option("shown", "data", None, "", choices=CLOZE_TEACHERS)
     fit_rows: str = _option("all", "data", None, "", choices=FIT_ROWS)
     method: str = _option(
-        "fit",
+        FIT_METHOD,
         "fit",
         "--method",
         "fit (closed form), distill (a trained LoRA) or additive (chunks that add and remove).",
@@ -323,16 +333,16 @@ class BakeOptions:
             raise OptionError("{distill_lr} must be positive (got {})", self.distill_lr)
         if self.distill_seconds is not None and not self.distill_seconds > 0:
             raise OptionError("{distill_seconds} must be positive (got {})", self.distill_seconds)
-        if self.rank_per_block and self.method != "fit":
+        if self.rank_per_block and self.method != FIT_METHOD:
             raise OptionError("{rank_per_block} is for {method} fit: a LoRA has one rank")
-        if self.method == "additive" and (self.refit_passes or self.rank_per_block):
+        if self.method == ADDITIVE_METHOD and (self.refit_passes or self.rank_per_block):
             what = "{refit_passes}" if self.refit_passes else "{rank_per_block}"
             raise OptionError(
                 what + " is not additive (it depends on the whole patch): use {method} fit"
             )
-        if self.on_policy and self.method != "fit":
+        if self.on_policy and self.method != FIT_METHOD:
             raise OptionError("{on_policy} refits the fit: it needs {method} fit")
-        if self.method != "distill":
+        if self.method != DISTILL_METHOD:
             # A distill option beside another method would be ignored: one line, not a bake
             # that runs without it (``--steps 5 --seconds 3`` ran a 548 s fit, issue 52).
             moved = [f.name for f in bake_fields("distill") if _moved(self, f)]
@@ -340,7 +350,7 @@ class BakeOptions:
                 raise OptionError(
                     "{" + moved[0] + "} is for {method} distill (not {})", self.method
                 )
-        if self.method == "distill" and importlib.util.find_spec("peft") is None:
+        if self.method == DISTILL_METHOD and importlib.util.find_spec("peft") is None:
             raise OptionError("{method} distill needs peft: pip install 'ctxc[peft]'")
 
     def check_fit(self, queries: Sequence[str] | None) -> None:
@@ -353,7 +363,7 @@ class BakeOptions:
             return
         # topics is library-only and 0 here (else there would be questions): not named.
         asked = "{questions} 0 and {cloze} 0"
-        zero = {"continuations": "{samples} 0", "self-study": asked}
+        zero = {CONTINUATIONS_DATA: "{samples} 0", SELF_STUDY_DATA: asked}
         raise OptionError(
             zero.get(self.data, "{samples} 0 and " + asked)
             + " and no {queries}: nothing to fit the patch on"
@@ -366,17 +376,17 @@ class BakeOptions:
     @property
     def sampled(self) -> int:
         """Continuations to sample: ``samples`` unless ``data`` is ``self-study``."""
-        return 0 if self.data == "self-study" else self.samples
+        return 0 if self.data == SELF_STUDY_DATA else self.samples
 
     @property
     def topical(self) -> int:
         """Topic questions: ``topics`` unless ``data`` is ``continuations``."""
-        return 0 if self.data == "continuations" else self.topics
+        return 0 if self.data == CONTINUATIONS_DATA else self.topics
 
     @property
     def clozed(self) -> int:
         """Extractive queries: ``cloze`` unless ``data`` is ``continuations``."""
-        return 0 if self.data == "continuations" else self.cloze
+        return 0 if self.data == CONTINUATIONS_DATA else self.cloze
 
     @property
     def moves_attention(self) -> bool:
@@ -393,7 +403,7 @@ class BakeOptions:
     @property
     def asked(self) -> int:
         """Self-study questions: ``questions`` unless ``data`` is ``continuations``."""
-        return 0 if self.data == "continuations" else self.questions
+        return 0 if self.data == CONTINUATIONS_DATA else self.questions
 
 
 def bake_fields(group: str | None = None) -> list[Field]:

@@ -70,7 +70,10 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     [
         (["--samples", "0", "--questions", "0", "--cloze", "0"], "nothing to fit"),
         (["--data", "continuations", "--samples", "0"], "--samples 0 and no --queries"),
-        (["--data", "self-study", "--questions", "0", "--cloze", "0"], "--questions 0 and --cloze 0"),
+        (
+            ["--data", "self-study", "--questions", "0", "--cloze", "0"],
+            "--questions 0 and --cloze 0",
+        ),
         # the default's cloze questions, but a context with no name or number to ask about
         (["--samples", "0", "--questions", "0"], "no name or number to ask about (--cloze)"),
         (["--rank", "0"], "--rank must be at least 1"),

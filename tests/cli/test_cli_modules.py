@@ -36,11 +36,6 @@ def test_shared_options_are_declared_once() -> None:
         assert {n: c for n, c in found.items() if c} == {"options.py": 1}, (flag, found)
 
 
-# Commands whose artefact option still lists its kinds by hand: compiler/cli/bake.py is being
-# rewritten (issue 52) to take emit_help; remove it from here then.
-_EMIT_HELP_PENDING = {"bake"}
-
-
 def test_every_artefact_option_lists_every_backend() -> None:
     """Each command's ``--emit``/``--to`` help is ``emit_help``'s: every registered backend and
     what it writes, so a new backend shows in every command's help without a line there."""
@@ -53,7 +48,7 @@ def test_every_artefact_option_lists_every_backend() -> None:
     found = {}
     for name, command in group.commands.items():
         for param in command.params:
-            if {"--emit", "--to"} & set(param.opts) and name not in _EMIT_HELP_PENDING:
+            if {"--emit", "--to"} & set(param.opts):
                 found[name] = [
                     f"{k} ({b.writes})"
                     for k, b in BACKENDS.items()

@@ -131,11 +131,6 @@ def test_one_report_writer(tmp_path) -> None:
     assert writers == ["compiler/core/report.py"], writers
 
 
-# Modules that still spell the report's name: compiler/cli/bake.py is being rewritten (issue 52)
-# and takes REPORT_FILE then; remove it from here.
-_REPORT_NAME_PENDING = {"compiler/cli/bake.py"}
-
-
 def test_the_report_file_is_named_once() -> None:
     named = [
         str(p.relative_to(ROOT))
@@ -143,5 +138,4 @@ def test_the_report_file_is_named_once() -> None:
         for p in sorted(ROOT.joinpath(folder).rglob("*.py"))
         if '"report.json"' in p.read_text()
     ]
-    others = sorted(set(named) - _REPORT_NAME_PENDING)
-    assert others == ["compiler/core/vocabulary.py"], f"use REPORT_FILE instead: {others}"
+    assert named == ["compiler/core/vocabulary.py"], f"use REPORT_FILE instead: {named}"

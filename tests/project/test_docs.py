@@ -48,11 +48,6 @@ _DOC_PATH = re.compile(
 # A page a docstring names by itself (MATH.md, block-shapes.md): a page of these folders.
 _DOC_PAGE = re.compile(r"(?<![\w./-])([\w-]+\.md)\b")
 _PAGE_HOMES = ("", "docs", "docs/results")
-# Docstrings whose broken references their owner fixes (issue 52 rewrites these modules; remove
-# an entry then): (file, path named) -> the path meant.
-_DOCSTRING_PENDING = {
-    ("compiler/core/options.py", "docs/thought_patches.md"): "docs/results/thought_patches.md",
-}
 
 
 def _text(page: Path) -> str:
@@ -197,11 +192,7 @@ def test_every_backticked_path_in_the_docs_exists() -> None:
 def test_every_path_a_docstring_names_exists() -> None:
     refs = _docstring_references()
     assert sum(ok for *_, ok in refs) >= 100, refs  # the walk sees the docstrings
-    missing = [
-        f"{where}: {name}"
-        for where, name, ok in refs
-        if not ok and (where.rpartition(":")[0], name) not in _DOCSTRING_PENDING
-    ]
+    missing = [f"{where}: {name}" for where, name, ok in refs if not ok]
     assert not missing, "docstrings name paths that do not exist:\n" + "\n".join(missing)
 
 
