@@ -213,6 +213,19 @@ def compare(mine: dict, theirs: dict) -> list[str]:
     return lines
 
 
+def _run(cmd: list[str], env: dict, cwd: Path, case: str) -> tuple:
+    """Run one bake: (the completed process, its wall seconds); once more when a signal ended
+    it (SIGTERM or SIGKILL from outside: a busy shared machine's clean-ups)."""
+    for attempt in (1, 2):
+        start = time.perf_counter()
+        run = subprocess.run(cmd, env=env, cwd=cwd, capture_output=True, text=True)
+        took = time.perf_counter() - start
+        if run.returncode not in (-15, -9, 143, 137) or attempt == 2:
+            return run, took
+        print(f"{case}: killed by a signal (exit {run.returncode}, {took:.1f} s): again")
+    raise AssertionError("unreachable")
+
+
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="JSON file to write")
@@ -251,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             cmd = [args.python, "-m", "ctxc.cli.app",
                    *bake_args(kind, texts[name], out, chat_model)]  # fmt: skip
             print(f"{case}: {' '.join(cmd[1:])}", flush=True)
-            start = time.perf_counter()
-            run = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True)
-            took = time.perf_counter() - start
+            run, took = _run(cmd, env, work, case)
             if run.returncode:
                 failed.append(case)
                 print(f"{case}: FAILED (exit {run.returncode}, {took:.1f} s)\n{run.stderr[-3000:]}")
