@@ -16,6 +16,7 @@ from ctxc.backends.peft.lora_adapter import emit_lora
 from ctxc.backends.peft.lora_rules import check_vllm_adapter
 from ctxc.core.errors import CtxcError
 from testbed.tiny_models import bpe_tokenizer, shared
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids, run_cli
 
 pytestmark = pytest.mark.tiny
@@ -43,6 +44,7 @@ def test_lora_rule_on_gemma3_leaves_norms_and_is_exact_behind_them() -> None:
     assert got <= 1e-6 and control > 1e-2, f"lora {got:.3g}, control {control:.3g}"
 
 
+@needs_extra("peft")
 def test_serving_lora_follows_vllm_rules_and_refuses_norm_deltas(tmp_path) -> None:
     model = shared("llama")
     patch = ctxc.compile(model, context_ids=random_ids(3, 20), update="lora").patch
@@ -158,6 +160,7 @@ def _model_dir(tmp_path, family: str):
     return folder, ctx
 
 
+@needs_extra("peft")
 def test_cli_emits_lora_gguf_and_gguf_lora(tmp_path) -> None:
     folder, ctx = _model_dir(tmp_path, "llama")
     out = tmp_path / "out"
@@ -187,7 +190,9 @@ def test_cli_emits_lora_gguf_and_gguf_lora(tmp_path) -> None:
     ("family", "emit", "update", "expected"),
     [
         ("gpt2", "gguf", "stable", "GGUF writer does not know model type 'gpt2'"),
-        ("gemma3", "lora", "stable", "compile with --update lora"),
+        pytest.param(
+            "gemma3", "lora", "stable", "compile with --update lora", marks=needs_extra("peft")
+        ),
     ],
 )
 def test_cli_refuses_what_the_target_cannot_hold(tmp_path, family, emit, update, expected):

@@ -11,9 +11,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 import torch
 import transformers as tf
@@ -24,6 +24,7 @@ from ctxc.backends.onnx.model import ONNX_FILE, emit_onnx
 from ctxc.backends.onnx.ort_adapter import ADAPTER_FILE, PATCHABLE_FILE
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
 from testbed.tiny_models import MOE, build, build_any
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import (
     NOISE,
     TRAIL_LINE,
@@ -33,6 +34,9 @@ from tests.fixtures.helpers import (
     max_diff,
     random_ids,
 )
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
 
 # family -> bound on max |onnxruntime - torch patched|, about ten times the measured figure (in
 # the comment; the largest over the query and two other lengths).
@@ -49,6 +53,8 @@ FULL_CONTEXT_ATOL = {"llama": 2e-6, "mixtral": 2e-6, "gemma3": 1e-5}
 
 
 def _session(path: Path) -> ort.InferenceSession:
+    import onnxruntime as ort
+
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 
@@ -110,7 +116,7 @@ def baked(llama, tmp_path_factory):
 
 @pytest.mark.tiny
 def test_cli_rejects_patchable_without_onnx(tmp_path) -> None:
-    args = ["export", "--patch", "p.safetensors", "--to", "peft", "--patchable"]
+    args = ["export", "--patch", "p.safetensors", "--to", "torch", "--patchable"]
     proc = subprocess.run(
         [sys.executable, "-m", "ctxc.cli.app", *args, "--out", str(tmp_path / "out")],
         capture_output=True,
@@ -124,6 +130,7 @@ def test_cli_rejects_patchable_without_onnx(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@needs_extra("onnx")
 def test_baked_onnx_runs_in_plain_onnxruntime_at_any_length(llama, baked) -> None:
     model, patch, _ = llama
     path, figures, before = baked
@@ -150,6 +157,7 @@ def test_baked_onnx_runs_in_plain_onnxruntime_at_any_length(llama, baked) -> Non
 
 
 @pytest.mark.slow
+@needs_extra("onnx")
 def test_baked_onnx_is_the_same_file_twice(llama, baked, tmp_path) -> None:
     model, patch, _ = llama
     first, _, _ = baked
@@ -160,6 +168,7 @@ def test_baked_onnx_is_the_same_file_twice(llama, baked, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@needs_extra("onnx")
 @pytest.mark.parametrize("family", ["gpt2", "mixtral"])
 def test_baked_onnx_of_each_shape_matches_torch_patched(family: str, tmp_path) -> None:
     """Conv1D (in_out), MoE expert banks: baked, untouched model. Post-norm scales (Gemma 3):
@@ -183,6 +192,7 @@ def test_baked_onnx_of_each_shape_matches_torch_patched(family: str, tmp_path) -
 
 
 @pytest.mark.slow
+@needs_extra("onnx")
 def test_a_failed_check_is_one_line_error(llama, baked) -> None:
     model, patch, _ = llama
     path, _, _ = baked
@@ -206,6 +216,7 @@ def test_a_failed_check_is_one_line_error(llama, baked) -> None:
 
 
 @pytest.mark.slow
+@needs_extra("onnx")
 def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
     model, patch_a, patch_b = llama
     assert {d.rank for d in patch_a.deltas.values()} == {1}
@@ -257,6 +268,7 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@needs_extra("onnx")
 def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
     model = build_any("mixtral")
     a = ctxc.compile(model, context_ids=random_ids(4, 20)).patch
@@ -280,6 +292,7 @@ def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
 
 
 @pytest.mark.slow
+@needs_extra("onnx", "peft")
 def test_cli_compile_emits_checked_onnx_and_peft_and_exports_patchable(tiny_model_dir, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     context = tmp_path / "context.txt"

@@ -8,9 +8,9 @@ the bounds are about ten times that.
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 import ctxc
@@ -26,7 +26,13 @@ from ctxc.backends.onnx.ort_adapter import (
 from ctxc.backends.onnx.thresholds import ONNX_FLOOR_FACTOR
 from ctxc.core.thresholds import floor_bound
 from testbed.tiny_models import build
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+
+pytestmark = needs_extra("onnx")
 
 # bound on max |onnxruntime with the adapter, query alone - torch full context|
 FULL_CONTEXT_ATOL = 1e-5
@@ -54,6 +60,8 @@ def lora_rule(gemma, tmp_path_factory):
 
 
 def _session(path) -> ort.InferenceSession:
+    import onnxruntime as ort
+
     return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
 
 

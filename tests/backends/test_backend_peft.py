@@ -7,19 +7,21 @@ import json
 
 import pytest
 import torch
-from peft import PeftModel
 
 import ctxc
 from ctxc.backends.peft.adapter import ADAPTER_DIR, emit_peft, plan_adapter
 from ctxc.patch import Delta, Patch
 from testbed.tiny_models import build, build_any
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
 
-pytestmark = pytest.mark.tiny
+pytestmark = [pytest.mark.tiny, needs_extra("peft")]
 
 
 def _adapter_logits(family: str, adapter, query: list[int], merge: bool) -> torch.Tensor:
     """A fresh base model (same seed, same weights) with the adapter, fed the query: [k, vocab]."""
+    from peft import PeftModel
+
     model = PeftModel.from_pretrained(build(family), str(adapter)).eval()
     if merge:
         model = model.merge_and_unload()
@@ -119,6 +121,8 @@ def test_moe_expert_banks_are_lora_parameters(tmp_path) -> None:
     config = json.loads((path / "adapter_config.json").read_text())
     assert banks and sorted(config["target_parameters"]) == banks
     assert figures.lora_parameters == len(banks)
+
+    from peft import PeftModel
 
     loaded = PeftModel.from_pretrained(build_any("mixtral"), str(path)).eval()
     with torch.no_grad():

@@ -4,7 +4,6 @@ check, one emit loop for compile, export and bake (``ctxc.backends.emit_checked`
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import inspect
 
 import pytest
@@ -14,14 +13,15 @@ from ctxc.backends import BACKENDS, emit_checked
 from ctxc.core.checks import ArtefactError
 from ctxc.patch import Patch
 from testbed.tiny_models import build, tiny_tokenizer
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import random_ids
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=needs_extra(b.extra)) for n, b in BACKENDS.items()]
+)
 def test_every_emitter_takes_what_the_registry_passes(name) -> None:
     b = BACKENDS[name]
-    if any(importlib.util.find_spec(m) is None for m in b.requires):
-        pytest.skip(f"{b.extra} not installed")
     for variant in {b.load(False), b.load(True)}:
         params = inspect.signature(variant).parameters
         assert list(params)[:3] in (["model", "patch", "out"], ["model", "patch", "out_dir"]), list(
@@ -68,11 +68,10 @@ def test_a_patch_without_solver_figure_is_held_to_the_patched_model(tmp_path, mo
 
 
 @pytest.mark.tiny
+@needs_extra("peft")
 def test_torch_goes_first_and_its_figure_is_the_reload(tmp_path) -> None:
     model = build("gemma3")
     result = ctxc.compile(model, context_ids=random_ids(6, 20), verify=False)
-    if importlib.util.find_spec("peft") is None:
-        pytest.skip("peft not installed")
     kinds = ["peft", "torch"]
     figures = emit_checked(model, result.patch, tmp_path, kinds, full=result.full_logits)
     assert list(figures) == ["torch", "peft"]

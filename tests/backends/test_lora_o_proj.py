@@ -17,6 +17,7 @@ from ctxc.backends.peft.lora_adapter import emit_lora
 from ctxc.backends.reference import torch_logits
 from ctxc.patch import Delta, Patch
 from testbed.tiny_models import bpe_tokenizer, shared
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids
 
 pytestmark = pytest.mark.tiny
@@ -42,6 +43,7 @@ def _with_o_proj(model) -> Patch:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
+@needs_extra("peft")
 def test_emit_lora_carries_o_proj_within_vllm_rules(tmp_path, family) -> None:
     model = shared(family)
     patch = _with_o_proj(model)

@@ -13,6 +13,7 @@ from ctxc.bake.evaluate import evaluate
 from ctxc.core.errors import CtxcError
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from testbed.tiny_models import shared, tiny_tokenizer
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import assert_gives_full, diff_msg, random_ids
 
 pytestmark = pytest.mark.tiny
@@ -86,8 +87,8 @@ def test_reduced_rank_fit_is_the_best_rank_r_fit() -> None:
     assert full.rel_residual < rrr.rel_residual
 
 
+@needs_extra("peft")
 def test_baked_patch_goes_through_the_backends(tmp_path) -> None:
-    pytest.importorskip("peft")
     from ctxc.backends.peft.adapter import emit_peft
 
     model, tok = shared("llama"), tiny_tokenizer()
@@ -100,10 +101,10 @@ def test_baked_patch_goes_through_the_backends(tmp_path) -> None:
     assert (tmp_path / "adapter").is_dir() and figures is not None
 
 
+@needs_extra("peft")
 def test_distill_trains_a_lora_of_the_rank_into_a_patch() -> None:
     """Context distillation: a seeded LoRA becomes a patch; it lowers the fit data's KL and
     leaves the model as it was."""
-    pytest.importorskip("peft")
     model, tok = shared("llama"), tiny_tokenizer()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = FitData([1, *random_ids(5, 16)], special_prefix(tok),

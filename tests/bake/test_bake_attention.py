@@ -15,6 +15,7 @@ from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.evaluate import evaluate
 from ctxc.core.errors import CtxcError
 from testbed.tiny_models import shared, tiny_tokenizer
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import assert_gives_full, diff_msg, random_ids
 
 pytestmark = pytest.mark.tiny
@@ -71,8 +72,8 @@ def test_attention_moves_lower_the_fit_error() -> None:
         assert torch.equal(got, want), diff_msg(name, got, want)
 
 
+@needs_extra("peft")
 def test_distill_with_attention_trains_o_proj_too() -> None:
-    pytest.importorskip("peft")
     model, tok = shared("gemma3"), tiny_tokenizer()
     data = FitData([1, *random_ids(9, 16)], special_prefix(tok),
                    [random_ids(90 + i, 5) for i in range(3)], ["file"] * 3)  # fmt: skip

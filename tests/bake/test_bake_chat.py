@@ -19,6 +19,7 @@ from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.chat import template_ids
 from ctxc.store.traced import traced_blocks
 from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer
+from tests.fixtures.extras import needs_extra
 
 pytestmark = pytest.mark.tiny
 
@@ -136,10 +137,10 @@ def test_chat_self_study_asks_in_turns_and_answers(monkeypatch) -> None:
         assert q == [*chat.turn(text), 5, 6, 7, 8]
 
 
+@needs_extra("peft")
 def test_distill_learns_on_the_matched_positions() -> None:
     """``--method distill`` on chat data: the teacher's rows are the matched positions (the
     opening's last and the query's), and the student's logits are cut to them."""
-    pytest.importorskip("peft")
     from ctxc.bake.distill import teacher_top
 
     model, tok = chat_model("gemma3"), chat_tokenizer("gemma3")

@@ -15,6 +15,7 @@ from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from ctxc.passes.solver.fit_solve import effective_rank
 from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import shared, tiny_tokenizer
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import diff_msg, random_ids
 
 pytestmark = pytest.mark.tiny
@@ -145,8 +146,8 @@ def test_effective_rank_is_the_participation_ratio_of_the_eigenvalues() -> None:
     assert 1.0 < want < 30.0
 
 
+@needs_extra("peft")
 def test_distill_under_a_time_budget_reports_its_steps() -> None:
-    pytest.importorskip("peft")
     model = shared("llama")
     data = _data(70, [4, 5])
     run = bake(model, data=data, options=BakeOptions(method="distill", rank=2, distill_steps=3))

@@ -14,6 +14,7 @@ from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.serve import check_servable
 from ctxc.core.errors import CtxcError
 from testbed.tiny_models import bpe_tokenizer, shared, tiny_tokenizer
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import logits, random_ids
 
 
@@ -52,6 +53,7 @@ def _served(tmp_path, kinds: list[str]):
 
 
 @pytest.mark.tiny
+@needs_extra("peft")
 def test_served_lora_reproduces_the_patched_model(tmp_path) -> None:
     model, query, patched, effect, figures = _served(tmp_path, ["lora", "gguf-lora"])
     lora = figures["lora"].peft  # PEFT reload of lora/ (vLLM's rules checked too)

@@ -9,6 +9,7 @@ import json
 import pytest
 
 from ctxc.patch import Patch
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import run_cli
 
 pytestmark = pytest.mark.tiny
@@ -60,8 +61,17 @@ def test_add_and_remove_chunks(tiny_model_dir, tmp_path) -> None:
         (["--add", "{dir}"], "--add DIR takes the new chunk as --context"),
         (["--remove", "{dir}", "--chunk", "nope"], "has no stats.safetensors"),
         (["--context", "{ctx}", "--context", "{ctx}"], "need --method additive"),
-        (["--context", "{ctx}", "--emit", "lora"], "bake with --linear-only"),
-        (["--context", "{ctx}", "--emit", "lora", "--linear-only", "--rank", "12"], "not one"),
+        # --emit lora: without the [peft] extra, that is the line.
+        pytest.param(
+            ["--context", "{ctx}", "--emit", "lora"],
+            "bake with --linear-only",
+            marks=needs_extra("peft"),
+        ),
+        pytest.param(
+            ["--context", "{ctx}", "--emit", "lora", "--linear-only", "--rank", "12"],
+            "not one",
+            marks=needs_extra("peft"),
+        ),
         (["--context", "{ctx}", "--method", "additive", "--rank", "auto"], "is for --method fit"),
         (["--add", "{dir}", "--context", "{ctx}", "--rank", "8"], "--rank cannot change them"),
         (["--remove", "{dir}", "--chunk", "a", "--linear-only"], "--linear-only cannot change"),

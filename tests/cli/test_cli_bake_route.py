@@ -10,6 +10,7 @@ import pytest
 
 from ctxc.bake.route import Router
 from ctxc.patch import Patch
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import run_cli
 
 pytestmark = pytest.mark.tiny
@@ -24,6 +25,7 @@ def _bytes(folder) -> dict[str, bytes]:
             if p.is_file()}  # fmt: skip
 
 
+@needs_extra("peft")
 def test_route_bakes_each_chunk_alone_and_adds_and_removes(tiny_model_dir, tmp_path) -> None:
     doc, more, alone = tmp_path / "doc.txt", tmp_path / "more.txt", tmp_path / "one.txt"
     doc.write_text(_DOC)

@@ -18,7 +18,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from ctxc.backends import BACKENDS
 from testbed.tiny_models import bpe_tokenizer, shared
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import random_ids, run_cli
 
 # kind -> (update rule, the artefact named in the message, what it would have written)
@@ -62,14 +64,21 @@ def _leftovers(folder: Path) -> list[str]:
 
 
 def test_every_backend_has_its_forced_failure() -> None:
-    from ctxc.backends import BACKENDS
-
     assert set(KINDS) == set(BACKENDS), f"untested: {set(BACKENDS) - set(KINDS)}"
 
 
 @pytest.mark.parametrize(
     "kind",
-    [pytest.param(k, marks=pytest.mark.slow if k in SLOW else pytest.mark.tiny) for k in KINDS],
+    [
+        pytest.param(
+            k,
+            marks=[
+                pytest.mark.slow if k in SLOW else pytest.mark.tiny,
+                needs_extra(BACKENDS[k].extra),
+            ],
+        )
+        for k in KINDS
+    ],
 )
 def test_a_forced_failure_of_each_artefact(kind, llama_dir, tmp_path, monkeypatch):
     update, artefact, writes = KINDS[kind]
@@ -94,6 +103,7 @@ def test_a_forced_failure_of_each_artefact(kind, llama_dir, tmp_path, monkeypatc
 
 
 @pytest.mark.tiny
+@needs_extra("peft")
 def test_what_passed_is_kept_and_export_retries(llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("CTXC_TEST_FAIL_CHECK", "peft")
     run = _compile(llama_dir, tmp_path, "torch,peft", "stable")
@@ -165,7 +175,11 @@ def test_a_scaled_value_is_refused_by_the_digest(scaled, tiny_model_dir):
 @pytest.mark.tiny
 @pytest.mark.parametrize(
     ("to", "artefact"),
-    [("torch", "model folder"), ("peft", "adapter/"), ("safetensors-delta", "deltas.safetensors")],
+    [
+        ("torch", "model folder"),
+        pytest.param("peft", "adapter/", marks=needs_extra("peft")),
+        ("safetensors-delta", "deltas.safetensors"),
+    ],
 )
 def test_a_scaled_value_without_digest_fails_the_gate(scaled, tiny_model_dir, to, artefact):
     work, tensors, meta = scaled

@@ -10,6 +10,7 @@ import pytest
 
 from ctxc.batch.lines import _parse
 from ctxc.core.tokens import split_tokens
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import run_cli
 
 pytestmark = pytest.mark.tiny
@@ -70,6 +71,7 @@ def test_only_the_empty_query_is_refused_as_empty(tiny_model_dir, tmp_path) -> N
     assert _parse(json.dumps({"context": "w1", "query": ""}), 1, 4)[0] is None
 
 
+@needs_extra("peft")
 def test_peft_adapter_names_the_base_model_and_has_a_model_card(tiny_model_dir, tmp_path):
     """compile, then export --to peft from relative paths: the names written are absolute."""
     (tmp_path / "c.txt").write_text("w1 w2 w3 w4 w5 w6 w7 w8")

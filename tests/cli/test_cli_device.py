@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import run_cli
 
 pytestmark = pytest.mark.tiny
@@ -81,6 +82,7 @@ def test_device_map_compile_writes_the_in_memory_patch(tiny_model_dir, context, 
         assert report["control"]["max_abs_logit_diff"] > 1e-2, (name, report["control"])
 
 
+@needs_extra("onnx")
 def test_device_map_refuses_onnx_before_loading(tiny_model_dir, context, tmp_path):
     args = ["compile", "--model", str(tiny_model_dir), "--context", str(context)]
     proc = run_cli(*args, "--out", "o", "--device-map", "auto", "--emit", "torch,onnx")

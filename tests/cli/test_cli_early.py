@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import run_cli
 
 # A refusal before the load takes the CLI's imports and a tokenizer at most: seconds, where
@@ -56,9 +57,15 @@ def _refused(args: list[str], cwd: Path, asked: list[str]) -> str:
 @pytest.mark.parametrize(
     ("emit", "update", "rule"),
     [
-        ("lora", [], "stable"),
+        # The extras' check comes first (parse_backends): without one, that is the line.
+        pytest.param("lora", [], "stable", marks=needs_extra("peft")),
         ("torch,gguf-lora", ["--update", "output"], "output"),
-        ("onnx,ort-adapter,peft,lora,gguf,gguf-lora", ["--update", "standard"], "standard"),
+        pytest.param(
+            "onnx,ort-adapter,peft,lora,gguf,gguf-lora",
+            ["--update", "standard"],
+            "standard",
+            marks=needs_extra("onnx", "peft"),
+        ),
     ],
     ids=["lora-default-rule", "gguf-lora-output", "all-kinds-standard"],
 )
@@ -161,6 +168,7 @@ def test_compile_many_refuses_bad_lines_before_the_load(tmp_path, no_load) -> No
     assert no_load == [] and not (tmp_path / "out").exists()
 
 
+@needs_extra("peft")  # without it, --to lora says so first
 def test_export_to_lora_of_a_patch_with_a_norm_delta_is_refused_before_the_load(
     tmp_path, no_load
 ) -> None:

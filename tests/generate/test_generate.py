@@ -10,6 +10,7 @@ import torch
 
 from ctxc.generate.steps import generate
 from testbed.tiny_models import VOCAB, build, build_any
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import CliRun, run_cli
 
 pytestmark = pytest.mark.tiny
@@ -69,6 +70,7 @@ def _generate(model, context, steps: int, out) -> CliRun:
     return run_cli("generate", *args, "--max-new-tokens", str(steps))
 
 
+@needs_extra("plot")
 def test_cli_writes_json_and_plot(tiny_model_dir, tmp_path) -> None:
     context = tmp_path / "c.txt"
     context.write_text("w5 w6 w7 w8 w9 w10 w11")

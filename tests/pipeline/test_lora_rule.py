@@ -16,6 +16,7 @@ import torch
 import ctxc
 from ctxc.backends.peft.lora_adapter import emit_lora
 from testbed.tiny_models import shared
+from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import random_ids
 
 pytestmark = pytest.mark.tiny
@@ -59,6 +60,7 @@ def test_lora_rule_is_the_same_patch_twice() -> None:
 
 
 @pytest.mark.parametrize("family", SANDWICH)
+@needs_extra("peft")
 def test_sandwich_adapters_follow_vllm_rules_and_hold_the_patch(family: str, tmp_path) -> None:
     model = shared(family)
     result = ctxc.compile(model, context_ids=random_ids(14, 28), update="lora")
