@@ -137,9 +137,14 @@ def chat_format(tokenizer, turns: Sequence[dict]) -> ChatFormat:
         raise CtxcError("the chat template renders the context differently for each query")
     opening, exact = _opening(tokenizer, splits)
     return ChatFormat(
-        tokenizer, tuple(turns), list(splits[0].context_ids), opening, exact,
-        _ends(tokenizer), splits[0],
-    )  # fmt: skip
+        tokenizer,
+        tuple(turns),
+        list(splits[0].context_ids),
+        opening,
+        exact,
+        _ends(tokenizer),
+        splits[0],
+    )
 
 
 def _opening(tokenizer, splits: list[ChatSplit]) -> tuple[list[int], bool]:
@@ -262,9 +267,14 @@ def chat_self_study(
             idx = [j for j, c in enumerate(cells) if (c < grid) == greedy]
             if idx:
                 got = continue_rows(
-                    model, chat.context_ids, [rows[j] for j in idx], question_tokens,
-                    None if greedy else gen, start, until,
-                )  # fmt: skip
+                    model,
+                    chat.context_ids,
+                    [rows[j] for j in idx],
+                    question_tokens,
+                    None if greedy else gen,
+                    start,
+                    until,
+                )
                 for j, g in zip(idx, got, strict=True):
                     replies[j] = g
         for c, reply in zip(cells, replies, strict=True):

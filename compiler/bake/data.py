@@ -45,7 +45,8 @@ class FitData:
         context_ids: the context as the tokenizer gives it (with its special tokens).
         prefix: the tokens the tokenizer puts before a text (its BOS), fed before each query.
         queries: each query's ids, without special tokens.
-        kinds: ``file``, ``self-study`` or ``sample`` per query.
+        kinds: per query, the kind of the source that gave it (``ctxc.bake.sources``:
+            ``file``, ``self-study``, ``cloze``, ``sample``; ``on-policy``).
         opening: the prefix is a chat template's opening (``ctxc.bake.chat``: what it puts
             before a user turn when there is no context), not a BOS: only its last position is
             matched to the context's last (both predict the query's first token); its other

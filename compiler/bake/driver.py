@@ -1,8 +1,8 @@
 """``ctxc.bake.driver``: one reusable patch per context, fitted over many queries (issue 13).
 
-The bake's driver, as ``compiler/pipeline.py`` is the compile's: the fit data (:func:`bake_data`,
-from the pieces in :mod:`ctxc.bake.data`, :mod:`ctxc.bake.selfstudy`, :mod:`ctxc.bake.chat`),
-the full runs' targets, then the fit or the distillation.
+The bake's driver, as ``compiler/pipeline.py`` is the compile's: the fit data (:func:`fit_data`,
+every source of :mod:`ctxc.bake.sources`; :func:`bake_data` for an evaluation's), the full
+runs' targets, then the fit or the distillation.
 
 The exact compiler patches one query; a thought patch must serve queries it has never seen. The
 fit data are a query file's lines and/or K continuations sampled from the model fed the context;
@@ -23,22 +23,17 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ctxc._version import __version__
-from ctxc.bake.chat import CHAT_SEEDS, ChatFormat, answered, chat_format, chat_self_study
-from ctxc.bake.cloze import chat_cloze_queries, cloze_queries
-from ctxc.bake.data import (
-    FitData,
-    sample_continuations,
-    special_prefix,
-    text_queries,
-)
+from ctxc.bake.chat import ChatFormat, chat_format
+from ctxc.bake.data import FitData
 from ctxc.bake.onpolicy import joined_targets, with_own_answers
-from ctxc.bake.selfstudy import answer_end, as_question, context_run, self_study
+from ctxc.bake.selfstudy import answer_end
 from ctxc.bake.serve import pad_to_rank
+from ctxc.bake.sources import fit_context, gather
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
+from ctxc.core.vocabulary import ADDITIVE_METHOD, BOTH_DATA, DISTILL_METHOD, FIT_METHOD
 from ctxc.models.fingerprint import fingerprint
-from ctxc.models.load import check_length
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver.fit_moves import FitOptions
 from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
@@ -87,27 +82,27 @@ def bake_data(
     seed: int,
     prefix: list[int] | None = None,
     questions: int = 0,
-    answer_tokens: int = 16,
-    question_prompt: str = "plain",
-    question_temperature: float = 1.0,
+    answer_tokens: int = BakeOptions.answer_tokens,
+    question_prompt: str = BakeOptions.question_prompt,
+    question_temperature: float = BakeOptions.question_temperature,
     topics: int = 0,
     chat: ChatFormat | None = None,
     answer: bool = False,
     cloze: int = 0,
-    cloze_form: str = "sentence",
-    cloze_teacher: str = "plain",
+    cloze_form: str = BakeOptions.cloze_form,
+    cloze_teacher: str = BakeOptions.cloze_teacher,
 ) -> FitData:
-    """The fit data: the query texts' ids, then ``questions`` self-study queries
-    (:func:`~ctxc.bake.selfstudy.self_study`, seeded ``seed``), then ``samples`` sampled
-    continuations; ``cloze`` extractive queries (:func:`~ctxc.bake.cloze.cloze_queries`)
-    between the self-study ones and the samples.
+    """The fit data of these counts (an evaluation's held-out data: no self-study or cloze
+    unless asked): every source of :mod:`ctxc.bake.sources` in order, the query texts' ids,
+    ``questions`` self-study queries (seeded ``seed``), ``cloze`` extractive queries, then
+    ``samples`` sampled continuations. The other defaults are :class:`BakeOptions`'.
 
     Args:
-        samples: K, at least 0 (``BakeOptions`` validated it; an evaluation's count, its caller).
+        samples: K, at least 0.
         questions: self-study questions, at least 0.
         answer_tokens: greedy answer tokens per self-study question.
-        question_prompt, question_temperature, topics: how the plain path's questions are
-            written (:class:`BakeOptions`).
+        question_prompt, question_temperature, topics, cloze_form, cloze_teacher: as in
+            :class:`BakeOptions`.
         chat: a chat model's :class:`~ctxc.bake.chat.ChatFormat`: ``context_ids`` are its
             context turns', each query text is a user turn, self-study asks in turns
             (:func:`~ctxc.bake.chat.chat_self_study`) and the prefix is the template's
@@ -118,116 +113,24 @@ def bake_data(
 
     Raises:
         CtxcError: an input past the model's positions.
+        OptionError: a bad count or choice (:class:`BakeOptions`').
     """
-    if chat is not None:
-        return _chat_data(model, chat, queries, samples, sample_tokens, seed, questions,
-                          answer_tokens, answer, cloze, cloze_form, cloze_teacher)  # fmt: skip
-    if prefix is None:
-        prefix = special_prefix(tokenizer) if tokenizer is not None else []
-    given = text_queries(tokenizer, queries) if queries else []
-    clozed: list[list[int]] = []
-    cloze_from: list[int] = []
-    if cloze:
-        text = tokenizer.decode(context_ids, skip_special_tokens=True)
-        clozed, cloze_from, _ = cloze_queries(tokenizer, text, cloze, cloze_form)
-    # A self-study query: "Question: ...?\nAnswer:" (<= ~40 tokens) and its answer.
-    asked_bound = 48 + answer_tokens if questions or topics else 0
-    longest = max(
-        [len(q) for q in given]
-        + [_reads(cloze_teacher) * len(q) for q in clozed]
-        + [sample_tokens if samples else 0, asked_bound]
+    options = BakeOptions(
+        samples=samples,
+        sample_tokens=sample_tokens,
+        seed=seed,
+        data=BOTH_DATA,
+        questions=questions,
+        answer_tokens=answer_tokens,
+        question_prompt=question_prompt,
+        question_temperature=question_temperature,
+        topics=topics,
+        cloze=cloze,
+        cloze_form=cloze_form,
+        cloze_teacher=cloze_teacher,
     )
-    check_length(model, len(context_ids) + longest, "context + longest query")
-    start = context_run(model, context_ids) if (questions or topics) and samples else None
-    asked: list[list[int]] = []
-    asked_texts: list[str] = []
-    if questions or topics:
-        asked, asked_texts = self_study(
-            model, tokenizer, context_ids, questions, answer_tokens=answer_tokens, seed=seed,
-            start=start, prompt=question_prompt, temperature=question_temperature,
-            topic_count=topics,
-        )  # fmt: skip
-    sampled = (
-        sample_continuations(model, context_ids, samples, sample_tokens, seed, start)
-        if samples
-        else []
-    )
-    # Where each self-study answer starts: its question's ids, as self_study tokenizes them.
-    starts = [len(text_queries(tokenizer, [as_question(q)])[0]) for q in asked_texts]
-    return FitData(
-        list(context_ids),
-        list(prefix),
-        given + asked + clozed + sampled,
-        ["file"] * len(given)
-        + ["self-study"] * len(asked)
-        + ["cloze"] * len(clozed)
-        + ["sample"] * samples,
-        answer_from=[0] * len(given) + starts + cloze_from + [0] * len(sampled),
-        shown=_shown(len(given) + len(asked), clozed, len(sampled), cloze_teacher),
-    )
-
-
-def _reads(teacher: str) -> int:
-    """How many times the full input holds a cloze query: twice when ``shown``."""
-    return 2 if teacher == "shown" else 1
-
-
-def _shown(before: int, clozed: list[list[int]], after: int, teacher: str) -> list | None:
-    """``FitData.shown`` of ``BakeOptions.cloze_teacher``: ``shown`` puts each cloze query
-    (its question, its span) before itself, so the full-context model reads the span once and
-    its targets at the second reading give it; None for ``plain``."""
-    if teacher == "plain" or not clozed:
-        return None
-    return [[] for _ in range(before)] + [list(q) for q in clozed] + [[] for _ in range(after)]
-
-
-def _chat_data(
-    model, chat: ChatFormat, queries, samples: int, sample_tokens: int, seed: int,
-    questions: int, answer_tokens: int, answer: bool, cloze: int = 0, cloze_form: str = "sentence",
-    cloze_teacher: str = "plain",
-) -> FitData:  # fmt: skip
-    """:func:`bake_data` of a chat model: user turns after the context turns."""
-    ids = chat.context_ids
-    turns = [chat.turn(q) for q in queries] if queries else []
-    clozed, cloze_from, _ = chat_cloze_queries(chat, cloze, cloze_form) if cloze else ([], [], [])
-    extra = answer_tokens if answer else 0
-    # A self-study reply: the seed prompt's turn, a wh-word and 24 tokens; then its question's
-    # turn (the template's tokens, at most ~26 of the question's) and the answer.
-    asked_bound = (
-        max(len(chat.turn(s)) for s in CHAT_SEEDS) + 32 + answer_tokens if questions else 0
-    )
-    longest = max(
-        [len(t) + extra for t in turns]
-        + [_reads(cloze_teacher) * len(q) for q in clozed]
-        + [sample_tokens if samples else 0, asked_bound]
-    )
-    check_length(model, len(ids) + longest, "context + longest query")
-    uses = (questions > 0) + (samples > 0) + (bool(turns) and answer)
-    start = context_run(model, ids) if uses > 1 else None  # run once
-    given = answered(model, chat, turns, answer_tokens, start) if answer else turns
-    asked: list[list[int]] = []
-    asked_texts: list[str] = []
-    if questions:
-        asked, asked_texts = chat_self_study(
-            model, chat, questions, answer_tokens=answer_tokens, seed=seed, start=start
-        )
-    # Where each answer starts: after its question's turn (a held-out turn is all question).
-    starts = [len(t) if answer else 0 for t in turns] + [len(chat.turn(q)) for q in asked_texts]
-    sampled = (
-        sample_continuations(model, ids, samples, sample_tokens, seed, start) if samples else []
-    )
-    return FitData(
-        list(ids),
-        list(chat.opening),
-        given + asked + clozed + sampled,
-        ["file"] * len(given)
-        + ["self-study"] * len(asked)
-        + ["cloze"] * len(clozed)
-        + ["sample"] * samples,
-        answer_from=starts + cloze_from + [0] * len(sampled),
-        opening=True,
-        shown=_shown(len(given) + len(asked), clozed, len(sampled), cloze_teacher),
-    )
+    ctx = fit_context(model, tokenizer, context_ids, options, queries, chat, answer, prefix)
+    return gather(ctx)
 
 
 def check_rank(rank: int | None, model: torch.nn.Module, blocks) -> None:
@@ -296,7 +199,7 @@ def bake(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     chat = _chat(tokenizer, messages, context, context_ids)
-    if o.method == "additive":
+    if o.method == ADDITIVE_METHOD:
         raise OptionError("{method} additive bakes chunks: ctxc.bake.chunks.bake_chunks")
     if data is None:
         ids = chat.context_ids if chat else _context_ids(tokenizer, context, context_ids)
@@ -304,7 +207,7 @@ def bake(
     timings["data"] = round(time.perf_counter() - clock, 3)
     traced, blocks = fit_blocks(model, o)
     fit, extra = None, {}
-    if o.method == "fit" or o.distill_from_fit:
+    if o.method == FIT_METHOD or o.distill_from_fit:
         if targets is None:
             clock = time.perf_counter()
             stage("full runs")
@@ -314,7 +217,7 @@ def bake(
         clock = time.perf_counter()
         fit = _fit(traced, blocks, targets, data, o, on_block)
         timings["fit"] = round(time.perf_counter() - clock, 3)
-        if o.method == "fit" and o.on_policy_for(chat is not None):
+        if o.method == FIT_METHOD and o.on_policy_for(chat is not None):
             clock = time.perf_counter()
             data, targets, fit = _refit_on_policy(
                 model, tokenizer, chat, traced, blocks, data, targets, fit, o, stage, on_block
@@ -324,7 +227,7 @@ def bake(
     patch = Patch(fit.deltas, meta) if fit is not None else None
     if patch is not None and o.linear_only and o.rank is not None:
         patch = pad_to_rank(patch, o.rank)  # one rank for every module, as a LoRA has
-    if o.method == "distill":
+    if o.method == DISTILL_METHOD:
         from ctxc.bake.distill import distill
 
         stage("distilling")
@@ -352,9 +255,18 @@ def _chat(tokenizer, messages, context, context_ids) -> ChatFormat | None:
 
 
 def _refit_on_policy(
-    model, tokenizer, chat, traced, blocks, data: FitData, targets, fit: FitSolution,
-    o: BakeOptions, stage, on_block,
-) -> tuple[FitData, dict[str, BlockTargets], FitSolution]:  # fmt: skip
+    model,
+    tokenizer,
+    chat,
+    traced,
+    blocks,
+    data: FitData,
+    targets,
+    fit: FitSolution,
+    o: BakeOptions,
+    stage,
+    on_block,
+) -> tuple[FitData, dict[str, BlockTargets], FitSolution]:
     """The fit again over ``data`` and the patched model's own answers to its questions, read
     by the full-context model (:mod:`ctxc.bake.onpolicy`): (data, targets, fit)."""
     stage("on-policy rows: the patched model answers the fit's questions")
@@ -375,9 +287,14 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
     """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
     opts = FitOptions(
-        o.ridge, o.rank, o.scale_ridge, o.input_moves, o.rank_per_block, o.moves_attention,
+        o.ridge,
+        o.rank,
+        o.scale_ridge,
+        o.input_moves,
+        o.rank_per_block,
+        o.moves_attention,
         o.linear_only,
-    )  # fmt: skip
+    )
     answers = o.fit_rows == "answers"
     whole = o.fit_prefix and not data.opening and not answers
     rows = None if whole else query_rows(data, o.fit_prefix, answers)
@@ -387,16 +304,11 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
 def fit_data(
     model, tokenizer, ids: list[int], queries, o: BakeOptions, stage, chat=None
 ) -> FitData:
-    """The fit data of ``o`` (refused in one line when there is nothing to fit on); with
+    """The fit data of ``o``: every source's rows (:func:`~ctxc.bake.sources.loop.gather`,
+    its counts on the stage line), refused in one line when there is nothing to fit on; with
     ``chat``, in its turns, the query file's turns answered."""
     o.check_fit(queries)
-    stage(f"fit data: {o.asked} self-study questions, {o.sampled} samples")
-    data = bake_data(
-        model, tokenizer, ids, queries, o.sampled, o.sample_tokens, o.seed,
-        questions=o.asked, answer_tokens=o.answer_tokens, question_prompt=o.question_prompt,
-        question_temperature=o.question_temperature, topics=o.topical, chat=chat, answer=True,
-        cloze=o.clozed, cloze_form=o.cloze_form, cloze_teacher=o.cloze_teacher,
-    )  # fmt: skip
+    data = gather(fit_context(model, tokenizer, ids, o, queries, chat, answer=True), stage)
     if not data.queries:
         cloze = " and the context has no name or number to ask about ({cloze})" if o.clozed else ""
         raise OptionError(
@@ -435,10 +347,12 @@ def query_rows(data: FitData, fit_prefix: bool = False, answers: bool = False) -
     n = len(data.prefix)
     skip = n - data.head if fit_prefix else n
     starts = data.answer_from if answers and data.answer_from else [0] * len(data.queries)
-    return torch.cat([
-        torch.arange(n + len(q)) >= max(skip, n + a - 1 if a else 0)
-        for q, a in zip(data.queries, starts, strict=True)
-    ])  # fmt: skip
+    return torch.cat(
+        [
+            torch.arange(n + len(q)) >= max(skip, n + a - 1 if a else 0)
+            for q, a in zip(data.queries, starts, strict=True)
+        ]
+    )
 
 
 def _context_ids(tokenizer, context: str | None, context_ids: list[int] | None) -> list[int]:

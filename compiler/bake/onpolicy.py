@@ -23,24 +23,24 @@ import torch
 
 from ctxc.bake.data import FitData, stacked
 from ctxc.bake.selfstudy import continue_rows
-from ctxc.core.vocabulary import CLOZE_KIND, FILE_KIND, ON_POLICY_KIND, SELF_STUDY_KIND
+from ctxc.bake.sources.registry import asked_kinds
+from ctxc.core.vocabulary import ON_POLICY_KIND
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.patch import Patch
 
 __all__ = ["ON_POLICY_KIND", "asked_queries", "joined_targets", "with_own_answers"]
 
-# The fit queries that hold a question before their answer (FitData.answer_from > 0).
-_ASKED_KINDS = (FILE_KIND, SELF_STUDY_KIND, CLOZE_KIND)
-
 
 def asked_queries(data: FitData) -> list[int]:
-    """Indices of ``data``'s queries that are a question and its answer (``answer_from > 0``)."""
+    """Indices of ``data``'s queries that are a question and its answer (``answer_from > 0``,
+    of a source that asks: ``ctxc.bake.sources.base.Source.asks``)."""
     if data.answer_from is None:
         return []
+    kinds = asked_kinds()
     return [
         i
         for i, (kind, start) in enumerate(zip(data.kinds, data.answer_from, strict=True))
-        if kind in _ASKED_KINDS and start > 0
+        if kind in kinds and start > 0
     ]
 
 

@@ -167,10 +167,13 @@ def _padded(
             pos[i, pad:] = torch.arange(c, c + len(r))
         last = pos[:, -1]  # [b]
         out = model(
-            input_ids=ids.to(device), attention_mask=mask.to(device),
-            position_ids=pos.to(device), **with_cache(model, cache), use_cache=True,
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=pos.to(device),
+            **with_cache(model, cache),
+            use_cache=True,
             logits_to_keep=1,
-        )  # fmt: skip
+        )
         got = []
         for step in range(steps):
             logits = out.logits[:, -1].float().cpu()  # [b, vocab]
@@ -183,10 +186,13 @@ def _padded(
             last = last + 1
             mask = torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], 1)
             out = model(
-                input_ids=tok[:, None].to(device), attention_mask=mask.to(device),
-                position_ids=last[:, None].to(device), **with_cache(model, cache_of(out)),
-                use_cache=True, logits_to_keep=1,
-            )  # fmt: skip
+                input_ids=tok[:, None].to(device),
+                attention_mask=mask.to(device),
+                position_ids=last[:, None].to(device),
+                **with_cache(model, cache_of(out)),
+                use_cache=True,
+                logits_to_keep=1,
+            )
     return torch.stack(got, 1).tolist()
 
 

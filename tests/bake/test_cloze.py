@@ -131,8 +131,8 @@ def test_shown_teacher_reads_each_cloze_query_before_itself() -> None:
     model, tok = shared("gemma3"), CharTokenizer(_CHARS, special=(0, 1, 2, 3))
     text = "Rollo led 12 Norse raiders."  # short: each cloze query is read twice (256 positions)
     context = tok(text).input_ids
-    plain = bake_data(model, tok, context, None, 2, 3, 0, cloze=3)
-    shown = bake_data(model, tok, context, None, 2, 3, 0, cloze=3, cloze_teacher="shown")
+    plain = bake_data(model, tok, context, None, 2, 3, 0, cloze=3, cloze_teacher="plain")
+    shown = bake_data(model, tok, context, None, 2, 3, 0, cloze=3)  # the default teacher
     assert plain.shown is None and shown.queries == plain.queries, shown.kinds
     n = shown.kinds.count("cloze")  # Rollo, 12 (a sentence of two spans)
     assert n == 2 and shown.kinds == ["cloze"] * n + ["sample"] * 2, shown.kinds
