@@ -55,7 +55,9 @@ def _imports(tree: ast.AST) -> list[tuple[str, list[str]]]:
 SOURCES = _sources()
 
 
-def _installed_view(dest: Path, backends: Path = PACKAGES["ctxc.backends"]) -> Path:
+def _installed_view(
+    dest: Path, backends: Path = PACKAGES["ctxc.backends"], cli: Path | None = None
+) -> Path:
     """A folder holding ``ctxc`` as an installed copy would, made of links to the sources.
 
     setup.py's package_dir maps ``ctxc`` onto three folders; import-linter finds a package
@@ -64,12 +66,14 @@ def _installed_view(dest: Path, backends: Path = PACKAGES["ctxc.backends"]) -> P
     Args:
         dest: the folder to make.
         backends: the folder ``ctxc.backends`` is (a seeded copy, for a contract that must fail).
+        cli: the folder ``ctxc.cli`` is, likewise (None: the sources').
     """
     package = dest / "ctxc"
     package.mkdir(parents=True)
     for entry in PACKAGES["ctxc"].iterdir():
         if entry.name != "__pycache__":
-            (package / entry.name).symlink_to(entry)
+            seeded = cli if entry.name == "cli" and cli is not None else entry
+            (package / entry.name).symlink_to(seeded)
     (package / "passes").symlink_to(PACKAGES["ctxc.passes"])
     (package / "backends").symlink_to(backends)
     return dest
@@ -130,7 +134,7 @@ def test_a_cross_format_import_breaks_the_formats_contract(tmp_path, into, seed,
     importer = f"ctxc.backends.{into.split('/')[0]}"
     assert run.returncode == 1, f"rc {run.returncode}: " + run.stdout[-4000:] + run.stderr[-2000:]
     assert f"{FORMATS_CONTRACT} BROKEN" in run.stdout, run.stdout[-4000:]
-    assert "Contracts: 2 kept, 1 broken." in run.stdout, run.stdout[-4000:]
+    assert _one_broken(run.stdout), run.stdout[-4000:]
     want = f"{importer} is not allowed to import ctxc.backends.{imported}"
     assert want in run.stdout, run.stdout[-4000:]
 
@@ -278,3 +282,34 @@ def test_tests_and_benchmarks_import_nothing_of_each_other() -> None:
                 if name == other or name.startswith(other + "."):
                     bad.append(f"{path.relative_to(ROOT)} imports {name}")
     assert not bad, "\n".join(bad)
+
+
+def _one_broken(stdout: str) -> bool:
+    """import-linter's closing line says one contract broke and every other of pyproject's held."""
+    total = (ROOT / "pyproject.toml").read_text().count("[[tool.importlinter.contracts]]")
+    return f"Contracts: {total - 1} kept, 1 broken." in stdout
+
+
+# pyproject's contract that the bake's commands reach the stage through its public names.
+BAKE_CONTRACT = "the bake's commands use the stage's public names only"
+
+
+@pytest.mark.parametrize(
+    ("into", "seed"),
+    [
+        ("route.py", "def _seeded():\n    from ctxc.bake.route import words\n"),
+        ("bake.py", "import ctxc.bake.driver\n"),
+    ],
+)
+def test_a_stage_internal_import_breaks_the_bake_contract(tmp_path, into, seed) -> None:
+    """A module of the bake stage imported by ``ctxc bake``'s or ``ctxc route``'s command (in
+    a copy of compiler/cli/): the bake contract fails, naming the import; the others hold."""
+    cli = tmp_path / "cli"
+    shutil.copytree(PACKAGES["ctxc"] / "cli", cli, ignore=shutil.ignore_patterns("__py*"))
+    seeded = cli / into
+    seeded.write_text(seeded.read_text() + "\n\n" + seed)
+    run = _lint_imports(_installed_view(tmp_path / "site", cli=cli), tmp_path)
+    assert run.returncode == 1, f"rc {run.returncode}: " + run.stdout[-4000:] + run.stderr[-2000:]
+    assert f"{BAKE_CONTRACT} BROKEN" in run.stdout, run.stdout[-4000:]
+    assert _one_broken(run.stdout), run.stdout[-4000:]
+    assert f"ctxc.cli.{into[:-3]} is not allowed to import ctxc.bake." in run.stdout, run.stdout
