@@ -45,6 +45,15 @@ def preflight(job: BakeJob, hooks: BakeHooks | None = None) -> None:
     Raises:
         CtxcError: the first problem, in one line.
     """
+    on_stage = (hooks or BakeHooks()).on_stage
+    # What the request alone decides comes first: no torch import, nothing read.
+    job.options.check_fit(job.queries)
+    texts = [job.context] if job.context is not None else [t for _, t in job.chunks]
+    if job.messages is None and not texts:
+        raise CtxcError("no context to bake")
+    if any(not text.strip() for text in texts):
+        raise CtxcError("the context is empty")
+    # Then what the tokenizer and the config decide (no weights read).
     from ctxc.core.chat import NO_TEMPLATE, split_chat
     from ctxc.models.load import (
         declares_chat_template,
@@ -53,13 +62,6 @@ def preflight(job: BakeJob, hooks: BakeHooks | None = None) -> None:
         positions_of,
     )
 
-    on_stage = (hooks or BakeHooks()).on_stage
-    job.options.check_fit(job.queries)
-    texts = [job.context] if job.context is not None else [t for _, t in job.chunks]
-    if job.messages is None and not texts:
-        raise CtxcError("no context to bake")
-    if any(not text.strip() for text in texts):
-        raise CtxcError("the context is empty")
     on_stage(f"reading the tokenizer of {job.model or 'the bundled model'}")
     directory = model_directory(job.model, on_stage)
     if job.messages is not None and not declares_chat_template(directory):
@@ -92,13 +94,14 @@ def bake_into(job: BakeJob, hooks: BakeHooks | None = None) -> BakeRun:
     Side effects:
         writes ``job.out`` (staged, placed when complete).
     """
-    from ctxc.bake.driver import bake
-    from ctxc.bake.folder import summary_lines, write_bake
-
     hooks = hooks or BakeHooks()
     if job.options.method == ADDITIVE_METHOD:
         raise CtxcError("an additive bake takes chunks: ctxc.bake.run.bake_additive")
     preflight(job, hooks)
+    # The fit's modules import torch: after the refusals.
+    from ctxc.bake.driver import bake
+    from ctxc.bake.folder import summary_lines, write_bake
+
     with output_folder(job.out, job.force, "bake") as tmp:
         net, tokenizer = hooks.load(job.model, "float32")
         with hooks.progress("baking", "fitting") as (on_stage, on_block):
@@ -127,14 +130,14 @@ def bake_additive(job: BakeJob, hooks: BakeHooks | None = None) -> BakeRun:
     Side effects:
         writes ``job.out``.
     """
-    from ctxc.bake.chunks import bake_chunks
-
     hooks = hooks or BakeHooks()
     if job.messages is not None:
         raise CtxcError("an additive bake takes context chunks, not chat turns")
     if not job.chunks:
         raise CtxcError("an additive bake needs at least one context chunk")
     preflight(job, hooks)
+    from ctxc.bake.chunks import bake_chunks
+
     with output_folder(job.out, job.force, "bake") as tmp:
         net, tokenizer = hooks.load(job.model, "float32")
         contexts = [(name, list(tokenizer(text).input_ids)) for name, text in job.chunks]

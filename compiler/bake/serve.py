@@ -14,14 +14,15 @@ themselves are written and checked by the backends ``ctxc compile --emit`` uses
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+from typing import TYPE_CHECKING
 
 from ctxc.backends import backend
 from ctxc.core.errors import OptionError
 from ctxc.core.options import BakeOptions
 from ctxc.core.vocabulary import ADDITIVE_METHOD, DISTILL_METHOD
-from ctxc.patch import Patch
+
+if TYPE_CHECKING:  # torch-free at import: check_servable runs before the model loads
+    from ctxc.patch import Patch
 
 __all__ = ["check_servable", "pad_to_rank"]
 
@@ -72,6 +73,10 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
 def pad_to_rank(patch: Patch, rank: int) -> Patch:
     """``patch`` with every matrix delta of rank below ``rank`` padded to it by zero columns
     (the same weights; a serving LoRA has one rank for every module)."""
+    import torch
+
+    from ctxc.patch import Patch
+
     deltas = {}
     for name, d in patch.deltas.items():
         if d.u is not None and d.v is not None and d.u.shape[-1] < rank:
