@@ -137,6 +137,9 @@ def _baked(model, tok, para: dict, other: dict, general: list[dict], setting: st
         "threads": torch.get_num_threads(),
     }
     patch = result.patch
+    # A general question the bake's own rows wrote verbatim (off-topic questions may): counted.
+    fitted = [tok.decode(q) for q in result.data.queries]
+    row["general_in_fit"] = sum(any(g["q"] in text for text in fitted) for g in general)
     golds = [q["answers"] for q in para["questions"]]
     for form in FORMS:
         qs = _queries(tok, [q["question"] for q in para["questions"]], form)

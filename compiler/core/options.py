@@ -152,6 +152,13 @@ class BakeOptions:
         cloze_form: how a cloze question is cut (``CLOZE_FORMS``): ``sentence`` (the
             sentence's words before the span, then its clause after it), ``clause`` (the
             span's clause alone) or ``both`` (each span asked both ways).
+        off_topic: off-topic rows (at least 0; ``ctxc.bake.sources.offtopic``): continuations
+            of ``sample_tokens`` the model samples from its BOS alone (no context), their
+            targets the full-context model's, so the patch is fitted to do off the context
+            what the model reading the context does (issue 53; measured:
+            ``benchmarks/thought/noharm.py``). Default 0 until the no-harm benchmark says.
+        off_topic_questions: off-topic questions (at least 0): questions the model writes from
+            its BOS alone, each answered by the full-context model, fitted likewise.
         seed: the sampling (and training) seed.
         question_prompt: library-only (``facts`` was within noise of ``plain``): how the model
             is asked to write a self-study question after the context
@@ -253,6 +260,20 @@ class BakeOptions:
         "How a cloze question is cut: sentence, clause, or both (each span asked both ways).",
         choices=CLOZE_FORMS,
     )
+    off_topic: int = _option(
+        0,
+        "data",
+        "--off-topic",
+        "Off-topic rows: continuations the model samples from its BOS alone, fitted to the model "
+        "reading the context (the patch held to the context's effect off the context).",
+    )
+    off_topic_questions: int = _option(
+        0,
+        "data",
+        "--off-topic-questions",
+        "Off-topic questions: questions the model writes from its BOS alone, answered by the "
+        "model reading the context, fitted so.",
+    )
     seed: int = _option(0, "data", "--seed", "Sampling and training seed.")
     question_prompt: str = _option("plain", "data", None, "", choices=QUESTION_PROMPTS)
     topics: int = _option(0, "data", None, "")
@@ -312,6 +333,8 @@ class BakeOptions:
         _at_least("samples", self.samples, 0)
         _at_least("topics", self.topics, 0)
         _at_least("cloze", self.cloze, 0)
+        _at_least("off_topic", self.off_topic, 0)
+        _at_least("off_topic_questions", self.off_topic_questions, 0)
         check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")

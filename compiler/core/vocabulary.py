@@ -36,6 +36,8 @@ __all__ = [
     "GGUF_F32",
     "GGUF_TYPES",
     "LORA_RULE",
+    "OFF_TOPIC_QUESTION_KIND",
+    "OFF_TOPIC_TEXT_KIND",
     "ON_POLICY_KIND",
     "OUTPUT_RULE",
     "PATCH_FILE",
@@ -136,6 +138,9 @@ SELF_STUDY_KIND = "self-study"
 CLOZE_KIND = "cloze"
 SAMPLE_KIND = "sample"
 ON_POLICY_KIND = "on-policy"
+# Rows the model writes without the context, fitted to the model reading it (issue 53).
+OFF_TOPIC_TEXT_KIND = "off-topic-text"
+OFF_TOPIC_QUESTION_KIND = "off-topic-question"
 
 # Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {

@@ -68,8 +68,11 @@ class _Fixed(Source):
 
 
 def test_the_registry_lists_the_sources_in_order() -> None:
-    assert [s.kind for s in SOURCES] == ["file", "self-study", "cloze", "sample"]
-    assert asked_kinds() == ("file", "self-study", "cloze")  # the on-policy refit asks these
+    assert [s.kind for s in SOURCES] == [
+        "file", "self-study", "cloze", "sample", "off-topic-text", "off-topic-question"
+    ]  # fmt: skip
+    # the on-policy refit asks these again
+    assert asked_kinds() == ("file", "self-study", "cloze", "off-topic-question")
 
 
 def test_bake_data_takes_its_defaults_from_the_options() -> None:
@@ -170,3 +173,28 @@ def test_the_stage_line_counts_every_source() -> None:
     assert stages == [
         f"fit data: 1 queries, 2 self-study questions, {n} cloze queries, 2 samples"
     ], stages
+
+
+@pytest.mark.tiny
+def test_off_topic_rows_are_sampled_without_the_context_and_change_no_other_row() -> None:
+    """``off_topic`` (issue 53): rows of their own kind after the others, sampled from the BOS
+    alone (the same rows whatever the context), seeded apart from the fit's samples; the other
+    rows are the bake's without them, bit for bit."""
+    from testbed.tiny_models import build, tiny_tokenizer
+
+    model, tok = build("gemma3"), tiny_tokenizer()
+    base = BakeOptions(samples=2, sample_tokens=4, questions=0, cloze=0, rank=4)
+    with_rows = BakeOptions(**{**vars(base), "off_topic": 3})
+    got = {}
+    for text in ("w1 w2 w3 w4 w5 w6", "w40 w41 w42"):
+        ids = list(tok(text).input_ids)
+        plain = fit_data(model, tok, ids, None, base, lambda _: None)
+        more = fit_data(model, tok, ids, None, with_rows, lambda _: None)
+        assert more.kinds == ["sample", "sample"] + ["off-topic-text"] * 3, more.kinds
+        assert more.queries[:2] == plain.queries, "the off-topic rows changed the others"
+        assert all(len(q) == 4 for q in more.queries[2:]), more.queries
+        assert more.queries[2:] != plain.queries, "drawn with the fit samples' seed"
+        got[text] = more.queries[2:]
+    assert got["w1 w2 w3 w4 w5 w6"] == got["w40 w41 w42"], "the off-topic rows saw the context"
+    with pytest.raises(CtxcError, match="off_topic must be at least 0"):
+        BakeOptions(off_topic=-1)
