@@ -35,28 +35,12 @@ import ctxc
 from ctxc.bake.driver import BakeOptions, bake, bake_data
 from ctxc.bake.evaluate import evaluate_against, reference
 from ctxc.bake.selfstudy import as_question
+from ctxc.core.options import bake_fields
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = Path(__file__).resolve().parent / "questions"
-_INT = (
-    "samples",
-    "sample_tokens",
-    "questions",
-    "answer_tokens",
-    "distill_steps",
-    "refit_passes",
-    "topics",
-    "cloze",
-)
-_FLOAT = ("distill_seconds", "distill_lr", "ridge", "scale_ridge", "question_temperature")
-_BOOL = (
-    "distill_from_fit",
-    "input_moves",
-    "fit_prefix",
-    "rank_per_block",
-    "attention",
-    "linear_only",
-)
+# Each field's type as BakeOptions declares it (its annotations are strings: PEP 563).
+_TYPES = {f.name: str(f.type) for f in bake_fields()}
 
 
 def options(setting: str) -> BakeOptions:
@@ -65,14 +49,15 @@ def options(setting: str) -> BakeOptions:
     given: dict = {}
     for kv in setting.split(","):
         name, value = kv.split("=")
+        kind = _TYPES[name]
         if name == "rank":
             given[name] = None if value == "full" else int(value)
-        elif name in _INT:
-            given[name] = int(value)
-        elif name in _FLOAT:
-            given[name] = float(value)
-        elif name in _BOOL:
+        elif kind.startswith("bool"):
             given[name] = {"true": True, "false": False}[value]
+        elif kind.startswith("int"):
+            given[name] = int(value)
+        elif kind.startswith("float"):
+            given[name] = float(value)
         else:
             given[name] = value
     return BakeOptions(**given)
