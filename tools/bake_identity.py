@@ -34,8 +34,10 @@ paragraphs); ``code``, benchmarks/texts/03_code.txt (51 words, 2 paragraphs); ``
 SQuAD paragraphs Computational_complexity_theory#1 and #2 of benchmarks/data/squad/subset.json
 joined by a blank line (218 words).
 
-Run it against two installs on the same machine (torch's default thread count, one a core, is
-kept: a float reduction may depend on it)::
+Run it against two installs on the same machine with the same thread count: the bytes depend
+on it (default/letter at 2 threads and at 1 differ from 1e-14 in block 0's fit residuals up to
+5.2e-3; at one thread a bake is the same run to run). Issue 52's check ran both sides with
+``OMP_NUM_THREADS=1 MKL_NUM_THREADS=1``::
 
     # the reference: a pristine worktree of the commit, installed into its own folder
     git worktree add --detach /work/wt-base 827abd9
