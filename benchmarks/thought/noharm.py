@@ -15,7 +15,8 @@ ids first), ``none`` (the original fed BOS) and ``baked`` (the patched model fed
   accepted answer is in the answer line (normalised as SQuAD normalises); the patch's target is
   ``full``'s count;
 - **other document**: paragraph j (the next paragraph of another article) and j's questions fed
-  to the baked model of i, against the original fed the same (SQuAD F1);
+  to the baked model of i, against the original fed the same (SQuAD F1), and beside the
+  original fed paragraph i, then j (``after``: what the patch is fitted towards);
 - **off-topic text**: KL(full || baked) at every position of another article's opening words
   (its first :data:`TEXT_TOKENS` tokens) fed as the query, beside KL(full || none).
 
@@ -23,23 +24,33 @@ Answers are 16 greedy tokens, cut at a special token, their first line that is n
 (``benchmarks.thought.squad.answers``). A query's ids follow the context's ids (no second BOS),
 as ``ctxc bake`` splits a context and a query.
 
+``--chat --model M`` (a chat model: SmolLM2-135M-Instruct) frames each check as ``ctxc bake
+--chat --system para.txt`` does (:class:`Framing`): the paragraph is the system turn, each
+query a user turn (the forms :data:`CHAT_FORMS`; another document and its question in one
+turn; the off-topic opening as a turn), the patched model is fed the template's opening, then
+the turn; answers are 32 greedy tokens.
+
     python -m benchmarks.thought.noharm --paragraphs 10 --out benchmarks/results/noharm.json \\
         default linear_only=true
     python -m benchmarks.thought.noharm --render benchmarks/results/noharm.json \\
         > docs/results/noharm.md
+    python -m benchmarks.thought.noharm --chat --model SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --out benchmarks/results/noharm_smollm2_chat.json default
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from benchmarks.thought.squad import DATA, answers, setting_options
+from benchmarks.thought.squad import CHAT_GEN_TOKENS, DATA, GEN_TOKENS, answers, setting_options
 from testbed.squad_score import normalize, score
 from testbed.tables import commit, invocation
 
@@ -54,7 +65,88 @@ FORMS = {
     "plain": "\nQ: {q}\nA:",
     "chat-like": "\nUser: {q}\nAssistant:",
 }
+# A chat bake's forms, each the user turn's text (ctxc's own: the question alone, as the chat
+# self-study writes it).
+CHAT_FORMS = {
+    "ctxc": "{q}",
+    "plain": "Q: {q}\nA:",
+    "brief": "Answer in a few words. {q}",
+}
 TEXT_TOKENS = 48
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a paragraph and each check's query are fed: plain text (the paragraph's ids after
+    BOS, a query's ids after it) or chat (the paragraph as the system turn, a query a user
+    turn after it; the patched model is fed the template's opening, then the turn)."""
+
+    tok: Any
+    chat: bool
+
+    @property
+    def forms(self) -> dict[str, str]:
+        return CHAT_FORMS if self.chat else FORMS
+
+    @property
+    def gen(self) -> int:
+        return CHAT_GEN_TOKENS if self.chat else GEN_TOKENS
+
+    def _format(self, context: str):
+        from ctxc.bake.chat import chat_format
+
+        return chat_format(self.tok, [{"role": "system", "content": context}])
+
+    @functools.cached_property
+    def _turns(self):
+        """A chat format whose ``turn`` renders a user turn (its context turns unused)."""
+        return self._format("-")
+
+    def starts(self, context: str) -> tuple[list[int], list[int]]:
+        """``(full, none)``: what the original model is fed first with the context, without."""
+        if self.chat:
+            fmt = self._format(context)
+            assert fmt.opening_exact, "the template renders a lone user turn otherwise"
+            return list(fmt.context_ids), list(fmt.opening)
+        from ctxc.bake.data import special_prefix
+
+        ctx = list(self.tok(context).input_ids)
+        bos = list(special_prefix(self.tok))
+        assert ctx[: len(bos)] == bos, (ctx[:4], bos)
+        return ctx, bos
+
+    def bake_given(self, context: str) -> dict:
+        """The keyword arguments :func:`~ctxc.bake.driver.bake` takes the context in."""
+        if self.chat:
+            return {"messages": [{"role": "system", "content": context}]}
+        return {"context_ids": list(self.tok(context).input_ids)}
+
+    def ask(self, text: str) -> list[int]:
+        """A query's ids, fed after a start."""
+        if self.chat:
+            return list(self._turns.turn(text))
+        return _ids(self.tok, text)
+
+    def queries(self, questions: list[str], form: str) -> list[list[int]]:
+        return [self.ask(self.forms[form].format(q=q.strip())) for q in questions]
+
+    def other(self, context: str, other: str, questions: list[str]):
+        """Paragraph j read before each of its questions: ``(original start, after-i start,
+        queries)``: plain text, j's ids start (the patched model's too), its questions follow;
+        chat, j and each question in one user turn after the opening (or i's system turn)."""
+        full, none = self.starts(context)
+        if self.chat:
+            qs = [self.ask(f"{other.strip()}\n\n{q.strip()}") for q in questions]
+            return none, full, qs
+        octx = list(self.tok(other).input_ids)
+        qs = self.queries(questions, "ctxc")
+        return octx, full + octx[len(none) :], qs
+
+    def text(self, words: str) -> list[int]:
+        """Another article's opening as a query: its first :data:`TEXT_TOKENS` tokens (plain), or
+        a user turn holding them (chat)."""
+        ids = list(self.tok(words, add_special_tokens=False).input_ids)[:TEXT_TOKENS]
+        return self.ask(self.tok.decode(ids)) if self.chat else ids
 
 
 def right(answer: str, accepted: list[str]) -> bool:
@@ -68,10 +160,6 @@ def _ids(tok, text: str) -> list[int]:
     ids = list(tok(text, add_special_tokens=False).input_ids)
     assert ids, f"{text!r} tokenizes to nothing"
     return ids
-
-
-def _queries(tok, questions: list[str], form: str) -> list[list[int]]:
-    return [_ids(tok, FORMS[form].format(q=q.strip())) for q in questions]
 
 
 def _f1(texts: list[str], golds: list[list[str]]) -> tuple[list[int], list[float]]:
@@ -89,75 +177,81 @@ def _other(paragraphs: list[dict], i: int) -> dict:
     raise SystemExit("the subset needs paragraphs of two articles")
 
 
-def _refs(model, tok, para: dict, other: dict, general: list[dict]) -> dict:
+def _general(frame: Framing, model, start, general: list[dict], patch=None) -> dict:
+    """The general questions after ``start``, in ctxc's form and a plain one: right or not."""
+    got = {}
+    for form in ("ctxc", "plain"):
+        qs = frame.queries([g["q"] for g in general], form)
+        texts = answers(model, frame.tok, start, qs, patch=patch, gen=frame.gen)["answers"]
+        ok = [right(a, g["a"]) for a, g in zip(texts, general, strict=True)]
+        got[form] = {"answers": texts, "right": ok}
+    return got
+
+
+def _refs(frame: Framing, model, para: dict, other: dict, general: list[dict]) -> dict:
     """The setting-independent answers of paragraph i: full and none in every check."""
-    bos = list(tok("x").input_ids)[:1]
-    ctx = list(tok(para["context"]).input_ids)
+    full, none = frame.starts(para["context"])
     golds = [q["answers"] for q in para["questions"]]
     questions = [q["question"] for q in para["questions"]]
     ref: dict = {"title": para["title"], "other": other["id"], "reading": {}, "general": {}}
-    for form in FORMS:
-        qs = _queries(tok, questions, form)
-        for name, start in (("full", ctx), ("none", bos)):
-            got = answers(model, tok, start, qs)["answers"]
+    for form in frame.forms:
+        qs = frame.queries(questions, form)
+        for name, start in (("full", full), ("none", none)):
+            got = answers(model, frame.tok, start, qs, gen=frame.gen)["answers"]
             em, f1 = _f1(got, golds)
             ref["reading"][f"{form}/{name}"] = {"answers": got, "em": em, "f1": f1}
-    gq = [g["q"] for g in general]
-    for form in ("ctxc", "plain"):
-        qs = _queries(tok, gq, form)
-        for name, start in (("full", ctx), ("none", bos)):
-            got = answers(model, tok, start, qs)["answers"]
-            ok = [right(a, g["a"]) for a, g in zip(got, general, strict=True)]
-            ref["general"][f"{form}/{name}"] = {"answers": got, "right": ok}
-    octx = list(tok(other["context"]).input_ids)
-    oq = _queries(tok, [q["question"] for q in other["questions"]], "ctxc")
-    got = answers(model, tok, octx, oq)["answers"]
-    em, f1 = _f1(got, [q["answers"] for q in other["questions"]])
-    ref["other_document"] = {"answers": got, "em": em, "f1": f1}
+    for name, start in (("full", full), ("none", none)):
+        for form, got in _general(frame, model, start, general).items():
+            ref["general"][f"{form}/{name}"] = got
+    ogolds = [q["answers"] for q in other["questions"]]
+    alone, after, oq = frame.other(
+        para["context"], other["context"], [q["question"] for q in other["questions"]]
+    )
+    # The original reading j alone; then reading i, then j: what the patch is fitted towards.
+    for key, start in (("other_document", alone), ("other_document_after", after)):
+        got = answers(model, frame.tok, start, oq, gen=frame.gen)["answers"]
+        em, f1 = _f1(got, ogolds)
+        ref[key] = {"answers": got, "em": em, "f1": f1}
     return ref
 
 
-def _baked(model, tok, para: dict, other: dict, general: list[dict], setting: str) -> dict:
+def _baked(frame: Framing, model, para: dict, other: dict, general: list[dict], setting: str):
     """Bake paragraph i with ``setting`` and ask the patched model every check."""
     from ctxc.bake.data import FitData
     from ctxc.bake.driver import bake
     from ctxc.bake.evaluate import evaluate_many
 
-    bos = list(tok("x").input_ids)[:1]
-    ctx = list(tok(para["context"]).input_ids)
+    tok = frame.tok
+    full, none = frame.starts(para["context"])
     clock, cpu = time.perf_counter(), time.process_time()
-    result = bake(model, tok, context_ids=ctx, options=setting_options(setting))
+    result = bake(model, tok, options=setting_options(setting), **frame.bake_given(para["context"]))
     row: dict = {
         "bake_seconds": round(time.perf_counter() - clock, 2),
         "bake_cpu_seconds": round(time.process_time() - cpu, 2),
         "fit_kinds": result.report["fit_kinds"],
         "reading": {},
-        "general": {},
         "commit": commit(),
         "threads": torch.get_num_threads(),
     }
     patch = result.patch
+    assert list(result.data.context_ids) == full, "the bake split the context otherwise"
     # A general question the bake's own rows wrote verbatim (off-topic questions may): counted.
     fitted = [tok.decode(q) for q in result.data.queries]
     row["general_in_fit"] = sum(any(g["q"] in text for text in fitted) for g in general)
     golds = [q["answers"] for q in para["questions"]]
-    for form in FORMS:
-        qs = _queries(tok, [q["question"] for q in para["questions"]], form)
-        got = answers(model, tok, bos, qs, patch=patch)["answers"]
+    for form in frame.forms:
+        qs = frame.queries([q["question"] for q in para["questions"]], form)
+        got = answers(model, tok, none, qs, patch=patch, gen=frame.gen)["answers"]
         em, f1 = _f1(got, golds)
         row["reading"][form] = {"answers": got, "em": em, "f1": f1}
-    for form in ("ctxc", "plain"):
-        qs = _queries(tok, [g["q"] for g in general], form)
-        got = answers(model, tok, bos, qs, patch=patch)["answers"]
-        ok = [right(a, g["a"]) for a, g in zip(got, general, strict=True)]
-        row["general"][form] = {"answers": got, "right": ok}
-    octx = list(tok(other["context"]).input_ids)
-    oq = _queries(tok, [q["question"] for q in other["questions"]], "ctxc")
-    got = answers(model, tok, octx, oq, patch=patch)["answers"]
+    row["general"] = _general(frame, model, none, general, patch)
+    alone, _, oq = frame.other(
+        para["context"], other["context"], [q["question"] for q in other["questions"]]
+    )
+    got = answers(model, tok, alone, oq, patch=patch, gen=frame.gen)["answers"]
     em, f1 = _f1(got, [q["answers"] for q in other["questions"]])
     row["other_document"] = {"answers": got, "em": em, "f1": f1}
-    text = list(tok(other["context"], add_special_tokens=False).input_ids)[:TEXT_TOKENS]
-    data = FitData(ctx, bos, [text], ["text"])
+    data = FitData(full, none, [frame.text(other["context"])], ["text"])
     p, c = evaluate_many(model, [patch, None], data, 0)
     row["off_topic"] = {
         "baked_kl": p.kl,
@@ -172,12 +266,17 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _forms(doc: dict) -> list[str]:
+    """The reading forms of a results file (plain: :data:`FORMS`; chat: :data:`CHAT_FORMS`)."""
+    return list(CHAT_FORMS if doc.get("chat") else FORMS)
+
+
 def summary(doc: dict, setting: str) -> dict:
     """Pooled figures of ``setting`` over its paragraphs (every question counts once)."""
     rows = doc["settings"][setting]["paragraphs"]
     refs = [doc["paragraphs"][p] for p in rows]
     got: dict = {"paragraphs": len(rows)}
-    for form in FORMS:
+    for form in _forms(doc):
         for fig in ("f1", "em"):
             full = [x for r in refs for x in r["reading"][f"{form}/full"][fig]]
             none = [x for r in refs for x in r["reading"][f"{form}/none"][fig]]
@@ -202,10 +301,12 @@ def summary(doc: dict, setting: str) -> dict:
             "ratio": baked / full if full else None,
         }
     orig = [x for r in refs for x in r["other_document"]["f1"]]
+    after = [x for r in refs for x in r.get("other_document_after", {}).get("f1", [])]
     baked_o = [x for b in rows.values() for x in b["other_document"]["f1"]]
     got["other_document"] = {
         "questions": len(orig),
         "original_f1": 100 * _mean(orig),
+        "after_f1": 100 * _mean(after) if len(after) == len(orig) else None,
         "baked_f1": 100 * _mean(baked_o),
         "ratio": _mean(baked_o) / _mean(orig) if _mean(orig) else None,
     }
@@ -223,15 +324,17 @@ def render(doc: dict, source: str) -> str:
         "# No harm: a baked paragraph off its paragraph (issue 53)",
         "",
         f"`{source}`, measured by `python -m benchmarks.thought.noharm` "
-        f"(bundled Gemma 3 270M, float32, {doc.get('threads', '?')} threads); the checks and the "
+        f"({doc.get('model', 'bundled Gemma 3 270M')}, float32, {doc.get('threads', '?')} threads"
+        f"{', chat: the paragraph as the system turn' if doc.get('chat') else ''}); the checks "
+        "and the "
         "question forms are in the module's docstring. Kept = (baked - none) / (full - none); "
         "general: questions right; other document: SQuAD F1 of the baked model of paragraph i "
         "reading paragraph j against the original reading j; off-topic: KL from the model fed "
         "the paragraph first, mean over positions of another article's opening.",
         "",
-        "| setting | paragraphs | reading F1 kept: ctxc / plain / chat-like | EM kept (ctxc) | "
+        f"| setting | paragraphs | reading F1 kept: {' / '.join(_forms(doc))} | EM kept (ctxc) | "
         "general right: baked / full / none (ratio to full) | other document F1: baked / "
-        "original (ratio) | off-topic KL: baked / none | bake CPU s |",
+        "original (ratio) / after i | off-topic KL: baked / none | bake CPU s |",
         "|---|---:|---|---:|---|---|---|---:|",
     ]
 
@@ -243,11 +346,12 @@ def render(doc: dict, source: str) -> str:
             continue
         s = summary(doc, setting)
         g, o, t = s["general/ctxc"], s["other_document"], s["off_topic"]
-        kept = " / ".join(k(s[f"reading/{f}/f1"]["kept"]) for f in FORMS)
+        kept = " / ".join(k(s[f"reading/{f}/f1"]["kept"]) for f in _forms(doc))
         lines.append(
             f"| `{setting}` | {s['paragraphs']} | {kept} | {k(s['reading/ctxc/em']['kept'])} | "
             f"{g['baked']} / {g['full']} / {g['none']} of {g['asked']} ({k(g['ratio'])}) | "
-            f"{o['baked_f1']:.1f} / {o['original_f1']:.1f} ({k(o['ratio'])}) | "
+            f"{o['baked_f1']:.1f} / {o['original_f1']:.1f} ({k(o['ratio'])}) / "
+            f"{'-' if o['after_f1'] is None else format(o['after_f1'], '.1f')} | "
             f"{t['baked_kl']:.3f} / {t['none_kl']:.3f} | {s['bake_cpu_seconds']:.0f} |"
         )
     lines += ["", "Reading F1 (full / none / baked) by form:", ""]
@@ -258,7 +362,7 @@ def render(doc: dict, source: str) -> str:
         parts = [
             f"{f} {s[f'reading/{f}/f1']['full']:.1f} / {s[f'reading/{f}/f1']['none']:.1f} / "
             f"{s[f'reading/{f}/f1']['baked']:.1f}"
-            for f in FORMS
+            for f in _forms(doc)
         ]
         lines.append(f"- `{setting}`: " + "; ".join(parts))
     return "\n".join(lines) + "\n"
@@ -279,7 +383,11 @@ def _run(args) -> None:
     subset = json.loads(DATA.read_text())["paragraphs"]
     chosen = subset[args.skip : args.paragraphs]
     out = Path(args.out)
+    header = {"model": Path(args.model).name if args.model else "bundled Gemma 3 270M"}
+    header["chat"] = args.chat
     doc = json.loads(out.read_text()) if out.exists() else {"paragraphs": {}, "settings": {}}
+    if any(doc.setdefault(k, v) != v for k, v in header.items()):
+        raise SystemExit(f"{out} was measured with another model or framing: use another --out")
     for s in args.settings or ["default"]:
         opts = asdict(setting_options(s))
         have = doc["settings"].setdefault(s, {"options": opts, "paragraphs": {}, "commands": []})
@@ -289,19 +397,20 @@ def _run(args) -> None:
             have["commands"].append(invocation("benchmarks.thought.noharm"))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tok = load(None, "float32")
+    model, tok = load(args.model, "float32")
+    frame = Framing(tok, args.chat)
     traced_blocks(model)
     doc["threads"] = torch.get_num_threads()
     for n, para in enumerate(chosen, 1):
         pid = para["id"]
         other = _other(subset, subset.index(para))
         if pid not in doc["paragraphs"]:
-            doc["paragraphs"][pid] = _refs(model, tok, para, other, general)
+            doc["paragraphs"][pid] = _refs(frame, model, para, other, general)
             _write(out, doc)
         for s in args.settings or ["default"]:
             if pid in doc["settings"][s]["paragraphs"]:
                 continue
-            doc["settings"][s]["paragraphs"][pid] = _baked(model, tok, para, other, general, s)
+            doc["settings"][s]["paragraphs"][pid] = _baked(frame, model, para, other, general, s)
             _write(out, doc)
             f = summary(doc, s)
             print(
@@ -321,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--skip", type=int, default=0, help="leave the first N paragraphs out")
     p.add_argument("--out", default="benchmarks/results/noharm.json")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--model", help="a model path or GGUF (default: the bundled Gemma 3 270M)")
+    p.add_argument("--chat", action="store_true", help="the paragraph as the system turn")
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
     p.add_argument("settings", nargs="*", help="'default' or name=value,... (BakeOptions)")
     args = p.parse_args(argv)

@@ -24,18 +24,27 @@ class HeldOut:
         queries: held-out query texts (None: none).
         questions: held-out questions, asked as the fit asks them (their answers compared).
         samples: continuations sampled from the model fed the context (seed + 1), at least 0.
+        off_topic: off the context (issue 53): as many continuations and as many questions
+            the model writes from what the patched model is fed first alone (its BOS; seed +
+            5), fed after the context: the patched model should do there what the model
+            reading the context does. At least 0.
 
     Raises:
-        CtxcError: ``samples`` below 0.
+        CtxcError: ``samples`` or ``off_topic`` below 0.
     """
 
     queries: tuple[str, ...] | None = None
     questions: tuple[str, ...] | None = None
     samples: int = 8
+    off_topic: int = 8
 
     def __post_init__(self) -> None:
-        if self.samples < 0:
-            raise CtxcError(f"held-out samples must be at least 0 (got {self.samples})")
+        for name in ("samples", "off_topic"):
+            if getattr(self, name) < 0:
+                raise CtxcError(
+                    f"held-out {name.replace('_', '-')} must be at least 0 "
+                    f"(got {getattr(self, name)})"
+                )
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,14 @@ _OWN: tuple[tuple[str, Any, Any, str, str], ...] = (
         "Held-out questions, one per line (answers compared).",
     ),
     ("eval_samples", int, HeldOut().samples, "--eval-samples", "Held-out samples (seed + 1)."),
+    (
+        "eval_off_topic",
+        int,
+        HeldOut().off_topic,
+        "--eval-off-topic",
+        "Off-topic samples and questions written from the BOS alone (seed + 5), fed after the "
+        "context: the patch against the model reading the context, off it.",
+    ),
     ("out_dir", Path, Path("ctxc-bake"), "--out", "Output folder."),
 )
 # The options other commands share, declared once in ctxc.cli.options.
@@ -198,9 +206,12 @@ def bake_cmd(ctx: typer.Context, **given: Any) -> None:
     from ctxc.bake import BakeHooks, BakeJob, HeldOut, check_servable, is_routed
 
     a = _Args(given)
-    if a.eval_samples < 0:
-        raise CtxcError(f"--eval-samples must be at least 0 (got {a.eval_samples})")
-    held = HeldOut(_lines(a.eval_queries), _lines(a.eval_questions), a.eval_samples)
+    for flag, value in (("--eval-samples", a.eval_samples), ("--eval-off-topic", a.eval_off_topic)):
+        if value < 0:
+            raise CtxcError(f"{flag} must be at least 0 (got {value})")
+    held = HeldOut(
+        _lines(a.eval_queries), _lines(a.eval_questions), a.eval_samples, a.eval_off_topic
+    )
     queries = _lines(a.queries)
     kinds = parse_emit(a.emit)
     hooks = BakeHooks(on_stage=stage, progress=stage_progress, load=lambda m, d: load(m, d))

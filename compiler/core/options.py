@@ -274,6 +274,16 @@ class BakeOptions:
         "Off-topic questions: questions the model writes from its BOS alone, answered by the "
         "model reading the context, fitted so.",
     )
+    off_topic_reading: int = _option(
+        0,
+        "data",
+        "--off-topic-reading",
+        "Off-topic readings: a text the model samples from its BOS alone and a question it writes "
+        "about it, answered by the model reading the context first (another document read well).",
+    )
+    off_topic_tokens: int = _option(
+        16, "data", "--off-topic-tokens", "Tokens per off-topic sample and reading text."
+    )
     seed: int = _option(0, "data", "--seed", "Sampling and training seed.")
     question_prompt: str = _option("plain", "data", None, "", choices=QUESTION_PROMPTS)
     topics: int = _option(0, "data", None, "")
@@ -335,6 +345,8 @@ class BakeOptions:
         _at_least("cloze", self.cloze, 0)
         _at_least("off_topic", self.off_topic, 0)
         _at_least("off_topic_questions", self.off_topic_questions, 0)
+        _at_least("off_topic_reading", self.off_topic_reading, 0)
+        _at_least("off_topic_tokens", self.off_topic_tokens, 1)
         check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")

@@ -37,6 +37,7 @@ __all__ = [
     "GGUF_TYPES",
     "LORA_RULE",
     "OFF_TOPIC_QUESTION_KIND",
+    "OFF_TOPIC_READING_KIND",
     "OFF_TOPIC_TEXT_KIND",
     "ON_POLICY_KIND",
     "OUTPUT_RULE",
@@ -141,6 +142,7 @@ ON_POLICY_KIND = "on-policy"
 # Rows the model writes without the context, fitted to the model reading it (issue 53).
 OFF_TOPIC_TEXT_KIND = "off-topic-text"
 OFF_TOPIC_QUESTION_KIND = "off-topic-question"
+OFF_TOPIC_READING_KIND = "off-topic-reading"
 
 # Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {

@@ -69,10 +69,13 @@ class _Fixed(Source):
 
 def test_the_registry_lists_the_sources_in_order() -> None:
     assert [s.kind for s in SOURCES] == [
-        "file", "self-study", "cloze", "sample", "off-topic-text", "off-topic-question"
+        "file", "self-study", "cloze", "sample", "off-topic-text", "off-topic-question",
+        "off-topic-reading",
     ]  # fmt: skip
     # the on-policy refit asks these again
-    assert asked_kinds() == ("file", "self-study", "cloze", "off-topic-question")
+    assert asked_kinds() == (
+        "file", "self-study", "cloze", "off-topic-question", "off-topic-reading"
+    )  # fmt: skip
 
 
 def test_bake_data_takes_its_defaults_from_the_options() -> None:
@@ -184,7 +187,7 @@ def test_off_topic_rows_are_sampled_without_the_context_and_change_no_other_row(
 
     model, tok = build("gemma3"), tiny_tokenizer()
     base = BakeOptions(samples=2, sample_tokens=4, questions=0, cloze=0, rank=4)
-    with_rows = BakeOptions(**{**vars(base), "off_topic": 3})
+    with_rows = BakeOptions(**{**vars(base), "off_topic": 3, "off_topic_tokens": 5})
     got = {}
     for text in ("w1 w2 w3 w4 w5 w6", "w40 w41 w42"):
         ids = list(tok(text).input_ids)
@@ -192,9 +195,54 @@ def test_off_topic_rows_are_sampled_without_the_context_and_change_no_other_row(
         more = fit_data(model, tok, ids, None, with_rows, lambda _: None)
         assert more.kinds == ["sample", "sample"] + ["off-topic-text"] * 3, more.kinds
         assert more.queries[:2] == plain.queries, "the off-topic rows changed the others"
-        assert all(len(q) == 4 for q in more.queries[2:]), more.queries
+        assert all(len(q) == 5 for q in more.queries[2:]), more.queries
         assert more.queries[2:] != plain.queries, "drawn with the fit samples' seed"
         got[text] = more.queries[2:]
     assert got["w1 w2 w3 w4 w5 w6"] == got["w40 w41 w42"], "the off-topic rows saw the context"
     with pytest.raises(CtxcError, match="off_topic must be at least 0"):
         BakeOptions(off_topic=-1)
+
+
+@pytest.mark.tiny
+def test_off_topic_readings_read_a_text_the_context_never_saw_then_ask_about_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``off_topic_reading`` (issue 53): each row is a text sampled from the BOS alone, then a
+    question the model writes reading that text alone (a tiny random model writes none, so the
+    writer is replaced by one that records what it was fed), then the full-context model's
+    answer; the rows up to the answer are the same whatever the context."""
+    import ctxc.bake.sources.offtopic as offtopic
+    from testbed.tiny_models import build, tiny_tokenizer
+
+    model, tok = build("gemma3"), tiny_tokenizer()
+    fed: list[list[int]] = []
+
+    def write(_model, _tok, start, count, **_kw):
+        fed.append(list(start))
+        return [], ["Who w7"] * count
+
+    monkeypatch.setattr(offtopic, "self_study", write)
+    options = BakeOptions(
+        samples=1,
+        sample_tokens=2,
+        questions=0,
+        cloze=0,
+        rank=4,
+        off_topic_reading=3,
+        off_topic_tokens=6,
+    )
+    bos = list(tok("w1").input_ids)[:1]
+    got = {}
+    for text in ("w1 w2 w3 w4 w5 w6", "w40 w41 w42"):
+        fed.clear()
+        data = fit_data(model, tok, list(tok(text).input_ids), None, options, lambda _: None)
+        assert data.kinds == ["sample"] + ["off-topic-reading"] * 3, data.kinds
+        assert len(fed) == 3 and all(f[:1] == bos and len(f) == 7 for f in fed), fed
+        asked = [q[:a] for q, a in zip(data.queries[1:], data.answer_from[1:], strict=True)]
+        for f, q in zip(fed, asked, strict=True):
+            read = tok.decode(f[1:], skip_special_tokens=True)
+            assert q == text_queries(tok, [read + as_question("Who w7")])[0], (read, q)
+        got[text] = asked
+    assert got["w1 w2 w3 w4 w5 w6"] == got["w40 w41 w42"], "the texts saw the context"
+    with pytest.raises(CtxcError, match="off_topic_tokens must be at least 1"):
+        BakeOptions(off_topic_tokens=0)

@@ -29,7 +29,7 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
         "bake", "--model", str(tiny_model_dir), "--context", str(context),
         "--queries", str(queries), "--samples", "2", "--sample-tokens", "4", "--rank", "4",
         "--eval-queries", str(held), "--eval-questions", str(held),
-        "--eval-samples", "1", "--out", str(out), cwd=tmp_path,
+        "--eval-samples", "1", "--eval-off-topic", "2", "--out", str(out), cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
@@ -39,7 +39,11 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     assert report["fit_queries"] == 5 and report["fit_kinds"] == {"file": 3, "sample": 2}
     assert report["options"]["rank"] == 4
     figures = report["figures"]
-    assert set(figures) == {"fit", "held_out_samples", "held_out_queries", "held_out_questions"}
+    measured = {"fit", "held_out_samples", "held_out_queries", "held_out_questions"}
+    # Off the context (issue 53): the questions only where the model wrote one from its BOS.
+    off = {"off_topic_samples"}
+    assert measured | off <= set(figures) <= measured | off | {"off_topic_questions"}, figures
+    assert figures["off_topic_samples"]["patched"]["positions"] > 0, figures["off_topic_samples"]
     answers = figures["held_out_questions"]["patched"]["answers"]
     assert answers is not None and 0.0 <= answers <= 1.0, figures["held_out_questions"]
     for pair in figures.values():

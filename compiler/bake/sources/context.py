@@ -72,6 +72,10 @@ class FitContext:
         """The query text a question is asked in (``Question: ...\\nAnswer:`` in plain text)."""
         return text
 
+    def reading(self, text: str, question: str) -> list[int]:
+        """A query that reads ``text`` and then asks ``question`` about it (its ids)."""
+        raise NotImplementedError
+
     def answered(self, rows: list[list[int]]) -> list[list[int]]:
         """Each row followed by the full-context model's greedy answer (at most
         ``options.answer_tokens``, cut as the format ends an answer), in one batch."""
@@ -103,6 +107,9 @@ class TextContext(FitContext):
 
     def question(self, text: str) -> str:
         return as_question(text)
+
+    def reading(self, text: str, question: str) -> list[int]:
+        return self.ask([text + self.question(question)])[0]
 
     def answered(self, rows: list[list[int]]) -> list[list[int]]:
         if not rows:
@@ -154,6 +161,10 @@ class ChatContext(FitContext):
 
     def ask(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.chat.turn(t) for t in texts]
+
+    def reading(self, text: str, question: str) -> list[int]:
+        # One user turn: the text, then the question about it.
+        return self.chat.turn(f"{text.strip()}\n\n{question}")
 
     def answered(self, rows: list[list[int]]) -> list[list[int]]:
         return answered(self.model, self.chat, rows, self.options.answer_tokens, self.start)

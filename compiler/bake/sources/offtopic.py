@@ -18,11 +18,15 @@ from ctxc.bake.selfstudy import self_study
 from ctxc.bake.sources.base import Plan, Rows, Source
 from ctxc.bake.sources.context import FitContext
 from ctxc.core.errors import OptionError
-from ctxc.core.vocabulary import OFF_TOPIC_QUESTION_KIND, OFF_TOPIC_TEXT_KIND
+from ctxc.core.vocabulary import (
+    OFF_TOPIC_QUESTION_KIND,
+    OFF_TOPIC_READING_KIND,
+    OFF_TOPIC_TEXT_KIND,
+)
 
-__all__ = ["OffTopicQuestions", "OffTopicText"]
+__all__ = ["OffTopicQuestions", "OffTopicReading", "OffTopicText"]
 
-_TEXT_SEED, _QUESTION_SEED = 2, 3  # added to the bake's seed
+_TEXT_SEED, _QUESTION_SEED, _READING_SEED = 2, 3, 4  # added to the bake's seed
 
 
 def _start(ctx: FitContext, what: str) -> list[int]:
@@ -38,21 +42,64 @@ def _start(ctx: FitContext, what: str) -> list[int]:
 
 
 class OffTopicText(Source):
-    """``off_topic`` continuations of ``sample_tokens`` sampled from the BOS alone."""
+    """``off_topic`` continuations of ``off_topic_tokens`` sampled from the BOS alone."""
 
     kind = OFF_TOPIC_TEXT_KIND
     label = "off-topic samples"
 
     def plan(self, ctx: FitContext) -> Plan:
         n = ctx.options.off_topic
-        return Plan(n, ctx.options.sample_tokens if n else 0)
+        return Plan(n, ctx.options.off_topic_tokens if n else 0)
 
     def rows(self, ctx: FitContext, plan: Plan) -> Rows:
         o = ctx.options
         bos = _start(ctx, "off_topic")
         return Rows(
-            sample_continuations(ctx.model, bos, plan.count, o.sample_tokens, o.seed + _TEXT_SEED)
+            sample_continuations(
+                ctx.model, bos, plan.count, o.off_topic_tokens, o.seed + _TEXT_SEED
+            )
         )
+
+
+class OffTopicReading(Source):
+    """``off_topic_reading`` rows that read another text: ``off_topic_tokens`` sampled from the
+    BOS alone, then a question the model writes about that text (reading it, without the
+    context), answered by the full-context model (which reads the context, then the text).
+
+    What a user does who bakes a document and then puts another one in the prompt: the patched
+    model is held to read the other text as the model reading the context does.
+    """
+
+    kind = OFF_TOPIC_READING_KIND
+    label = "off-topic readings"
+    asks = True
+
+    def plan(self, ctx: FitContext) -> Plan:
+        n = ctx.options.off_topic_reading
+        bound = ctx.options.off_topic_tokens + ctx.longest_question() + ctx.options.answer_tokens
+        return Plan(n, bound if n else 0, runs=n > 0)
+
+    def rows(self, ctx: FitContext, plan: Plan) -> Rows:
+        o = ctx.options
+        bos = _start(ctx, "off_topic_reading")
+        seed = o.seed + _READING_SEED
+        texts = sample_continuations(ctx.model, bos, plan.count, o.off_topic_tokens, seed)
+        asked: list[list[int]] = []
+        for k, ids in enumerate(texts):
+            # One question per text, written by the model reading that text alone.
+            _, questions = self_study(
+                ctx.model,
+                ctx.tokenizer,
+                bos + ids,
+                1,
+                answer_tokens=1,
+                seed=seed + k,
+                temperature=o.question_temperature,
+            )
+            if questions:
+                text = ctx.tokenizer.decode(ids, skip_special_tokens=True)
+                asked.append(ctx.reading(text, questions[0]))
+        return Rows(ctx.answered(asked), [len(q) for q in asked])
 
 
 class OffTopicQuestions(Source):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ctxc.bake.sources.base import Source
 from ctxc.bake.sources.cloze import Cloze
 from ctxc.bake.sources.file import QueryFile
-from ctxc.bake.sources.offtopic import OffTopicQuestions, OffTopicText
+from ctxc.bake.sources.offtopic import OffTopicQuestions, OffTopicReading, OffTopicText
 from ctxc.bake.sources.samples import Samples
 from ctxc.bake.sources.selfstudy import SelfStudy
 
@@ -19,6 +19,7 @@ SOURCES: tuple[Source, ...] = (
     Samples(),
     OffTopicText(),
     OffTopicQuestions(),
+    OffTopicReading(),
 )
 
 
