@@ -32,7 +32,13 @@ from ctxc.bake.sources import fit_context, gather
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
-from ctxc.core.vocabulary import ADDITIVE_METHOD, BOTH_DATA, DISTILL_METHOD, FIT_METHOD
+from ctxc.core.vocabulary import (
+    ADDITIVE_METHOD,
+    BOTH_DATA,
+    DISTILL_METHOD,
+    FIT_METHOD,
+    OFF_TOPIC_KINDS,
+)
 from ctxc.models.fingerprint import fingerprint
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver.fit_moves import FitOptions
@@ -50,6 +56,7 @@ __all__ = [
     "fit_data",
     "patch_meta",
     "query_rows",
+    "row_weights",
 ]
 
 
@@ -298,7 +305,24 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
     answers = o.fit_rows == "answers"
     whole = o.fit_prefix and not data.opening and not answers
     rows = None if whole else query_rows(data, o.fit_prefix, answers)
-    return fit_solve(traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes)
+    weights = row_weights(data, o.off_topic_weight)
+    return fit_solve(
+        traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes, weights
+    )
+
+
+def row_weights(data: FitData, off_topic: float) -> torch.Tensor | None:
+    """[N] each fit position's weight: ``off_topic`` at an off-topic row's positions
+    (:data:`OFF_TOPIC_KINDS`), 1 elsewhere; None when every weight is 1."""
+    if off_topic == 1.0 or not any(k in OFF_TOPIC_KINDS for k in data.kinds):
+        return None
+    n = len(data.prefix)
+    return torch.cat(
+        [
+            torch.full((n + len(q),), off_topic if k in OFF_TOPIC_KINDS else 1.0)
+            for q, k in zip(data.queries, data.kinds, strict=True)
+        ]
+    )
 
 
 def fit_data(

@@ -304,6 +304,12 @@ class BakeOptions:
     )
     rank_per_block: bool = _option(False, "fit", None, "")  # the command's --rank auto
     ridge: float = _option(1.0, "fit", "--ridge", "Relative ridge of the matrix fits.")
+    off_topic_weight: float = _option(
+        1.0,
+        "fit",
+        "--off-topic-weight",
+        "Weight of each off-topic row's positions in the fit (2: as if each were there twice).",
+    )
     attention: bool | None = _option(
         None,
         "fit",
@@ -347,6 +353,8 @@ class BakeOptions:
         _at_least("off_topic_questions", self.off_topic_questions, 0)
         _at_least("off_topic_reading", self.off_topic_reading, 0)
         _at_least("off_topic_tokens", self.off_topic_tokens, 1)
+        if not self.off_topic_weight > 0:
+            raise OptionError("{off_topic_weight} must be above 0 (got {})", self.off_topic_weight)
         check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
@@ -377,6 +385,8 @@ class BakeOptions:
             )
         if self.on_policy and self.method != FIT_METHOD:
             raise OptionError("{on_policy} refits the fit: it needs {method} fit")
+        if self.off_topic_weight != 1.0 and self.method != FIT_METHOD:
+            raise OptionError("{off_topic_weight} weighs the fit's rows: it needs {method} fit")
         if self.method != DISTILL_METHOD:
             # A distill option beside another method would be ignored: one line, not a bake
             # that runs without it (``--steps 5 --seconds 3`` ran a 548 s fit, issue 52).

@@ -36,6 +36,7 @@ __all__ = [
     "GGUF_F32",
     "GGUF_TYPES",
     "LORA_RULE",
+    "OFF_TOPIC_KINDS",
     "OFF_TOPIC_QUESTION_KIND",
     "OFF_TOPIC_READING_KIND",
     "OFF_TOPIC_TEXT_KIND",
@@ -143,6 +144,8 @@ ON_POLICY_KIND = "on-policy"
 OFF_TOPIC_TEXT_KIND = "off-topic-text"
 OFF_TOPIC_QUESTION_KIND = "off-topic-question"
 OFF_TOPIC_READING_KIND = "off-topic-reading"
+# The kinds ``--off-topic-weight`` weighs (an on-policy row asked again is ``on-policy``).
+OFF_TOPIC_KINDS = (OFF_TOPIC_TEXT_KIND, OFF_TOPIC_QUESTION_KIND, OFF_TOPIC_READING_KIND)
 
 # Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {

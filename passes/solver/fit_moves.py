@@ -261,7 +261,11 @@ def fit_scale(s: torch.Tensor, f: torch.Tensor, t: torch.Tensor, ridge: float) -
     return ScaleFit(ds.float(), float(ds.abs().max()), float(new.abs().max()), rel)
 
 
-def fit_bias(d: torch.Tensor) -> torch.Tensor:
+def fit_bias(d: torch.Tensor, root: torch.Tensor | None = None) -> torch.Tensor:
     """The bias change [out] adding ``d_j`` [N, out] at every position in the least-squares
-    sense: their mean (exact for one position)."""
-    return d.double().mean(dim=0).float()
+    sense: their mean (exact for one position); with ``root`` [N] (each row's already
+    multiplied by its ``sqrt(w_j)``), the weighted mean ``sum_j w_j d_j / sum_j w_j``."""
+    if root is None:
+        return d.double().mean(dim=0).float()
+    r = root.double()
+    return ((r[:, None] * d.double()).sum(dim=0) / r.pow(2).sum()).float()

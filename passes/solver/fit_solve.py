@@ -154,10 +154,15 @@ class _Fitter:
         opts: FitOptions,
         rows: torch.Tensor | None,
         start: dict[str, Delta] | None = None,
+        weights: torch.Tensor | None = None,
     ):
         self.runs, self.targets, self.opts = runs, targets, opts
         self.base_opts = opts  # ``opts`` is this block's (its own rank: rank_per_block)
         self.rows = rows  # [N] bool: the positions that are constraints (None: all)
+        # [N'] the square roots of the fitted rows' weights (None: 1 each): a row of weight w
+        # scaled by sqrt(w) on both sides of every least-squares fit counts as w copies of it.
+        picked = weights if weights is None or rows is None else weights[rows]
+        self.root = None if picked is None else picked.double().sqrt()
         self.start = start or {}  # the previous pass's deltas (a refit pass)
         self.deltas: dict[str, Delta] = {}
         self.resid: dict[str, float] = {}
@@ -258,7 +263,8 @@ class _Fitter:
                 raise SolveError(block.path, "its output is set by a norm bias: not linear-only")
             assert block.norm is not None and block.norm.bias is not None
             now = self.runs.values(block.control).float()  # [N, d]
-            delta = Delta(block.norm.bias, block.path, vector=fit_bias(self._fit_rows(t - now)))
+            d = self._fit_rows(t - now)  # [N', d], each row times sqrt(w)
+            delta = Delta(block.norm.bias, block.path, vector=fit_bias(d, self.root))
             self._put(delta, block.residual_add, 0.0)
         elif ctl == "scale":
             sc = block.scale
@@ -294,7 +300,9 @@ class _Fitter:
         return dataclasses.replace(self.base_opts, rank=own if cap is None else min(own, cap))
 
     def _fit_rows(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.rows is None else x[self.rows]
+        """The fitted rows of ``x`` [N, k], each times the square root of its weight."""
+        x = x if self.rows is None else x[self.rows]
+        return x if self.root is None else x * self.root.to(x.dtype)[:, None]
 
     def _put_outer(self, block: MlpBlock, residual: torch.Tensor, h: torch.Tensor) -> None:
         self._put_linear(
@@ -392,6 +400,7 @@ def fit_solve(
     on_block: Callable[[int, int, str], None] | None = None,
     rows: torch.Tensor | None = None,
     passes: int = 1,
+    weights: torch.Tensor | None = None,
 ) -> FitSolution:
     """Fit one patch over every position of every query, block by block (pure).
 
@@ -406,6 +415,9 @@ def fit_solve(
         rows: [N] bool, the positions that are constraints (None: every one); the others are
             run (later positions attend to them) but not fitted.
         passes: 1, or more for refit passes (module docstring).
+        weights: [N] float, each position's weight in every fit (a position of weight ``w``
+            counts as ``w`` copies of it); None: 1 each. The effective rank does not depend on
+            them (each position's exact move ``y x^T / ||x||^2`` is the same scaled).
 
     Returns:
         the :class:`FitSolution` (the figures of the last pass).
@@ -418,7 +430,9 @@ def fit_solve(
     stats: list[FitBlock] = []
     total = passes * len(blocks.blocks)
     for p in range(passes):
-        fitter = _Fitter(Lockstep(traced, queries, keep), targets, opts, rows, start=deltas)
+        fitter = _Fitter(
+            Lockstep(traced, queries, keep), targets, opts, rows, start=deltas, weights=weights
+        )
         stats = []
         with torch.no_grad():
             for i, block in enumerate(blocks.blocks):

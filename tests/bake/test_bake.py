@@ -198,3 +198,40 @@ def test_rank_auto_gives_each_block_its_effective_rank(family: str) -> None:
         assert block["ranks"] == {name: r for name, (r, _) in got.items()}, block["ranks"]
     with pytest.raises(CtxcError, match="a LoRA has one rank"):
         BakeOptions(rank_per_block=True, method="distill")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_an_off_topic_weight_of_two_is_the_row_fitted_twice(family: str) -> None:
+    """``off_topic_weight`` (issue 53): each off-topic position counts ``w`` times in every
+    least-squares fit of the bake (linear, scale, attention moves; ridge and rank as they are),
+    so weight 2 gives the deltas of a bake whose off-topic row stands in the data twice; weight
+    1 changes nothing."""
+    from ctxc.bake.driver import row_weights
+
+    model, tok = shared(family), tiny_tokenizer()
+    ctx = [1, *random_ids(3, 20)]
+    mine, other = random_ids(4, 6), random_ids(5, 7)
+    prefix = special_prefix(tok)
+    opts = BakeOptions(rank=4, attention=None)
+    weighted = FitData(ctx, prefix, [mine, other], ["file", "off-topic-text"])
+    twice = FitData(ctx, prefix, [mine, other, other], ["file", "file", "file"])
+    weights = row_weights(weighted, 2.0)
+    assert weights is not None and weights.tolist() == [1.0] * (len(prefix) + 6) + [2.0] * (
+        len(prefix) + 7
+    ), weights
+    assert row_weights(weighted, 1.0) is None and row_weights(twice, 2.0) is None
+    got = bake(model, data=weighted, options=BakeOptions(**{**vars(opts), "off_topic_weight": 2.0}))
+    want = bake(model, data=twice, options=opts)
+    plain = bake(model, data=weighted, options=opts)
+    assert list(got.patch.deltas) == list(want.patch.deltas)
+    moved = 0.0
+    for name, d in want.patch.deltas.items():
+        a, b = got.patch.deltas[name].dense(), d.dense()
+        scale = float(b.abs().max()) or 1.0
+        assert float((a - b).abs().max()) <= 1e-4 * scale, diff_msg(name, a, b)
+        moved = max(moved, float((plain.patch.deltas[name].dense() - b).abs().max()) / scale)
+    assert moved > 1e-3, f"weight 2 changed no delta (largest relative change {moved:.3g})"
+    with pytest.raises(CtxcError, match="off_topic_weight must be above 0"):
+        BakeOptions(off_topic_weight=0.0)
+    with pytest.raises(CtxcError, match="off_topic_weight weighs the fit's rows"):
+        BakeOptions(off_topic_weight=2.0, method="additive")
