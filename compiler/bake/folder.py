@@ -38,7 +38,7 @@ EVAL_TOKENS = 16
 FIT_EVAL = 8
 # Greedy tokens of a held-out question's answer (its answer-agreement figure).
 QUESTION_TOKENS = 24
-# The off-topic sets' seed, after the bake's (the fit's off-topic sources take + 2 to + 4).
+# The off-topic set's seed, after the bake's (the fit's off-topic sources take + 2 to + 4).
 _OFF_TOPIC_SEED = 5
 
 
@@ -47,8 +47,7 @@ def measure_figures(
 ) -> dict:
     """The patch's figures beside the unpatched control's: the fit data's first
     :data:`FIT_EVAL` queries and every held-out set (held-out questions get the
-    answer-agreement figure too), the off-topic ones (``off_topic_samples``,
-    ``off_topic_questions``) included.
+    answer-agreement figure too), the ``off_topic`` one included.
 
     Args:
         net, tokenizer: the unpatched model the patch was baked on.
@@ -85,22 +84,27 @@ def measure_figures(
         )
         sets["held_out_questions"] = (held_data(texts, 0, 1, seed), QUESTION_TOKENS)
     if held.off_topic:
-        sets.update(_off_topic_sets(net, tokenizer, result, held.off_topic, seed, held_data))
+        sets["off_topic"] = (
+            _off_topic_set(net, tokenizer, result, held.off_topic, seed, held_data),
+            0,
+        )
     figures = {}
     for name, (d, gen) in sets.items():
         if on_stage is not None:
             on_stage(f"evaluating on {name}, {len(d.queries)} queries")
-        tok = tokenizer if name.endswith("_questions") else None
+        tok = tokenizer if name == "held_out_questions" else None
         patched, control = evaluate_many(net, [result.patch, None], d, gen, tokenizer=tok)
         figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
     return figures
 
 
-def _off_topic_sets(net, tokenizer, result: BakeResult, count: int, seed: int, held_data) -> dict:
-    """``off_topic_samples`` (continuations of ``EVAL_TOKENS`` tokens, KL and top-1 only) and
-    ``off_topic_questions`` (answers compared), both written by the model fed the prefix alone
-    (what the patched model is fed first: BOS, or a chat template's opening), then fed after
-    the context as the fit's queries are.
+def _off_topic_set(net, tokenizer, result: BakeResult, count: int, seed: int, held_data):
+    """The ``off_topic`` set: ``count`` continuations of ``EVAL_TOKENS`` tokens and ``count``
+    questions, written by the model fed the prefix alone (what the patched model is fed first:
+    BOS, or a chat template's opening), then fed after the context as the fit's queries are;
+    measured by KL and top-1 only, in one evaluation (at 8 and 8, as two sets with the
+    questions' greedy answers, they took the figures from 42 s to 93 s of CPU at one thread on a
+    SQuAD paragraph; without the answers, 74 s).
 
     Raises:
         OptionError: a bake whose patched model is fed nothing first (nothing to write from).
@@ -111,18 +115,15 @@ def _off_topic_sets(net, tokenizer, result: BakeResult, count: int, seed: int, h
     prefix = list(result.data.prefix)
     if not prefix:
         raise OptionError("the off-topic figures sample from the prefix: this bake has none")
-    chat = result.chat is not None
     off = seed + _OFF_TOPIC_SEED
     texts = [
         tokenizer.decode(ids, skip_special_tokens=True)
         for ids in sample_continuations(net, prefix, count, EVAL_TOKENS, off)
     ]
+    # A model that writes no question from its BOS (a tiny random one) adds none.
     _, questions = self_study(net, tokenizer, prefix, count, answer_tokens=1, seed=off)
-    asked = questions if chat else [as_question(q) for q in questions]
-    sets = {"off_topic_samples": (held_data(texts, 0, 1, seed), 0)}
-    if asked:  # a model that writes no question from its BOS (a tiny random one) asks none
-        sets["off_topic_questions"] = (held_data(asked, 0, 1, seed), QUESTION_TOKENS)
-    return sets
+    asked = questions if result.chat is not None else [as_question(q) for q in questions]
+    return held_data(texts + asked, 0, 1, seed)
 
 
 def write_bake(

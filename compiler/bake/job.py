@@ -26,8 +26,8 @@ class HeldOut:
         samples: continuations sampled from the model fed the context (seed + 1), at least 0.
         off_topic: off the context (issue 53): as many continuations and as many questions
             the model writes from what the patched model is fed first alone (its BOS; seed +
-            5), fed after the context: the patched model should do there what the model
-            reading the context does. At least 0.
+            5), fed after the context (one set, ``off_topic``): the patched model should do
+            there what the model reading the context does. At least 0.
 
     Raises:
         CtxcError: ``samples`` or ``off_topic`` below 0.
@@ -36,7 +36,7 @@ class HeldOut:
     queries: tuple[str, ...] | None = None
     questions: tuple[str, ...] | None = None
     samples: int = 8
-    off_topic: int = 8
+    off_topic: int = 4
 
     def __post_init__(self) -> None:
         for name in ("samples", "off_topic"):

@@ -107,8 +107,8 @@ _OWN: tuple[tuple[str, Any, Any, str, str], ...] = (
         int,
         HeldOut().off_topic,
         "--eval-off-topic",
-        "Off-topic samples and questions written from the BOS alone (seed + 5), fed after the "
-        "context: the patch against the model reading the context, off it.",
+        "Off-topic samples and as many questions, written from the BOS alone (seed + 5), fed "
+        "after the context: the patch against the model reading the context, off it.",
     ),
     ("out_dir", Path, Path("ctxc-bake"), "--out", "Output folder."),
 )

@@ -39,11 +39,11 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     assert report["fit_queries"] == 5 and report["fit_kinds"] == {"file": 3, "sample": 2}
     assert report["options"]["rank"] == 4
     figures = report["figures"]
-    measured = {"fit", "held_out_samples", "held_out_queries", "held_out_questions"}
-    # Off the context (issue 53): the questions only where the model wrote one from its BOS.
-    off = {"off_topic_samples"}
-    assert measured | off <= set(figures) <= measured | off | {"off_topic_questions"}, figures
-    assert figures["off_topic_samples"]["patched"]["positions"] > 0, figures["off_topic_samples"]
+    assert set(figures) == {
+        "fit", "held_out_samples", "held_out_queries", "held_out_questions", "off_topic"
+    }  # fmt: skip
+    # Off the context (issue 53): two samples of about 16 tokens (and any question written).
+    assert figures["off_topic"]["patched"]["positions"] >= 16, figures["off_topic"]
     answers = figures["held_out_questions"]["patched"]["answers"]
     assert answers is not None and 0.0 <= answers <= 1.0, figures["held_out_questions"]
     for pair in figures.values():
