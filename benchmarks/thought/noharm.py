@@ -320,6 +320,10 @@ def summary(doc: dict, setting: str) -> dict:
 
 def render(doc: dict, source: str) -> str:
     """The results page (Markdown)."""
+    rows = [r for v in doc["settings"].values() for r in v["paragraphs"].values()]
+    commits = sorted({f"`{r['commit']}`" for r in rows})
+    commands = [c for v in doc["settings"].values() for c in v.get("commands", [])]
+    commands = list(dict.fromkeys(commands))
     lines = [
         "# No harm: a baked paragraph off its paragraph (issue 53)",
         "",
@@ -331,6 +335,10 @@ def render(doc: dict, source: str) -> str:
         "general: questions right; other document: SQuAD F1 of the baked model of paragraph i "
         "reading paragraph j against the original reading j; off-topic: KL from the model fed "
         "the paragraph first, mean over positions of another article's opening.",
+        "",
+        f"Measured at commit{'s' if len(commits) > 1 else ''} {', '.join(commits)} by:",
+        "",
+        *(f"    {c}" for c in commands),
         "",
         f"| setting | paragraphs | reading F1 kept: {' / '.join(_forms(doc))} | EM kept (ctxc) | "
         "general right: baked / full / none (ratio to full) | other document F1: baked / "
