@@ -19,7 +19,8 @@ import re
 from dataclasses import dataclass
 
 from ctxc.bake.data import text_queries
-from ctxc.bake.selfstudy import NOT_TOPICS, as_question
+from ctxc.bake.selfstudy import NOT_TOPICS
+from ctxc.core.vocabulary import CLOZE_PHRASINGS, CLOZE_TURN_PHRASINGS
 
 __all__ = ["Cloze", "chat_cloze_queries", "cloze_queries", "clozes"]
 
@@ -184,8 +185,13 @@ def _spaced(text: str, count: int, form: str) -> list[Cloze]:
     return every
 
 
+def _worded(question: str, index: int, phrasings: int, wordings: tuple[str, ...]) -> str:
+    """Cloze question ``index`` in its wording: round-robin over the first ``phrasings``."""
+    return wordings[index % phrasings].format(question=question.strip())
+
+
 def chat_cloze_queries(
-    chat, count: int, form: str = "sentence"
+    chat, count: int, form: str = "sentence", phrasings: int = 1
 ) -> tuple[list[list[int]], list[int], list[Cloze]]:
     """:func:`cloze_queries` of a chat model's context turns: each question the user's turn
     (``chat.turn``, after the context turns, as a held-out chat question is fed), its answer the
@@ -193,6 +199,7 @@ def chat_cloze_queries(
 
     Args:
         chat: the :class:`~ctxc.bake.chat.ChatFormat` (its context turns' text is read).
+        phrasings: the turn's wordings, round-robin (:data:`CLOZE_TURN_PHRASINGS`' first).
 
     Returns:
         (the queries' ids; where each answer starts; the :class:`Cloze` of each).
@@ -202,8 +209,8 @@ def chat_cloze_queries(
     eos = getattr(tokenizer, "eos_token_id", None)
     end = eos if eos in chat.ends else min(chat.ends, default=None)
     ids, starts, every = [], [], _spaced(text, count, form)
-    for c in every:
-        asked = chat.turn(c.question)
+    for i, c in enumerate(every):
+        asked = chat.turn(_worded(c.question, i, phrasings, CLOZE_TURN_PHRASINGS))
         span = list(tokenizer(c.answer, add_special_tokens=False).input_ids)
         ids.append(asked + span + ([end] if end is not None else []))
         starts.append(len(asked))
@@ -211,19 +218,20 @@ def chat_cloze_queries(
 
 
 def cloze_queries(
-    tokenizer, text: str, count: int, form: str = "sentence"
+    tokenizer, text: str, count: int, form: str = "sentence", phrasings: int = 1
 ) -> tuple[list[list[int]], list[int], list[Cloze]]:
     """``count`` fit queries of :func:`clozes` (all of them when fewer; evenly spaced over the
-    text when more): the question as a held-out question is fed, then the span and a line
-    break.
+    text when more): the question as a held-out question is fed (question ``i`` in wording
+    ``i % phrasings`` of :data:`CLOZE_PHRASINGS`, the first ctxc's own), then the span and a
+    line break.
 
     Returns:
         (the queries' ids; where each answer starts; the :class:`Cloze` of each).
     """
     every = _spaced(text, count, form)
     ids, starts = [], []
-    for c in every:
-        asked = text_queries(tokenizer, [as_question(c.question)])[0]
+    for i, c in enumerate(every):
+        asked = text_queries(tokenizer, [_worded(c.question, i, phrasings, CLOZE_PHRASINGS)])[0]
         answer = list(tokenizer(" " + c.answer + "\n", add_special_tokens=False).input_ids)
         ids.append(asked + answer)
         starts.append(len(asked))

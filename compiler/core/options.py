@@ -22,6 +22,7 @@ from ctxc.core.vocabulary import (
     BAKE_METHODS,
     BOTH_DATA,
     CLOZE_FORMS,
+    CLOZE_PHRASINGS,
     CLOZE_TEACHERS,
     CONTINUATIONS_DATA,
     DEFAULT_RULE,
@@ -152,6 +153,9 @@ class BakeOptions:
         cloze_form: how a cloze question is cut (``CLOZE_FORMS``): ``sentence`` (the
             sentence's words before the span, then its clause after it), ``clause`` (the
             span's clause alone) or ``both`` (each span asked both ways).
+        cloze_phrasings: how many wordings the cloze questions are asked in, round-robin
+            over the rows (``CLOZE_PHRASINGS``; 1: ctxc's own ``Question: ...\nAnswer:``
+            only). The rows stay ``cloze``, so the bake costs the same (issue 53).
         off_topic: off-topic rows (at least 0; ``ctxc.bake.sources.offtopic``): continuations
             of ``sample_tokens`` the model samples from its BOS alone (no context), their
             targets the full-context model's, so the patch is fitted to do off the context
@@ -260,6 +264,13 @@ class BakeOptions:
         "How a cloze question is cut: sentence, clause, or both (each span asked both ways).",
         choices=CLOZE_FORMS,
     )
+    cloze_phrasings: int = _option(
+        1,
+        "data",
+        "--cloze-phrasings",
+        f"Wordings the cloze questions are asked in, round-robin (1 to {len(CLOZE_PHRASINGS)}; "
+        "1: ctxc's own).",
+    )
     off_topic: int = _option(
         0,
         "data",
@@ -349,6 +360,13 @@ class BakeOptions:
         _at_least("samples", self.samples, 0)
         _at_least("topics", self.topics, 0)
         _at_least("cloze", self.cloze, 0)
+        _at_least("cloze_phrasings", self.cloze_phrasings, 1)
+        if self.cloze_phrasings > len(CLOZE_PHRASINGS):
+            raise OptionError(
+                "{cloze_phrasings} must be at most {} (got {})",
+                len(CLOZE_PHRASINGS),
+                self.cloze_phrasings,
+            )
         _at_least("off_topic", self.off_topic, 0)
         _at_least("off_topic_questions", self.off_topic_questions, 0)
         _at_least("off_topic_reading", self.off_topic_reading, 0)

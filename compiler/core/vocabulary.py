@@ -23,7 +23,9 @@ __all__ = [
     "BOTH_DATA",
     "CLOZE_FORMS",
     "CLOZE_KIND",
+    "CLOZE_PHRASINGS",
     "CLOZE_TEACHERS",
+    "CLOZE_TURN_PHRASINGS",
     "CONTINUATIONS_DATA",
     "DEFAULT_RULE",
     "DISTILL_METHOD",
@@ -163,6 +165,24 @@ CLOZE_FORMS: dict[str, str] = {
     "clause": "the span's clause alone, the wh-word in the span's place",
     "both": "each span asked both ways",
 }
+# How a cloze question is worded around its text, round-robin over the rows with
+# ``BakeOptions.cloze_phrasings`` > 1 (issue 53: a patch fitted in one wording carries its facts
+# in that wording; asked "Q: ...\nA:", it kept 0.2-0.3 of the F1 where its own wording kept 0.7-1).
+# The first is ctxc's own (``ctxc.bake.selfstudy.QUESTION_FORMAT``); none is a wording the
+# no-harm benchmark asks in (``benchmarks/thought/noharm.py``'s FORMS), which stay held out.
+CLOZE_PHRASINGS: tuple[str, ...] = (
+    "Question: {question}\nAnswer:",
+    "{question} Answer:",
+    "Query: {question}\nResponse:",
+    "Tell me: {question}\nReply:",
+)
+# The same for a chat bake's user turn (the question alone is ctxc's own).
+CLOZE_TURN_PHRASINGS: tuple[str, ...] = (
+    "{question}",
+    "Question: {question}",
+    "Please tell me: {question}",
+    "{question} Reply briefly.",
+)
 
 # How the model is asked to write a self-study question after the context (issue 35).
 QUESTION_PROMPTS: dict[str, str] = {

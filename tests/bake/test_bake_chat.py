@@ -186,3 +186,11 @@ def test_chat_cloze_queries_are_user_turns_answered_by_the_span(name: str) -> No
         assert data.queries[i] == ids[i] and starts[i] == len(whole) - len(chat.context_ids)
     rows = query_rows(data, answers=True)
     assert 0 < int(rows.sum()) < data.positions, (int(rows.sum()), data.positions)
+    # In several wordings (issue 53): question i's turn in wording i, the answer as before.
+    from ctxc.core.vocabulary import CLOZE_TURN_PHRASINGS
+
+    worded, w_starts, _ = chat_cloze_queries(chat, 3, phrasings=3)
+    for i, c in enumerate(found):
+        turn = chat.turn(CLOZE_TURN_PHRASINGS[i].format(question=c.question))
+        assert worded[i][: w_starts[i]] == turn, tok.decode(worded[i])
+        assert worded[i][w_starts[i] :] == ids[i][starts[i] :], tok.decode(worded[i])

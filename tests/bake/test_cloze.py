@@ -10,8 +10,9 @@ import torch
 
 from ctxc.bake.cloze import cloze_queries, clozes
 from ctxc.bake.driver import BakeOptions, bake, bake_data, query_rows
-from ctxc.bake.selfstudy import as_question
+from ctxc.bake.selfstudy import QUESTION_FORMAT, as_question
 from ctxc.core.errors import OptionError
+from ctxc.core.vocabulary import CLOZE_PHRASINGS, CLOZE_TURN_PHRASINGS
 from testbed.tiny_models import VOCAB, shared
 from tests.fixtures.helpers import CharTokenizer, diff_msg
 
@@ -65,6 +66,24 @@ def test_cloze_queries_are_the_question_as_fed_then_the_span_and_a_line_break() 
     # Fewer than there are: evenly spaced over the text, in its order.
     _, _, three = cloze_queries(tok, _TEXT, 3)
     assert three == [every[i * len(every) // 3] for i in range(3)]
+
+
+def test_cloze_phrasings_word_the_questions_round_robin_and_one_is_ctxcs_own() -> None:
+    tok = CharTokenizer(_CHARS, special=(0, 1, 2, 3))
+    # The first wording is the one a held-out question is fed in: 1 phrasing is the old rows.
+    assert CLOZE_PHRASINGS[0] == QUESTION_FORMAT and CLOZE_TURN_PHRASINGS[0] == "{question}"
+    assert cloze_queries(tok, _TEXT, 8, phrasings=1) == cloze_queries(tok, _TEXT, 8)
+    n = len(CLOZE_PHRASINGS)
+    ids, starts, picked = cloze_queries(tok, _TEXT, 2 * n, phrasings=n)
+    assert len(ids) == 2 * n, len(ids)
+    for i, (q, a, c) in enumerate(zip(ids, starts, picked, strict=True)):
+        worded = CLOZE_PHRASINGS[i % n].format(question=c.question)
+        assert tok.decode(q[:a]) == " " + worded, (i, tok.decode(q[:a]))
+        assert tok.decode(q[a:]) == " " + c.answer + "\n"  # the answer as before
+    assert len(set(CLOZE_PHRASINGS)) == n == len(CLOZE_TURN_PHRASINGS), CLOZE_PHRASINGS
+    for bad in (0, n + 1):
+        with pytest.raises(OptionError, match="cloze_phrasings"):
+            BakeOptions(cloze_phrasings=bad)
 
 
 def test_clause_form_cuts_the_question_to_the_spans_clause_and_both_asks_both() -> None:

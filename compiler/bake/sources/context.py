@@ -146,7 +146,9 @@ class TextContext(FitContext):
     def cloze(self) -> tuple[list[list[int]], list[int]]:
         text = self.tokenizer.decode(self.context_ids, skip_special_tokens=True)
         o = self.options
-        ids, starts, _ = cloze_queries(self.tokenizer, text, o.clozed, o.cloze_form)
+        ids, starts, _ = cloze_queries(
+            self.tokenizer, text, o.clozed, o.cloze_form, o.cloze_phrasings
+        )
         return ids, starts
 
 
@@ -184,7 +186,8 @@ class ChatContext(FitContext):
         )
 
     def cloze(self) -> tuple[list[list[int]], list[int]]:
-        ids, starts, _ = chat_cloze_queries(self.chat, self.options.clozed, self.options.cloze_form)
+        o = self.options
+        ids, starts, _ = chat_cloze_queries(self.chat, o.clozed, o.cloze_form, o.cloze_phrasings)
         return ids, starts
 
 
