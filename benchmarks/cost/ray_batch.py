@@ -100,13 +100,13 @@ def _untimed(report):
 
 
 def line_workers(root: int) -> list[int]:
-    """The pids of the processes below ``root`` titled ``ray::LineWorker.compile``."""
+    """The pids of the processes below ``root`` titled ``ray::LineWorker.run``."""
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            if not (entry / "cmdline").read_bytes().startswith(b"ray::LineWorker.compile"):
+            if not (entry / "cmdline").read_bytes().startswith(b"ray::LineWorker.run"):
                 continue
             pid = int(entry.name)
             while pid > 1 and pid != root:

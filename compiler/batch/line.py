@@ -1,15 +1,16 @@
-"""One line of a batch run (``ctxc compile --contexts``), the steps every engine shares.
+"""One line of a batch run (``ctxc compile --contexts``, a routed bake's chunk), the steps every
+engine shares.
 
-:func:`compile_line` compiles a line into its staging folder (in this process, or in a Ray
-worker, ``compiler/batch/ray_engine.py``); :func:`settle` moves it into DIR by how that ended and
-:func:`record` sets its row of index.json (in the process that holds DIR,
+A line's step runs it into its staging folder (in this process, a worker process or a Ray
+worker: ``compiler/batch/pool.py``); :func:`compile_line` is a ``--contexts`` line's, and
+:func:`guarded` the error handling every step shares. :func:`settle` moves a line into DIR by how
+that ended and :func:`record` sets its row of index.json (in the process that holds DIR,
 ``compiler/batch/folder.py``). No torch import at module level.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,9 +19,8 @@ from ctxc.batch.job import CompileJob, compile_into
 from ctxc.core.checks import ArtefactError
 from ctxc.core.errors import CtxcError, environment_error
 from ctxc.core.interrupts import pause_point
-from ctxc.core.vocabulary import REPORT_FILE
 
-__all__ = ["LineOutcome", "compile_line", "record", "settle"]
+__all__ = ["LineOutcome", "Step", "compile_line", "guarded", "record", "settle"]
 
 
 def record(
@@ -65,6 +65,34 @@ class LineOutcome:
     artefact: str | None = None
 
 
+# A line's step: ``(net, tokenizer, staging, entry, opts, name_of, on_emit) -> LineOutcome``,
+# a module-level function (a worker process is handed it by name).
+Step = Callable[..., LineOutcome]
+
+
+def guarded(run: Callable[[], object], name_of: Callable[[str], str] = str) -> LineOutcome:
+    """Run one line's work (``run``) and say how it ended, as every step does.
+
+    An unexpected error is this line's alone (re-raised with ``CTXC_DEBUG``); an interrupt
+    propagates.
+
+    Args:
+        run: the line's work, writing into its staging folder only.
+        name_of: how an error names a library parameter (the CLI: its flag).
+
+    Returns:
+        the :class:`LineOutcome`: ``"failed"`` for an artefact that failed its check,
+        ``"error"`` for any other error, else ``"ok"``.
+    """
+    try:
+        run()
+    except ArtefactError as exc:
+        return LineOutcome("failed", _line(exc), exc.artefact)
+    except Exception as exc:  # an error on one line: recorded, and the other lines still run
+        return LineOutcome("error", _problem(exc, name_of))
+    return LineOutcome("ok")
+
+
 def compile_line(
     net,
     tokenizer,
@@ -74,10 +102,8 @@ def compile_line(
     name_of: Callable[[str], str] = str,
     on_emit: Callable[[str], None] | None = None,
 ) -> LineOutcome:
-    """Compile line ``entry`` into ``staging``: the per-line step of every engine.
-
-    An unexpected error is this line's alone (re-raised with ``CTXC_DEBUG``); an interrupt
-    propagates. Nothing here touches DIR but ``staging``.
+    """Compile line ``entry`` into ``staging``: a ``--contexts`` line's :data:`Step`
+    (:func:`guarded`). Nothing here touches DIR but ``staging``.
 
     Args:
         name_of: how an error names a library parameter (the CLI: its flag).
@@ -86,7 +112,8 @@ def compile_line(
     Returns:
         the :class:`LineOutcome`.
     """
-    try:
+
+    def run() -> None:
         compile_into(
             net,
             tokenizer,
@@ -98,11 +125,8 @@ def compile_line(
             on_emit=on_emit,
             on_stage=pause_point,
         )
-    except ArtefactError as exc:
-        return LineOutcome("failed", _line(exc), exc.artefact)
-    except Exception as exc:  # an error on one line: recorded, and the other lines still run
-        return LineOutcome("error", _problem(exc, name_of))
-    return LineOutcome("ok")
+
+    return guarded(run, name_of)
 
 
 def _problem(exc: Exception, name_of: Callable[[str], str] = str) -> str:
@@ -133,10 +157,8 @@ def settle(
         name_of: how an error names a library parameter (the CLI: its flag).
 
     Returns:
-        (error or None, headline figures or None).
+        (error or None, the row figures (``folder.layout.summary``) or None).
     """
-    from ctxc.batch.folder import headline
-
     try:
         if outcome.kind == "failed":
             where = folder.keep_failed(staging, entry["name"], outcome.artefact)
@@ -151,7 +173,7 @@ def settle(
     except BaseException:
         folder.discard(staging)
         raise
-    return None, headline(json.loads((folder.final / entry["name"] / REPORT_FILE).read_text()))
+    return None, folder.figures(entry["name"])
 
 
 def _line(exc: BaseException | str) -> str:

@@ -2,9 +2,11 @@
 
 Every good line gets DIR/<name>/, exactly what a single ``ctxc compile`` writes; DIR/index.json
 lists every line with its status and headline figures, rewritten after every line. The lines
-compile here (one model load) or on a Ray cluster's workers (``ray_engine.py``). The run
-reports through :class:`~ctxc.batch.hooks.BatchHooks` and prints nothing itself; its errors
-name the library's parameters. No torch import at module level.
+compile here (one model load) or on a pool's workers (``pool.py``: a Ray cluster's,
+``ray_engine.py``; this machine's processes, ``processes.py``). The run reports through
+:class:`~ctxc.batch.hooks.BatchHooks` and prints nothing itself; its errors name the library's
+parameters. :func:`run_lines` is the run of any line step (a routed bake's chunks go through
+it); :func:`run_batch` is ``--contexts``'. No torch import at module level.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ from ctxc.batch.hooks import BatchHooks
 from ctxc.batch.job import CompileJob
 from ctxc.batch.line import compile_line, record, settle
 from ctxc.batch.lines import read_lines, refuse_bad_lines
+from ctxc.batch.pool import Engine, Work
 from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.interrupts import note_interrupt, pause_point
 from ctxc.core.vocabulary import DEFAULT_RULE, GGUF_F32
 
 if TYPE_CHECKING:
-    from ctxc.batch.ray_engine import RayEngine
+    from collections.abc import Callable
 
-__all__ = ["compile_many", "run_batch"]
+__all__ = ["compile_many", "run_batch", "run_lines"]
 
 
 def run_batch(
@@ -34,7 +37,7 @@ def run_batch(
     model: tuple[str | None, str],
     opts: CompileJob,
     mode: tuple[bool, bool] = (False, False),
-    engine: RayEngine | None = None,
+    engine: Engine | None = None,
     hooks: BatchHooks | None = None,
 ) -> list[dict]:
     """Compile every line of ``contexts`` into ``out_dir``/<name>/, each kept as it finishes.
@@ -50,8 +53,8 @@ def run_batch(
             model), and its dtype.
         opts: what every line is compiled with and into.
         mode: ``(force, resume)``: replace an earlier output; keep an earlier run's lines.
-        engine: compile on a Ray cluster's workers (``compiler/batch/ray_engine.py``); None:
-            here, one model load.
+        engine: compile on a pool's workers (a Ray cluster's:
+            :class:`~ctxc.batch.ray_engine.RayEngine`); None: here, one model load.
         hooks: the callbacks (:class:`~ctxc.batch.hooks.BatchHooks`); None: silent.
 
     Returns:
@@ -61,61 +64,100 @@ def run_batch(
         CtxcError: a line bad as written (every one named, before the model loads), ``out_dir``
             refused, the model does not load.
     """
+    lines = read_lines(contexts)
+    refuse_bad_lines(lines, contexts)  # before the output folder and the model
+    work = Work(compile_line, opts, placement=opts.placement)
+    return run_lines(lines, out_dir, model, _options(opts, model[1]), mode, engine, hooks, work)
+
+
+def run_lines(
+    lines: list[tuple],
+    out_dir: Path,
+    model: tuple[str | None, str],
+    options: dict,
+    mode: tuple[bool, bool],
+    engine: Engine | None,
+    hooks: BatchHooks | None,
+    work: Work,
+    finish: Callable | None = None,
+) -> list[dict]:
+    """Run every line into ``out_dir`` with ``work``'s step, each kept as it finishes.
+
+    Args:
+        lines: ``(line number, entry or None, problem or None)`` per line
+            (:func:`~ctxc.batch.lines.read_lines`'s); an entry has ``name``, ``context``,
+            ``query`` and ``messages`` (its input digest's parts).
+        out_dir: the output folder (laid out as ``work.layout`` says).
+        model: ``(model, dtype)``.
+        options: what a resume must match (stored in DIR's marker).
+        mode: ``(force, resume)``.
+        engine: the pool's engine (``engine.in_process(len(lines))``: here), or None: here.
+        hooks: the callbacks; None: silent.
+        work: the lines' step, options and layout.
+        finish: ``(folder, rows)``, called with DIR still held once every line is settled
+            (a routed bake writes its router), or None.
+
+    Returns:
+        the rows, one per line.
+
+    Raises:
+        CtxcError: ``out_dir`` refused, the model does not load.
+    """
     from ctxc.batch.folder import batch_folder
 
     hooks = hooks or BatchHooks()
     force, resume = mode
-    lines = read_lines(contexts)
-    refuse_bad_lines(lines, contexts)  # before the output folder and the model
     rows = [
         {"line": n, "name": entry["name"] if entry else None, "status": "not run"}
         for n, entry, _ in lines
     ]
     try:
-        with batch_folder(out_dir, force, resume, _options(opts, model[1])) as folder:
+        with batch_folder(out_dir, force, resume, options, work.layout) as folder:
             try:
-                if engine is not None:
-                    from ctxc.batch.ray_engine import run_on_ray
+                if engine is not None and not engine.in_process(len(lines)):
+                    from ctxc.batch.pool import run_pooled
 
-                    run_on_ray(engine, model, folder, lines, rows, opts, hooks)
+                    run_pooled(engine, model, folder, lines, rows, work, hooks)
                 else:
-                    _run_here(model, folder, lines, rows, (opts, hooks))
+                    _run_here(model, folder, lines, rows, (work, hooks))
             finally:  # an interrupt too: the finished lines are listed, the rest "not run"
                 folder.write_index(rows)
+            if finish is not None:
+                finish(folder, rows)
     except KeyboardInterrupt:
         kept = sum(row["status"] == "ok" for row in rows)
         if kept:  # else DIR was removed: nothing to resume from
-            note_interrupt(
-                CtxcError()
-                .naming(
-                    "{} of {} contexts kept in {}/; rerun with {resume} to compile the rest",
-                    kept,
-                    len(rows),
-                    out_dir,
-                )
-                .render(hooks.name_of)
-            )
+            again = _infinitive(work.layout.verb)
+            template = f"{{}} of {{}} {work.noun} kept in {{}}/; rerun with {{resume}} to {again} "
+            note = CtxcError().naming(template + "the rest", kept, len(rows), out_dir)
+            note_interrupt(note.render(hooks.name_of))
         raise
     return rows
 
 
+def _infinitive(verb: str) -> str:
+    """``compiled`` -> ``compile``, ``baked`` -> ``bake``: a layout's verb in a message."""
+    return verb[:-1] if verb.endswith("ed") else verb
+
+
 def _run_here(model: tuple, folder, lines, rows: list[dict], run: tuple) -> None:
-    """Load the model here and compile each line in turn (:func:`_run_lines`).
+    """Load the model here and run each line in turn (:func:`_run_lines`).
 
     Args:
-        run: ``(opts, hooks)``.
+        run: ``(work, hooks)``.
     """
     from ctxc.models.fingerprint import fingerprint
 
-    opts, hooks = run
-    net, tokenizer = hooks.load(*model, opts.placement)
+    work, hooks = run
+    net, tokenizer = hooks.load(*model, work.placement)
     folder.check_model(fingerprint(net))
     folder.write_index(rows)
+    hooks.on_workers(1)
     _run_lines((net, tokenizer), folder, lines, rows, run)
 
 
 def _run_lines(loaded: tuple, folder, lines, rows: list[dict], run: tuple) -> None:
-    """Compile each line (or keep it, resuming), updating ``rows`` and index.json after each."""
+    """Run each line (or keep it, resuming), updating ``rows`` and the index after each."""
     hooks = run[1]
     hooks.on_lines(0, len(lines), False)
     for i, (n, entry, problem) in enumerate(lines):
@@ -146,12 +188,12 @@ def _options(opts: CompileJob, dtype: str) -> dict:
 
 
 def _one(loaded: tuple, folder, entry: dict, run: tuple):
-    """(error or None, headline figures, kept) for one context, moved into DIR/<name>/ when
-    done; ``kept``: a line already written by an earlier run (``resume``, :meth:`finished`).
+    """(error or None, row figures, kept) for one line, moved into DIR when done; ``kept``: a
+    line already written by an earlier run (``resume``, :meth:`finished`).
     """
     from ctxc.batch.folder import input_digest
 
-    opts, hooks = run
+    work, hooks = run
     net, tokenizer = loaded
     digest = input_digest(entry)
     kept = folder.finished(entry["name"], digest)
@@ -159,7 +201,8 @@ def _one(loaded: tuple, folder, entry: dict, run: tuple):
         return None, kept, True
     staging = folder.staging(entry["name"])
     try:
-        outcome = compile_line(net, tokenizer, staging, entry, opts, hooks.name_of, hooks.on_emit)
+        step = work.here or work.step
+        outcome = step(net, tokenizer, staging, entry, work.opts, hooks.name_of, hooks.on_emit)
     except BaseException:
         folder.discard(staging)
         raise
