@@ -133,12 +133,15 @@ class ProcessPool(Pool):
         ours, theirs = self.context.Pipe()
         process = self.context.Process(target=_serve, args=(theirs, self.args), daemon=True)
         # Started with Ctrl-C ignored (a new Python keeps SIGINT ignored): the driver alone
-        # hears it and ends the workers, none prints a traceback of its own.
-        old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # hears it and ends the workers, none prints a traceback of its own. (Only the main
+        # thread may set a handler; a run from another thread hears no Ctrl-C itself.)
+        main = threading.current_thread() is threading.main_thread()
+        old = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             process.start()
         finally:
-            signal.signal(signal.SIGINT, old)
+            if main:
+                signal.signal(signal.SIGINT, old)
         theirs.close()
         return _Worker(process, ours)
 
