@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ctxc.bake.driver import BakeResult, bake
     from ctxc.bake.folder import evaluate_folder, summary_lines
-    from ctxc.bake.hooks import BakeHooks
+    from ctxc.bake.hooks import BakeHooks, ChunkProgress
     from ctxc.bake.job import BakeJob, BakeRun, HeldOut
     from ctxc.bake.route import CHUNK_WORDS, Router
     from ctxc.bake.routed import CHUNKS_DIR, bake_routed, change_routed, is_routed
@@ -37,6 +37,7 @@ __all__ = [
     "BakeOptions",
     "BakeResult",
     "BakeRun",
+    "ChunkProgress",
     "HeldOut",
     "Router",
     "bake",
@@ -58,6 +59,7 @@ _LAZY = {
     "evaluate_folder": "ctxc.bake.folder",
     "summary_lines": "ctxc.bake.folder",
     "BakeHooks": "ctxc.bake.hooks",
+    "ChunkProgress": "ctxc.bake.hooks",
     "BakeJob": "ctxc.bake.job",
     "BakeRun": "ctxc.bake.job",
     "HeldOut": "ctxc.bake.job",

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
-__all__ = ["BakeHooks", "OnBlock", "OnStage"]
+__all__ = ["BakeHooks", "ChunkProgress", "OnBlock", "OnStage"]
 
 OnStage = Callable[[str], None]
 OnBlock = Callable[[int, int, str], None]
@@ -38,6 +38,28 @@ def _load(model: str | None, dtype: str):
 
 
 @dataclasses.dataclass(frozen=True)
+class ChunkProgress:
+    """Where a routed bake's chunks stand, told after each one (``BakeHooks.on_chunks``).
+
+    Attributes:
+        done: chunks settled of ``total`` (baked, kept from an earlier run, or failed).
+        total: the document's chunks.
+        kept: chunks of ``done`` an earlier run had baked (``resume``): no work now.
+        baked: the chunk just settled was baked now (False: kept).
+        elapsed_s: seconds since the chunks began, their models loaded.
+        left_s: an estimate of the seconds left: the chunks not done at the rate the chunks
+            baked now took, the workers side by side (None before one is baked).
+    """
+
+    done: int
+    total: int
+    kept: int
+    baked: bool
+    elapsed_s: float
+    left_s: float | None
+
+
+@dataclasses.dataclass(frozen=True)
 class BakeHooks:
     """The callbacks of a bake (every one optional).
 
@@ -48,9 +70,18 @@ class BakeHooks:
             for one fit: its stages (``full runs``, ``fitting``) and its blocks
             (``(done, total, block)``); the CLI's draws its trail.
         load: ``(model, dtype) -> (net, tokenizer)``: the model load (the CLI's says so on
-            stderr, a first-run GGUF conversion included).
+            stderr, a first-run GGUF conversion included). A routed bake's worker processes
+            load with ``ctxc.store.model_load.load_with_stores``.
+        on_chunks: a routed bake's :class:`ChunkProgress`, after each chunk.
+        setup: called first in each worker process of a routed bake (the CLI: its libraries
+            quieted), a module-level function, or None.
+        name_of: how a message names a library parameter (the CLI: its flag), a module-level
+            function.
     """
 
     on_stage: OnStage = _silent
     progress: Callable[[str, str], AbstractContextManager[tuple[OnStage, OnBlock]]] = _no_progress
     load: Callable = _load
+    on_chunks: Callable[[ChunkProgress], None] = _silent
+    setup: Callable[[], None] | None = None
+    name_of: Callable[[str], str] = str

@@ -31,9 +31,10 @@ from pathlib import Path
 
 from ctxc.core.errors import CtxcError
 
-__all__ = ["CHUNK_WORDS", "ROUTER_FILE", "Router", "split_chunks", "words"]
+__all__ = ["CHUNKS_DIR", "CHUNK_WORDS", "ROUTER_FILE", "Router", "split_chunks", "words"]
 
 ROUTER_FILE = "router.json"
+CHUNKS_DIR = "chunks"  # a routed bake's chunk folders: DIR/chunks/<id>/
 # A chunk's words at most when paragraphs are joined: the paragraph benchmark's contexts (SQuAD
 # paragraphs, 100-200 words) are what one patch was measured to keep; a longer paragraph stays
 # one chunk whole (never cut inside).
@@ -137,8 +138,8 @@ class Router:
         start = max(taken, default=-1) + 1
         return [f"{n:03d}" for n in range(start, start + count)]
 
-    def save(self, folder: Path) -> None:
-        """Write ``folder/router.json``."""
+    def text(self) -> str:
+        """``router.json``'s text."""
         chunks = [{"id": i, "text": t} for i, t in zip(self.ids, self.texts, strict=True)]
         doc = {
             "format": _FORMAT,
@@ -147,12 +148,21 @@ class Router:
             "emit": list(self.emit),
             "chunks": chunks,
         }
-        (folder / ROUTER_FILE).write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+        return json.dumps(doc, indent=1) + "\n"
+
+    def save(self, folder: Path) -> None:
+        """Write ``folder/router.json``."""
+        (folder / ROUTER_FILE).write_text(self.text(), encoding="utf-8")
 
     @classmethod
     def load(cls, folder: Path) -> Router:
         """The router of a routed bake folder; one line when ``folder`` is not one."""
         path = Path(folder) / ROUTER_FILE
+        if not path.is_file() and (Path(folder) / CHUNKS_DIR).is_dir():
+            raise CtxcError(
+                f"{folder} is a routed bake not finished (no {ROUTER_FILE} yet): rerun its "
+                "ctxc bake --route with --resume"
+            )
         if not path.is_file():
             raise CtxcError(
                 f"{folder} is not a routed bake (no {ROUTER_FILE}): bake it with --route"

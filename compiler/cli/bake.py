@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import typer
 
-from ctxc.bake import CHUNK_WORDS, HeldOut
-from ctxc.cli.options import CHAT, DOCUMENT, FORCE, MODEL, SYSTEM, emit_help
-from ctxc.cli.progress import VERBOSE, say, stage, stage_progress
+from ctxc.bake import CHUNK_WORDS, ChunkProgress, HeldOut
+from ctxc.cli.options import CHAT, DOCUMENT, FORCE, MODEL, SYSTEM, Engine, emit_help, flag_of
+from ctxc.cli.progress import VERBOSE, is_verbose, quiet_defaults, say, stage, stage_progress
 from ctxc.cli.support import chat_input, load, parse_emit, read_context
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BAKE_GROUPS, BakeOptions, bake_fields
@@ -93,6 +93,30 @@ _OWN: tuple[tuple[str, Any, Any, str, str], ...] = (
         "--chunk-words",
         "With --route: most words of a chunk joining paragraphs.",
     ),
+    (
+        "resume",
+        bool,
+        False,
+        "--resume",
+        "With --route: keep the chunks an earlier run into --out baked, bake the rest.",
+    ),
+    (
+        "workers",
+        int,
+        None,
+        "--workers",
+        "With --route: chunks baked side by side, one model each (1: in this process; default: "
+        "the threads and memory allow; --engine ray: the Ray pool).",
+    ),
+    (
+        "engine",
+        Engine,
+        "local",
+        "--engine",
+        "With --route: local (worker processes here) or ray (a Ray cluster's workers: the ray "
+        "extra).",
+    ),
+    ("address", str, None, "--address", "With --engine ray: the Ray cluster (default: local)."),
     ("eval_queries", Path, None, "--eval-queries", "Held-out queries file."),
     (
         "eval_questions",
@@ -206,6 +230,8 @@ def bake_cmd(ctx: typer.Context, **given: Any) -> None:
     from ctxc.bake import BakeHooks, BakeJob, HeldOut, check_servable, is_routed
 
     a = _Args(given)
+    if not a.route:
+        _refuse_route_flags(ctx)
     for flag, value in (("--eval-samples", a.eval_samples), ("--eval-off-topic", a.eval_off_topic)):
         if value < 0:
             raise CtxcError(f"{flag} must be at least 0 (got {value})")
@@ -310,10 +336,55 @@ def _routed(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> N
     # a model/ per chunk, 283 MB of patched shard each on Gemma 3 270M).
     emit = job.emit if _given(ctx, "emit") else ()
     named = tuple((p.name, read_context(p)) for p in contexts)
-    run = bake_routed(replace(job, chunks=named, emit=emit), a.chunk_words, hooks)
+    hooks = replace(
+        hooks,
+        on_chunks=_say_chunks,
+        setup=None if is_verbose() else quiet_defaults,  # a worker process never ran main
+        name_of=flag_of,
+    )
+    run = bake_routed(
+        replace(job, chunks=named, emit=emit),
+        a.chunk_words,
+        hooks,
+        workers=a.workers,
+        engine=a.engine,
+        address=a.address,
+        resume=a.resume,
+    )
     n = len(run.report["chunk_ids"])
     closing = f"wrote {a.out_dir}/ ({n} chunks; ctxc route {a.out_dir} --query TEXT picks one)"
     _say_all([*run.lines, closing])
+
+
+def _say_chunks(p: ChunkProgress) -> None:
+    """A routed bake's line per chunk baked: chunks done of all, the time so far and left."""
+    if not p.baked:
+        return  # kept from an earlier run: counted in the next line
+    kept = f", {p.kept} kept" if p.kept else ""
+    left = "" if p.left_s is None or p.done == p.total else f", about {_duration(p.left_s)} left"
+    stage(f"chunks {p.done}/{p.total} baked{kept}: {_duration(p.elapsed_s)}{left}", keep=True)
+
+
+def _duration(seconds: float) -> str:
+    """``42 s``, ``3 min 05 s``, ``1 h 02 min``."""
+    s = round(seconds)
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
+
+
+def _refuse_route_flags(ctx: typer.Context) -> None:
+    """One line for a routed bake's run flags given without ``--route``."""
+    for name, flag in (
+        ("resume", "--resume"),
+        ("workers", "--workers"),
+        ("engine", "--engine"),
+        ("address", "--address"),
+    ):
+        if _given(ctx, name):
+            raise CtxcError(f"{flag} goes with --route")
 
 
 def _change_routed(ctx, folder, named, queries, chunk, held, model, hooks) -> None:

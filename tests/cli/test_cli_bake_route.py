@@ -5,6 +5,7 @@ removing a chunk leaves the others' files as they were; bad input is one line.""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -32,15 +33,16 @@ def test_route_bakes_each_chunk_alone_and_adds_and_removes(tiny_model_dir, tmp_p
     more.write_text("w40 w41 w42 w43")
     alone.write_text("w13 w14 w15 w16 w17")
     model, out = ["--model", str(tiny_model_dir)], tmp_path / "routed"
+    # In this process (--workers 1): at the thread count of the plain bake it is compared with.
     proc = run_cli("bake", *model, *_FIT, "--route", "--chunk-words", "6", "--context", str(doc),
-                   "--emit", "lora", "--out", str(out))  # fmt: skip
+                   "--emit", "lora", "--out", str(out), "--workers", "1")  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     router = Router.load(out)
     assert router.ids == ("000", "001", "002") and router.chunk_words == 6, router
     assert router.texts == tuple(p.strip() for p in _DOC.split("\n\n") if p.strip())
     for cid in router.ids:
         names = sorted(p.name for p in (out / "chunks" / cid).iterdir())
-        assert names == ["lora", "patch.safetensors", "report.json"], (cid, names)
+        assert names == [".ctxc", "lora", "patch.safetensors", "report.json"], (cid, names)
         report = json.loads((out / "chunks" / cid / "report.json").read_text())
         assert report["route"]["chunk"] == cid and report["options"]["rank"] == 8
     assert "3 chunks" in proc.stdout, proc.stdout
@@ -86,6 +88,11 @@ def test_route_bakes_each_chunk_alone_and_adds_and_removes(tiny_model_dir, tmp_p
         (["--remove", "{routed}", "--chunk", "009"], "no chunk '009'"),
         (["--add", "{routed}", "--context", "{ctx}", "--chunk-words", "9"], "cannot change"),
         (["--add", "{routed}", "--context", "{ctx}", "--emit", "torch"], "carry the artefacts"),
+        (["--context", "{ctx}", "--resume"], "--resume goes with --route"),
+        (["--add", "{routed}", "--context", "{ctx}", "--workers", "2"], "--workers goes with"),
+        (["--route", "--context", "{ctx}", "--workers", "0"], "--workers must be at least 1"),
+        (["--route", "--context", "{ctx}", "--address", "auto"], "--address applies to --engine"),
+        (["--route", "--context", "{ctx}", "--resume", "--force"], "--force are exclusive"),
     ],
 )
 def test_bad_route_input_is_one_line(tmp_path, args, message) -> None:
@@ -99,6 +106,17 @@ def test_bad_route_input_is_one_line(tmp_path, args, message) -> None:
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+def test_route_on_ray_without_ray_is_one_line(tmp_path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # ``import ray`` raises ImportError
+    (tmp_path / "c.txt").write_text("w1 w2 w3")
+    args = ["--route", "--context", str(tmp_path / "c.txt"), "--engine", "ray"]
+    proc = run_cli("bake", "--model", "nowhere", *args, "--out", str(tmp_path / "o"))
+    assert (proc.returncode, proc.stderr.splitlines()) == (
+        2,
+        ["ctxc: error: --engine ray needs ray: pip install 'ctxc[ray]'"],
+    )
 
 
 def test_route_of_a_folder_that_is_not_routed_is_one_line(tmp_path) -> None:
