@@ -9,7 +9,14 @@ import torch
 
 from ctxc.bake.data import FitData, record_fit_targets, special_prefix
 from ctxc.bake.driver import BakeOptions, bake
-from ctxc.bake.evaluate import evaluate_against, greedy, position_figures, reference
+from ctxc.bake.evaluate import (
+    evaluate_against,
+    evaluate_many,
+    greedy,
+    log_probabilities,
+    position_figures,
+    reference,
+)
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
 from ctxc.passes.solver.fit_solve import effective_rank
@@ -44,6 +51,42 @@ def _direct(model, patch, data: FitData, gen: int):
             n = next((j for j, (a, b) in enumerate(zip(picks, want, strict=True)) if a != b), gen)
             matched.append(n)
     return torch.cat(kls), torch.cat(agrees), matched
+
+
+def test_position_figures_in_float32_are_the_float64_ones_to_3e_5() -> None:
+    """Over Gemma 3's vocabulary (262,144 tokens): float32 log-probabilities with a float64
+    sum give float64's KL to 3e-5 (a bake's KL is 0.01-3, printed to three places), the same
+    top-1, exactly 0 for equal inputs, and the same figures from precomputed log-probabilities."""
+    gen = torch.Generator().manual_seed(0)
+    full = 3 * torch.randn(5, 262_144, generator=gen)  # [k, vocab]
+    for noise in (1.0, 0.1, 0.01):
+        patched = full + noise * torch.randn(full.shape, generator=gen)
+        kl, agree = position_figures(patched, full)
+        lf, lp = full.double().log_softmax(-1), patched.double().log_softmax(-1)
+        want = (lf.exp() * (lf - lp)).sum(-1)  # [k], float64 all through
+        assert torch.allclose(kl, want, rtol=1e-4, atol=3e-5), diff_msg("KL", kl, want)
+        assert torch.equal(agree, patched.argmax(-1) == full.argmax(-1))
+        again, same = position_figures(patched, full.log_softmax(-1), full_logprobs=True)
+        assert torch.equal(again, kl) and torch.equal(same, agree), diff_msg("KL", again, kl)
+    zero, _ = position_figures(full, full)
+    assert torch.equal(zero, torch.zeros(5, dtype=torch.float64)), zero
+
+
+@pytest.mark.parametrize("gen", [4, 0])
+def test_evaluate_many_with_shared_log_probabilities_is_each_patch_alone(gen: int) -> None:
+    """:func:`evaluate_many` normalises each reference once for all its patches
+    (:func:`log_probabilities`): the figures of each patch are :func:`evaluate_against`'s."""
+    model = shared("gemma3")
+    data = _data(70, [3, 7, 5])
+    patch = bake(model, data=data, options=BakeOptions(rank=2, ridge=1e-3)).patch
+    got = evaluate_many(model, [patch, None], data, gen)
+    ref = reference(model, data, gen_tokens=gen)
+    assert log_probabilities(ref).logits[0].shape == ref.logits[0].shape
+    for one, p in zip(got, [patch, None], strict=True):
+        want = evaluate_against(model, p, ref)
+        assert abs(one.kl - want.kl) <= 1e-6 * max(want.kl, 1e-3), diff_msg("KL", one.kl, want.kl)
+        assert (one.top1, one.matched_all) == (want.top1, want.matched_all), (one, want)
+    assert got[0].kl < got[1].kl, (got[0].kl, got[1].kl)
 
 
 @pytest.mark.parametrize(("family", "gen"), [("llama", 6), ("gemma3", 6), ("gemma3", 0)])
