@@ -159,9 +159,11 @@ class Router:
         """The router of a routed bake folder; one line when ``folder`` is not one."""
         path = Path(folder) / ROUTER_FILE
         if not path.is_file() and (Path(folder) / CHUNKS_DIR).is_dir():
-            raise CtxcError(
-                f"{folder} is a routed bake not finished (no {ROUTER_FILE} yet): rerun its "
-                "ctxc bake --route with --resume"
+            raise CtxcError().naming(
+                "{} is a routed bake not finished (no {} yet): rerun its bake with the same "
+                "options and {resume}",
+                folder,
+                ROUTER_FILE,
             )
         if not path.is_file():
             raise CtxcError(
