@@ -109,21 +109,35 @@ def _off_topic_set(net, tokenizer, result: BakeResult, count: int, seed: int, he
     Raises:
         OptionError: a bake whose patched model is fed nothing first (nothing to write from).
     """
-    from ctxc.bake.data import sample_continuations
-    from ctxc.bake.selfstudy import as_question, self_study
+    import ctxc.bake.data as data
+    import ctxc.bake.selfstudy as selfstudy
+    from ctxc.store.model_writing import stored_writing
 
     prefix = list(result.data.prefix)
     if not prefix:
         raise OptionError("the off-topic figures sample from the prefix: this bake has none")
     off = seed + _OFF_TOPIC_SEED
-    texts = [
-        tokenizer.decode(ids, skip_special_tokens=True)
-        for ids in sample_continuations(net, prefix, count, EVAL_TOKENS, off)
-    ]
-    # A model that writes no question from its BOS (a tiny random one) adds none.
-    _, questions = self_study(net, tokenizer, prefix, count, answer_tokens=1, seed=off)
-    asked = questions if result.chat is not None else [as_question(q) for q in questions]
-    return held_data(texts + asked, 0, 1, seed)
+
+    def write() -> dict[str, list[str]]:
+        texts = [
+            tokenizer.decode(ids, skip_special_tokens=True)
+            for ids in data.sample_continuations(net, prefix, count, EVAL_TOKENS, off)
+        ]
+        # A model that writes no question from its BOS (a tiny random one) adds none.
+        _, questions = selfstudy.self_study(
+            net, tokenizer, prefix, count, answer_tokens=1, seed=off
+        )
+        return {"texts": texts, "questions": questions}
+
+    # The same strings at every bake of this model and seed: stored (issue 55).
+    asked = {"prefix": prefix, "count": count, "tokens": EVAL_TOKENS, "seed": off}
+    asked["tokenizer"] = [type(tokenizer).__name__, len(tokenizer)]  # it decodes the texts
+    got = stored_writing(net, {"off_topic": asked}, [data, selfstudy], write)
+    questions = got["questions"]
+    questions = (
+        questions if result.chat is not None else [selfstudy.as_question(q) for q in questions]
+    )
+    return held_data(got["texts"] + questions, 0, 1, seed)
 
 
 def write_bake(

@@ -29,10 +29,11 @@ from ctxc.cli.export import export_cmd
 from ctxc.cli.generate import generate_cmd
 from ctxc.cli.inspect import inspect_cmd
 from ctxc.cli.options import cli_message
-from ctxc.cli.progress import VERBOSE, command_trail, err, finish, quiet_defaults, say
+from ctxc.cli.progress import VERBOSE, command_trail, err, finish, quiet_defaults, say, stage
 from ctxc.cli.route import route_cmd
 from ctxc.core.errors import CtxcError, environment_error, missing_package_error
 from ctxc.core.interrupts import install_handlers, interrupt_note, received
+from ctxc.core.threads import choose_threads
 
 __all__ = [
     "app",
@@ -88,6 +89,12 @@ def _root(
         import torch
 
         torch.set_num_threads(threads)
+        return
+    # Beside other jobs, threads spinning for a held core burn the CPU they wait on: torch gets
+    # the free cores (before it loads; a quiet machine is left as it is; issue 55).
+    chosen = choose_threads()
+    if chosen is not None:
+        stage(f"other jobs hold cores: {chosen} torch thread(s) (--threads N to choose)", True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -32,7 +32,7 @@ def load_with_stores(
         (an emitted model copies its tokenizer files: ``backends/torch/model.py``).
     """
     from ctxc.models.load import load_model
-    from ctxc.store import export_cache, frozen_shards
+    from ctxc.store import export_cache, frozen_shards, model_writing
 
     where = {}
     if placement is not None:
@@ -44,6 +44,7 @@ def load_with_stores(
     net, tokenizer = load_model(model, dtype, on_stage=on_stage, **where)
     export_cache.enable(net)  # every command is a new process: reuse the export on disk (issue 11)
     frozen_shards.enable(net)  # its weights are as loaded: model/ links the unpatched ones
+    model_writing.enable(net)  # what it writes from its prefix alone: the same at every bake
     source = str(getattr(tokenizer, "name_or_path", "") or "")
     if source and Path(source).is_dir():
         # Loaded from this folder and never changed by the command line: an emitted model

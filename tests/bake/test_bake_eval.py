@@ -185,7 +185,8 @@ def test_effective_rank_is_the_participation_ratio_of_the_eigenvalues() -> None:
     gram = (a.double() @ a.double().T) * (b.double() @ b.double().T)
     ev = torch.linalg.eigvalsh(gram).clamp_min(0)
     want = float(ev.sum() ** 2 / ev.pow(2).sum())
-    assert abs(effective_rank(a, b) - want) <= 1e-9 * want, (effective_rank(a, b), want)
+    # float32 Grams, float64 sums (fit_solve.effective_rank): a few float32 roundings.
+    assert abs(effective_rank(a, b) - want) <= 1e-6 * want, (effective_rank(a, b), want)
     assert 1.0 < want < 30.0
 
 
