@@ -154,7 +154,7 @@ def emit_checked(
             (``ctxc compile`` does); else one full pass, shared by every emitter.
         on_stage: called with each backend's status line.
         extra: the keyword arguments some emitters take (:attr:`Backend.takes`), passed when
-            not None: ``tokenizer``, ``gguf_type``, ``baked``, ``folder``.
+            not None: ``tokenizer``, ``gguf_type``, ``baked``, ``folder``, ``bake_report``.
 
     Returns:
         kind -> the emitter's :class:`Figures`, in the order written.

@@ -85,7 +85,8 @@ class Backend:
         requires: import names the emitter needs.
         takes: keyword arguments the emitter takes besides ``full`` (``tokenizer``,
             ``gguf_type``, ``baked``: the compile's patched logits, ``folder``: where the torch
-            model folder goes), passed by the emit loop when given; a backend that takes
+            model folder goes, ``bake_report``: a bake's report, for an artefact that describes
+            what it holds), passed by the emit loop when given; a backend that takes
             ``gguf_type`` rounds its weights to it, and the gate's bound widens to match.
         precheck: a :data:`Precheck`: the loader of a function taking the model, run before
             any compile, that raises a CtxcError for a model the backend cannot write (an

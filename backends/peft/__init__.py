@@ -29,7 +29,7 @@ PEFT = Backend(
     emitter=_adapter,
     extra=EXTRA,
     requires=REQUIRES,
-    takes=("baked",),
+    takes=("baked", "bake_report"),
 )
 
 DECLARED = (
@@ -42,7 +42,7 @@ DECLARED = (
         emitter=_lora,
         extra=EXTRA,
         requires=REQUIRES,
-        takes=("baked",),
+        takes=("baked", "bake_report"),
         rules=(LORA_RULE,),  # linear weights only: no norm scale, bias or expert bank
         # A bake's one rank must be a --max-lora-rank value; past 1, as `ctxc bake --emit lora`
         # has always refused --rank 1 (vLLM itself loads r = 1 at max_lora_rank 1).

@@ -20,19 +20,22 @@ import json
 import re
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ctxc.backends.base import require_installed
+from ctxc.backends.peft.card import write_card
 from ctxc.backends.peft.facts import EXTRA, NAME, REQUIRES
+from ctxc.backends.peft.figures import Against, PeftFigures
 from ctxc.backends.peft.thresholds import PEFT_RTOL
-from ctxc.backends.peft.write import fill_adapter, flags_kept, shared_copy, write_card
+from ctxc.backends.peft.write import fill_adapter, flags_kept, shared_copy
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
-from ctxc.core.checks import enforce
+from ctxc.core.checks import enforce, fidelity_limit
 from ctxc.core.errors import CtxcError
-from ctxc.core.metrics import Fidelity, fidelity, top1_word
+from ctxc.core.metrics import fidelity
+from ctxc.models.identity import BaseIdentity, base_identity
 from ctxc.models.offload import input_device
 from ctxc.patch import Delta, Patch
 from ctxc.runs.patched_forward import patched_logits
@@ -64,75 +67,6 @@ class AdapterPlan:
     fan_in_fan_out: bool
     r: int
     rank_pattern: dict[str, int]
-
-
-@dataclass(frozen=True)
-class PeftFigures:
-    """What the adapter holds and how well PEFT reproduces the full-context model with it.
-
-    Attributes:
-        dir: the adapter folder, relative to the output folder.
-        lora_modules: number of LoRA target modules (linear layers).
-        lora_parameters: number of LoRA target parameters (stacked expert banks).
-        r: LoRA's ``r`` (= ``lora_alpha``).
-        rank_pattern: module -> rank where it differs from ``r``.
-        modules_to_save: modules stored whole with their patched values.
-        lora: ``PeftModel.from_pretrained`` as loaded, fed the query, against the full context.
-        merged: the same after ``merge_and_unload()``.
-        lora_vs_baked: ``max |logits|`` difference, as loaded, from the torch patched model.
-        merged_vs_baked: the same after merging (checked against ``tolerance``).
-        tolerance: the bound ``merged_vs_baked`` met.
-        note: what the adapter format does not reproduce exactly, and why.
-        seconds: wall time of writing and checking.
-        saved_whole: the classes of the ``modules_to_save`` modules, with their counts
-            (``{"Gemma3RMSNorm": 18}``: the post-norm scales).
-    """
-
-    dir: str
-    lora_modules: int
-    lora_parameters: int
-    r: int
-    rank_pattern: dict[str, int]
-    modules_to_save: tuple[str, ...]
-    lora: Fidelity
-    merged: Fidelity
-    lora_vs_baked: float
-    merged_vs_baked: float
-    tolerance: float
-    note: str
-    seconds: float
-    saved_whole: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        """The JSON form written under ``"peft"`` in ``report.json``."""
-        return asdict(self)
-
-    def fidelities(self) -> dict[str, Fidelity]:
-        """The adapter as loaded and merged, each held to the patch's figure by the gate."""
-        return {"lora": self.lora, "merged": self.merged}
-
-    def summary(self) -> str:
-        """One line for a terminal or a log: what the adapter holds, and its figures."""
-        a, m = self.lora, self.merged
-        return (
-            f"peft: {self.dir}/ holds {self.holds()}; vs full context max "
-            f"{a.max_abs_logit_diff:.3g} as loaded, {m.max_abs_logit_diff:.3g} merged, top-1 "
-            f"{top1_word(a.top1_match and m.top1_match)}"
-        )
-
-    def holds(self) -> str:
-        """``54 LoRA pairs (r=1) and 18 modules stored whole (modules_to_save: 18
-        Gemma3RMSNorm)``: the adapter's content in words."""
-        parts = [f"{self.lora_modules} LoRA pairs (r={self.r})"]
-        if self.lora_parameters:
-            parts.append(f"{self.lora_parameters} expert banks as LoRA target_parameters")
-        if self.modules_to_save:
-            kinds = ", ".join(f"{n} {k}" for k, n in self.saved_whole.items())
-            parts.append(
-                f"{len(self.modules_to_save)} modules stored whole with their patched values "
-                f"(modules_to_save{': ' + kinds if kinds else ''})"
-            )
-        return " and ".join(parts)
 
 
 def require_peft() -> None:
@@ -212,7 +146,7 @@ def _bank_able(target: torch.nn.Module, attr: str, delta: Delta) -> bool:
     return param.dim() == 3 and transposed == (delta.layout == "in_out")
 
 
-def _lora_config(model: torch.nn.Module, patch: Patch, plan: AdapterPlan):
+def _lora_config(plan: AdapterPlan, base: BaseIdentity):
     from peft import LoraConfig
 
     if not plan.lora and not plan.banks:
@@ -236,11 +170,14 @@ def _lora_config(model: torch.nn.Module, patch: Patch, plan: AdapterPlan):
         fan_in_fan_out=plan.fan_in_fan_out,
         task_type="CAUSAL_LM",
         inference_mode=True,
-        base_model_name_or_path=_base_model(model, patch),
+        base_model_name_or_path=base.load_path,
+        revision=base.revision if base.kind == "hub" else None,
     )
 
 
-def _write(model: torch.nn.Module, patch: Patch, plan: AdapterPlan, path: Path) -> None:
+def _write(
+    model: torch.nn.Module, patch: Patch, plan: AdapterPlan, path: Path, base: BaseIdentity
+) -> None:
     """Build the adapter with PEFT itself on a copy of ``model`` (its format, not a guess).
 
     PEFT writes ``target_modules`` from a set, in hash order: sorted, the file is the same in
@@ -249,16 +186,17 @@ def _write(model: torch.nn.Module, patch: Patch, plan: AdapterPlan, path: Path) 
     from peft import get_peft_model
 
     with flags_kept(model):
-        peft_model = get_peft_model(shared_copy(model), _lora_config(model, patch, plan))
+        peft_model = get_peft_model(shared_copy(model), _lora_config(plan, base))
         fill_adapter(peft_model.base_model.model, model, patch, plan)
         peft_model.save_pretrained(str(path))
     config = json.loads((path / "adapter_config.json").read_text())
-    # PEFT writes the loaded folder's path (the private cache of a converted GGUF): the name the
-    # user gave instead, as they load the model (an alias, a folder, a .gguf file).
-    config["base_model_name_or_path"] = _base_model(model, patch)
+    # PEFT writes the loaded folder's path (the private cache of a converted GGUF): what plain
+    # from_pretrained loads offline instead (a folder, a GGUF file's folder, a cached repository
+    # id; ctxc's alias means nothing to PEFT).
+    config["base_model_name_or_path"] = base.load_path
     if isinstance(config.get("target_modules"), list):
         config["target_modules"] = sorted(config["target_modules"])
-        (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
+    (path / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
 
 
 def emit_peft(
@@ -270,6 +208,7 @@ def emit_peft(
     rtol: float = DEFAULT_RTOL,
     dirname: str = ADAPTER_DIR,
     baked: torch.Tensor | None = None,
+    bake_report: dict | None = None,
 ) -> tuple[Path, PeftFigures]:
     """Write ``out/adapter/``: ``adapter_config.json`` and ``adapter_model.safetensors``.
 
@@ -287,6 +226,8 @@ def emit_peft(
         dirname: the adapter folder's name in ``out`` (``lora`` for the serving adapter).
         baked: ``model`` with the patch's weights fed the query [k, vocab], if already computed
             (``ctxc.compile``'s verification, ``CompileResult.patched_logits``).
+        bake_report: a baked patch's report (its ``options`` and ``figures``), for the card:
+            a bake's adapter is fitted, not exact, and its card gives the bake's figures.
 
     Returns:
         the adapter folder and its :class:`PeftFigures`.
@@ -302,7 +243,11 @@ def emit_peft(
     query = check_ids(patch)[:1]
     if full is None:
         full = reference_logits(model, patch)
-    _write(model, patch, plan, path)
+    base = base_identity(
+        str(getattr(model, "ctxc_name", "") or patch.meta.model),
+        str(getattr(model, "name_or_path", "")),
+    )
+    _write(model, patch, plan, path, base)
 
     # The adapter is loaded into a copy that shares the model's tensors and owns the patched
     # ones at their addresses modulo 64 (backends/peft/write.py): every kernel runs as on the
@@ -313,11 +258,11 @@ def emit_peft(
     baked = baked.float().cpu()
     as_loaded, merged = _loaded_logits(model, patch, path, query)
     tol = rtol * max(1.0, float(baked.abs().max()))
-    merged_vs_baked = float((merged - baked).abs().max())
+    merged_vs_patched = float((merged - baked).abs().max())
     enforce(
         f"{dirname}/",
         "merged vs the torch patched model: max |diff|",
-        merged_vs_baked,
+        merged_vs_patched,
         tol,
         f"mean {float((merged - baked).abs().mean()):.3g}",
     )
@@ -330,23 +275,18 @@ def emit_peft(
         modules_to_save=plan.modules_to_save,
         lora=fidelity(as_loaded, full),
         merged=fidelity(merged, full),
-        lora_vs_baked=float((as_loaded - baked).abs().max()),
-        merged_vs_baked=merged_vs_baked,
-        tolerance=tol,
+        full_context_bound=fidelity_limit(patch.meta, full),
+        as_loaded_vs_patched=Against(float((as_loaded - baked).abs().max()), None),
+        merged_vs_patched=Against(merged_vs_patched, tol),
         note=_note(patch, plan),
         seconds=round(time.perf_counter() - clock, 3),
         saved_whole=dict(
             Counter(type(model.get_submodule(m)).__name__ for m in plan.modules_to_save)
         ),
+        base=base,
     )
-    write_card(path, patch, figures, _base_model(model, patch))
+    write_card(path, patch, figures, base, bake_report)
     return path, figures
-
-
-def _base_model(model: torch.nn.Module, patch: Patch) -> str:
-    """The base model as the user named it: ``--model``'s alias, or its folder or .gguf file,
-    absolute (``compiler/models/load.py``); the loaded folder only for a model ctxc did not load."""
-    return patch.meta.model or str(getattr(model, "name_or_path", ""))
 
 
 def _loaded_logits(model: torch.nn.Module, patch: Patch, path: Path, query: list) -> tuple:

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from ctxc.backends.lora_pairs import servable_deltas
-from ctxc.backends.peft.adapter import PeftFigures, emit_peft
+from ctxc.backends.peft.adapter import emit_peft
+from ctxc.backends.peft.figures import PeftFigures
 from ctxc.backends.peft.lora_rules import VllmCheck, check_vllm_adapter
 from ctxc.core.metrics import Fidelity, top1_word
 from ctxc.patch import Patch
@@ -34,7 +35,7 @@ class LoraFigures:
 
     def to_dict(self) -> dict:
         """The JSON form written under ``"lora"`` in ``report.json``."""
-        return asdict(self)
+        return {"peft": self.peft.to_dict(), "vllm": asdict(self.vllm)}
 
     def fidelities(self) -> dict[str, Fidelity]:
         """As the PEFT adapter's: as loaded and merged, each held to the patch's figure."""
@@ -58,6 +59,7 @@ def emit_lora(
     *,
     full: torch.Tensor | None = None,
     baked: torch.Tensor | None = None,
+    bake_report: dict | None = None,
 ) -> tuple[Path, LoraFigures]:
     """Write ``out/lora/`` (PEFT format, vLLM's rules) and check it.
 
@@ -67,6 +69,7 @@ def emit_lora(
         out: the output folder.
         full: the full-context logits at the query positions [k, vocab], if computed.
         baked: the patched model's logits on the query, if computed (``emit_peft``).
+        bake_report: a baked patch's report, for the adapter's card (``emit_peft``).
 
     Returns:
         the folder and its :class:`LoraFigures`.
@@ -75,5 +78,7 @@ def emit_lora(
         CtxcError: the patch has deltas LoRA cannot serve, or the adapter fails a check.
     """
     servable_deltas(model, patch, "--emit lora")
-    path, peft = emit_peft(model, patch, out, full=full, dirname=LORA_DIR, baked=baked)
+    path, peft = emit_peft(
+        model, patch, out, full=full, dirname=LORA_DIR, baked=baked, bake_report=bake_report
+    )
     return path, LoraFigures(peft=peft, vllm=check_vllm_adapter(path, model))

@@ -14,15 +14,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
 from ctxc.core.delta_math import at_alignment_of
-from ctxc.core.metrics import top1_word
 from ctxc.patch import Delta, Patch
 
-__all__ = ["bank_factors", "fill_adapter", "flags_kept", "shared_copy", "write_card"]
+__all__ = ["bank_factors", "fill_adapter", "flags_kept", "shared_copy"]
 
 
 def shared_copy(model: torch.nn.Module, own: Iterable[str] = ()) -> torch.nn.Module:
@@ -102,76 +100,3 @@ def bank_factors(delta: Delta, experts: int) -> tuple[torch.Tensor, torch.Tensor
     b = delta.u.new_zeros(out_dim, rank, experts)
     b[:, :, index] = delta.u.permute(1, 2, 0)  # [out, r, n]
     return a.reshape(experts * rank, -1), b.reshape(out_dim, rank * experts)
-
-
-_CARD = """---
-library_name: peft
-tags:
-- ctxc
-- lora
-- context-compilation
----
-
-# A compiled context: LoRA adapter written by ctxc
-
-This adapter holds one context, compiled by [ctxc]({paper}) {version} into exact low-rank patches
-of the base model's MLP weights and norm scales: fed the query alone, the base model with it gives
-the logits the base model gives on the context followed by the query.
-
-- **Base model**: `{base}` (as given to `ctxc compile --model`: an alias, a model folder or a
-  `.gguf` file; `ctxc.load_model("{base}")` loads it).
-- **Context**: {context} tokens; **query**: {query} token(s) (the ids are in the patch,
-  `patch.safetensors`, and the compile's `report.json`). Feed the model exactly the query ids.
-- **Update rule**: `{update}`; dtype `{dtype}`; first patched block {start_layer}.
-- **Holds**: {holds}.
-
-## Fidelity (the query alone against the base model fed context + query)
-
-| | max abs logit diff | top-1 |
-|---|---|---|
-| as loaded (`W x + B (A x)`) | {lora:.3g} | {lora_top1} |
-| after `merge_and_unload()` (the baked weights) | {merged:.3g} | {merged_top1} |
-
-{note}
-
-## How to load
-
-```python
-import ctxc, peft, torch
-
-base, tokenizer = ctxc.load_model("{base}")
-model = peft.PeftModel.from_pretrained(base, "PATH/TO/{dir}").merge_and_unload()
-logits = model(torch.tensor([query_ids])).logits
-```
-"""
-
-
-def write_card(path: Path, patch: Patch, figures, base: str) -> None:
-    """Write ``path/README.md``: what context and base model the adapter holds, its figures,
-    how to load it (PEFT's own card is a blank template).
-
-    Args:
-        path: the adapter folder.
-        patch: the patch it holds.
-        figures: its :class:`~ctxc.backends.peft.adapter.PeftFigures`.
-        base: the base model's name as the user gave it.
-    """
-    m = patch.meta
-    text = _CARD.format(
-        paper="https://arxiv.org/abs/2511.17864",
-        version=m.ctxc_version,
-        base=base,
-        context=len(m.context_ids),
-        query=len(m.query_ids),
-        update=m.update,
-        dtype=m.dtype,
-        start_layer=m.start_layer,
-        holds=figures.holds(),
-        lora=figures.lora.max_abs_logit_diff,
-        lora_top1=top1_word(figures.lora.top1_match),
-        merged=figures.merged.max_abs_logit_diff,
-        merged_top1=top1_word(figures.merged.top1_match),
-        note=figures.note[:1].upper() + figures.note[1:],
-        dir=figures.dir,
-    )
-    (path / "README.md").write_text(text)

@@ -100,8 +100,10 @@ def main() -> None:
         if args.peft:
             with tempfile.TemporaryDirectory() as tmp:
                 _, pf = emit_peft(model, patch, Path(tmp), full=full)
-                print(_row("PEFT adapter, as loaded", pf.lora, f"vs baked {pf.lora_vs_baked:.3g}"))
-                print(_row("PEFT adapter, merged", pf.merged, f"vs baked {pf.merged_vs_baked:.3g}"))
+                loaded = pf.as_loaded_vs_patched.max_abs_logit_diff
+                merged = pf.merged_vs_patched.max_abs_logit_diff
+                print(_row("PEFT adapter, as loaded", pf.lora, f"vs patched {loaded:.3g}"))
+                print(_row("PEFT adapter, merged", pf.merged, f"vs patched {merged:.3g}"))
                 print(f"  note: {pf.note}")
 
 

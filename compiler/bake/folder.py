@@ -24,6 +24,7 @@ __all__ = [
     "EVAL_TOKENS",
     "FIT_EVAL",
     "baked_chat",
+    "emit_baked",
     "evaluate_folder",
     "measure_figures",
     "summary_lines",
@@ -164,17 +165,27 @@ def write_bake(
     seed = int(report["options"]["seed"])
     report["figures"] = measure_figures(net, tokenizer, result, held, seed, hooks.on_stage)
     result.patch.save(folder / PATCH_FILE)
-    artefacts = _emit(net, tokenizer, result.patch, folder, kinds, hooks) if kinds else {}
+    artefacts = emit_baked(net, tokenizer, result.patch, folder, kinds, report, hooks)
     return write_report(folder, report, artefacts, under="artefacts")
 
 
-def _emit(net, tokenizer, patch, folder: Path, kinds, hooks: BakeHooks) -> dict:
+def emit_baked(net, tokenizer, patch, folder: Path, kinds, report: dict, hooks: BakeHooks) -> dict:
     """The artefacts of ``kinds``, each checked as a compile's are (model/ reloaded too);
-    their figures (at the first fit query) by kind."""
+    their figures (at the first fit query) by kind. An artefact that describes itself (a PEFT
+    adapter's card) is given the bake's ``report``: its options and figures, so that it says
+    it is fitted, not exact, and how well."""
+    if not kinds:
+        return {}
     from ctxc.backends import emit_checked
 
     return emit_checked(
-        net, patch, folder, list(kinds), on_stage=hooks.on_stage, tokenizer=tokenizer
+        net,
+        patch,
+        folder,
+        list(kinds),
+        on_stage=hooks.on_stage,
+        tokenizer=tokenizer,
+        bake_report=report,
     )
 
 

@@ -229,9 +229,8 @@ def _tuple(items: Sequence[str] | None) -> tuple[str, ...] | None:
 def _write_chunks(net, tokenizer, got, tmp: Path, emit, held, hooks: BakeHooks):
     """Write an additive bake's patch, statistics, artefacts and report: (the report, its
     summary lines). The figures are the last chunk gathered's; none after a removal."""
-    from ctxc.backends import emit_checked
     from ctxc.bake.driver import BakeResult
-    from ctxc.bake.folder import measure_figures, summary_lines
+    from ctxc.bake.folder import emit_baked, measure_figures, summary_lines
     from ctxc.bake.statistics import STATS_FILE
     from ctxc.core.report import write_report
     from ctxc.core.vocabulary import PATCH_FILE
@@ -247,7 +246,5 @@ def _write_chunks(net, tokenizer, got, tmp: Path, emit, held, hooks: BakeHooks):
         lines += summary_lines(report["figures"])
     got.patch.save(tmp / PATCH_FILE)
     got.stats.save(tmp / STATS_FILE)
-    artefacts = emit_checked(
-        net, got.patch, tmp, list(emit), on_stage=hooks.on_stage, tokenizer=tokenizer
-    )
+    artefacts = emit_baked(net, tokenizer, got.patch, tmp, emit, report, hooks)
     return write_report(tmp, report, artefacts, under="artefacts"), lines

@@ -78,6 +78,7 @@ def export_cmd(
                 tokenizer=tokenizer,
                 gguf_type=gguf_type,
                 folder="",
+                bake_report=_bake_report(patch_file, patch),
             )
         except ArtefactError as exc:  # what passed is kept (cli_output: DIR.failed)
             if exc.passed:  # else nothing passed: nothing is kept
@@ -87,6 +88,23 @@ def export_cmd(
     for line in summaries(figures.values()):
         say(line)
     say(f"wrote {out_dir}/")
+
+
+def _bake_report(patch_file: Path, patch) -> dict | None:
+    """A baked patch's report (``report.json`` beside it: the bake's options and figures), for
+    the artefacts that describe what they hold; None for a compile's patch or when unreadable."""
+    import json
+
+    from ctxc.core.report import REPORT_FILE
+
+    if not patch.meta.update.startswith("bake"):
+        return None
+    folder = patch_file if patch_file.is_dir() else patch_file.parent
+    try:
+        found = json.loads((folder / REPORT_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
 
 
 def _check_patchable(kinds: list[str]) -> None:

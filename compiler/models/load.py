@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ALIASES",
     "DEFAULT_MODEL",
+    "bundled_gguf",
     "bundled_model_dir",
     "cache_dir",
     "check_length",
@@ -145,6 +146,15 @@ def bundled_model_dir(on_stage: Callable[[str], None] | None = None) -> Path:
         the folder in ctxc's cache, loadable by ``AutoModelForCausalLM.from_pretrained``.
     """
     return _converted(_bundled_gguf(on_stage), on_stage)
+
+
+def bundled_gguf() -> Path:
+    """The bundled Gemma 3 270M's GGUF file in ctxc's cache (assembled there on first use).
+
+    Raises:
+        CtxcError: the bundled package is not installed.
+    """
+    return _bundled_gguf()
 
 
 def source_gguf(model: torch.nn.Module) -> Path | None:

@@ -50,7 +50,14 @@ def test_llama_adapter_is_plain_lora_and_reproduces_the_full_context(tmp_path) -
         msg = diff_msg(f"llama adapter (merged={merge}) vs full context", got, full)
         assert max_diff(got, full) <= 1e-6, msg  # measured 9e-8
     assert figures.lora.max_abs_logit_diff <= 1e-6 and figures.lora.top1_match, figures
-    assert figures.merged_vs_baked <= figures.tolerance
+    merged = figures.merged_vs_patched
+    assert merged.bound is not None and merged.max_abs_logit_diff <= merged.bound, merged
+    assert figures.as_loaded_vs_patched.bound is None, "as loaded: reported, not bounded"
+    assert figures.full_context_bound is not None, "an exact rule's adapter is held to its figure"
+    data = figures.to_dict()
+    assert data["vs_patched"]["merged"] == {"max_abs_logit_diff": merged.max_abs_logit_diff,
+                                            "bound": merged.bound}, data["vs_patched"]  # fmt: skip
+    assert data["vs_full_context"]["as_loaded"] == figures.lora.to_dict(), data
     changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]
     assert not changed, f"emit_peft left the model modified: {changed[:3]}"
 
@@ -156,7 +163,8 @@ def test_compiles_patched_logits_stand_for_the_torch_reference_and_the_model_is_
         return {k: v for k, v in dataclasses.asdict(f).items() if k != "seconds"}
 
     assert figures(given) == figures(computed), (figures(given), figures(computed))
-    assert given.merged_vs_baked == 0.0, f"merged vs baked max |diff| {given.merged_vs_baked}"
+    merged = given.merged_vs_patched.max_abs_logit_diff
+    assert merged == 0.0, f"merged vs patched max |diff| {merged}"
     for name in ("adapter_config.json", "adapter_model.safetensors"):
         assert (a / name).read_bytes() == (b / name).read_bytes(), name
     changed = [k for k, v in model.state_dict().items() if not torch.equal(before[k], v)]

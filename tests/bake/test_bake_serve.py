@@ -1,11 +1,22 @@
 """Servable thought patches (issue 36): a ``linear_only`` bake at a vLLM rank, emitted as
 ``lora``, ``gguf-lora`` and ``ort-adapter`` through ``emit_checked`` (the code ``ctxc compile
 --emit`` runs), each served result compared with ctxc's patched model within its runtime's
-floor, far below the patch's own effect (an adapter that changed nothing would fail)."""
+floor, far below the patch's own effect (an adapter that changed nothing would fail). The LoRA
+bake runs as ``ctxc bake --model tiny.gguf`` does, and its adapter is loaded as its card says,
+offline (issue 54)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
 import pytest
+import torch
 
 from ctxc.backends import emit_checked
 from ctxc.backends.gguf.llama_cpp.run import llama_cpp_logits, llama_cpp_unavailable
@@ -52,19 +63,104 @@ def _served(tmp_path, kinds: list[str]):
     return model, query, patched, effect, figures
 
 
+class _GgufBake(NamedTuple):
+    gguf: Path  # the tiny Llama as an F32 GGUF file, the bake's --model
+    out: Path  # the bake folder
+    report: dict  # its report.json
+    model: torch.nn.Module  # the model loaded from the GGUF (unpatched)
+    query: list[int]  # the patch's query (the first fit query)
+    patched: torch.Tensor  # the torch patched model's logits on it
+    effect: float  # max |patched - unpatched|
+
+
+@pytest.fixture(scope="module")
+def gguf_bake(tmp_path_factory) -> Iterator[_GgufBake]:
+    """``ctxc bake --model tiny.gguf --linear-only --rank 16 --emit lora,gguf-lora`` as the
+    library runs it (``bake_into``): the tiny Llama written as an F32 GGUF file, baked from it in
+    a cache of its own."""
+    import ctxc
+    from ctxc.backends.gguf.write import write_gguf
+    from ctxc.bake import BakeJob, HeldOut, bake_into
+    from ctxc.patch import Patch
+
+    tmp = tmp_path_factory.mktemp("gguf-bake")
+    gguf = tmp / "base" / "tiny.gguf"
+    gguf.parent.mkdir()
+    write_gguf(shared("llama"), bpe_tokenizer(), gguf, "F32")
+    opts = BakeOptions(
+        rank=16, linear_only=True, data="continuations", samples=4, sample_tokens=6, cloze=0
+    )
+    held = HeldOut(samples=2, off_topic=0)  # the BPE tokenizer has no BOS to write off-topic from
+    emit = ("lora", "gguf-lora")
+    job = BakeJob(tmp / "b", "w1 w2 w3 w4 w5 w6 w7 w8 w9", options=opts, held=held, emit=emit)
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("CTXC_CACHE", str(tmp / "cache"))
+        report = bake_into(dataclasses.replace(job, model=str(gguf))).report
+        model, _ = ctxc.load_model(str(gguf))
+        patch = Patch.load(job.out)
+        query = list(patch.meta.query_ids)
+        patched = logits(model, query, patch).float()
+        effect = float((patched - logits(model, query).float()).abs().max())
+        assert effect > 1e-2, f"the patch moves the logits by {effect:.3g} only: cannot fail"
+        yield _GgufBake(gguf, job.out, report, model, query, patched, effect)
+
+
 @pytest.mark.tiny
 @needs_extra("peft")
-def test_served_lora_reproduces_the_patched_model(tmp_path) -> None:
-    model, query, patched, effect, figures = _served(tmp_path, ["lora", "gguf-lora"])
-    lora = figures["lora"].peft  # PEFT reload of lora/ (vLLM's rules checked too)
-    assert figures["lora"].vllm.r == 16 and not lora.modules_to_save
-    assert lora.lora_vs_baked <= 1e-4 * max(1.0, float(patched.abs().max())), lora
-    assert lora.lora_vs_baked < 1e-3 * effect, f"PEFT {lora.lora_vs_baked:.3g} vs {effect:.3g}"
-    gguf = figures["gguf-lora"]
-    assert gguf.applied_vs_patched < 1e-3 * effect, gguf
+def test_served_lora_reproduces_the_patched_model(gguf_bake) -> None:
+    b = gguf_bake
+    lora = b.report["artefacts"]["lora"]  # PEFT reload of lora/ (vLLM's rules checked too)
+    assert lora["vllm"]["r"] == 16 and not lora["peft"]["modules_to_save"], lora
+    as_loaded = lora["peft"]["vs_patched"]["as_loaded"]["max_abs_logit_diff"]
+    assert as_loaded <= 1e-4 * max(1.0, float(b.patched.abs().max())), lora
+    assert as_loaded < 1e-3 * b.effect, f"PEFT {as_loaded:.3g} vs {b.effect:.3g}"
+    gguf = b.report["artefacts"]["gguf-lora"]
+    assert gguf["applied_vs_patched"] < 1e-3 * b.effect, gguf
     if llama_cpp_unavailable() is None:
-        assert gguf.llama_cpp is not None, gguf.llama_cpp_skipped
-        _llama_cpp_vs_patched(model, tmp_path / "lora.gguf", query, patched, effect)
+        assert gguf["llama_cpp"] is not None, gguf["llama_cpp_skipped"]
+        _llama_cpp_vs_patched(b.model, b.gguf, b.out / "lora.gguf", b.query, b.patched, b.effect)
+
+
+@pytest.mark.tiny
+@needs_extra("peft")
+def test_baked_lora_says_what_it_is_and_loads_offline(gguf_bake, monkeypatch) -> None:
+    """The bake's ``lora/`` card says fitted, not exact, with the bake's figures and the GGUF
+    file's SHA-256; report.json gives each figure under what it compares, with its bound; the
+    card's one line (``AutoPeftModelForCausalLM`` with ``gguf_file=``) loads the adapter with the
+    hub offline and every connection refused, and gives ctxc's patched logits."""
+    import socket
+
+    import huggingface_hub.constants
+    import peft
+
+    b = gguf_bake
+    card = (b.out / "lora" / "README.md").read_text()
+    assert "**fitted**" in card and "**not exact**" in card and "exact low-rank" not in card, card
+    assert hashlib.sha256(b.gguf.read_bytes()).hexdigest() in card, card
+    kl = b.report["figures"]["held_out_samples"]["patched"]["kl"]
+    assert f"| {kl:.3g} |" in card, card
+    found = b.report["artefacts"]["lora"]["peft"]
+    assert found["vs_full_context"]["bound"] is None, "a bake is not held to the full context"
+    vs = found["vs_patched"]
+    assert vs["as_loaded"]["bound"] is None and vs["merged"]["bound"] > 0, vs
+    assert vs["merged"]["max_abs_logit_diff"] <= vs["merged"]["bound"], vs
+    config = json.loads((b.out / "lora" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(b.gguf.parent), config
+
+    (line,) = re.findall(r"^ {4}model = (peft\.AutoPeftModelForCausalLM\..*)$", card, re.M)
+    assert 'gguf_file="tiny.gguf"' in line, line
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # PEFT reads it when called, the hub at import
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+    def refuse(*_args, **_kwargs):
+        raise OSError("this test is offline")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    line = line.replace("PATH/TO/lora", str(b.out / "lora"))
+    served = eval(line, {"peft": peft}).eval()  # the card's own line, as a user runs it
+    diff = float((logits(served, b.query).float() - b.patched).abs().max())
+    bound = 1e-4 * max(1.0, float(b.patched.abs().max()))
+    assert diff <= bound and diff < 1e-3 * b.effect, f"offline PEFT vs patched {diff:.3g}"
 
 
 @pytest.mark.slow  # an ONNX export
@@ -75,13 +171,9 @@ def test_served_ort_adapter_reproduces_the_patched_model(tmp_path) -> None:
     assert worst <= ort.tolerance and worst < 1e-2 * effect, f"ORT {worst:.3g}, {effect:.3g}"
 
 
-def _llama_cpp_vs_patched(model, lora, query, patched, effect) -> None:
-    """llama.cpp with ``lora.gguf`` on the F32 base against the torch patched model, within
+def _llama_cpp_vs_patched(model, base, lora, query, patched, effect) -> None:
+    """llama.cpp with ``lora.gguf`` on the F32 base GGUF against the torch patched model, within
     4x llama.cpp's own distance from torch on the unpatched model (its floor)."""
-    from ctxc.backends.gguf.write import write_gguf
-
-    base = lora.parent / "base.gguf"
-    write_gguf(model, bpe_tokenizer(), base, "F32")
     k = len(query)
     served, alone = llama_cpp_logits(
         [

@@ -95,8 +95,13 @@ def test_peft_adapter_names_the_base_model_and_has_a_model_card(tiny_model_dir, 
     compiled = json.loads((tmp_path / "out" / "report.json").read_text())
     assert f"**Context**: {len(compiled['context_ids'])} tokens" in card, card
     assert "**Holds**: 9 LoRA pairs (r=1) and 3 modules stored whole" in card, card
-    merged = report["peft"]["merged"]["max_abs_logit_diff"]
+    assert "exact low-rank patches" in card and "**fitted**" not in card, card  # a compile's
+    merged = report["peft"]["vs_full_context"]["merged"]["max_abs_logit_diff"]
     assert f"| {merged:.3g} |" in card, card
+    bound = report["peft"]["vs_full_context"]["bound"]
+    assert bound is not None and merged <= bound, report["peft"]["vs_full_context"]
+    # The folder is what plain PEFT loads offline, in the card's one line (no gguf_file).
+    assert 'model = peft.AutoPeftModelForCausalLM.from_pretrained("PATH/TO/adapter")' in card
 
 
 def test_inspect_lists_the_lora_rule(tiny_model_dir) -> None:
