@@ -200,3 +200,67 @@ def test_unservable_bakes_are_refused_before_loading() -> None:
     check_servable(["gguf-lora"], BakeOptions(rank=12, linear_only=True), "12")  # any rank
     check_servable(["lora"], BakeOptions(rank=16, method="additive"), "16")
     check_servable(["torch", "onnx"], fit, "16")
+
+
+@pytest.mark.tiny
+@needs_extra("peft")
+def test_the_vllm_recipe_asks_each_question_through_its_adapter(gguf_bake, tmp_path) -> None:
+    """``examples/serve_vllm.py`` checked without vLLM (issue 54): a stand-in ``vllm`` records
+    the engine's arguments and each request; every adapter the script names passes vLLM's
+    adapter rules, at a ``max_lora_rank`` vLLM takes; a routed bake's question goes to the
+    chunk ``Router.pick`` names, a ``NAME::`` question to the adapter it names."""
+    import importlib.util
+    import sys
+    import types
+
+    from ctxc.backends.peft.facts import MAX_LORA_RANKS
+    from ctxc.backends.peft.lora_rules import check_vllm_adapter
+    from ctxc.bake import CHUNKS_DIR, Router
+
+    b = gguf_bake
+    routed = tmp_path / "article"  # a routed bake's layout, each chunk holding b's adapter
+    texts = ("w1 w2 w3 about the harbour", "w7 w8 w9 about the mill")
+    routed.mkdir()
+    Router(("000", "001"), texts, {}).save(routed)
+    for chunk in ("000", "001"):
+        (routed / CHUNKS_DIR / chunk).mkdir(parents=True)
+        (routed / CHUNKS_DIR / chunk / "lora").symlink_to(b.out / "lora")
+    seen: dict = {"engine": None, "asked": []}
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen["engine"] = kwargs
+
+        def generate(self, prompts, params, lora_request=None):
+            seen["asked"].append((prompts, params, lora_request))
+            done = types.SimpleNamespace(text=" the answer\nQuestion: more")
+            return [types.SimpleNamespace(outputs=[done])]
+
+    vllm = types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **k: k)
+    request = types.SimpleNamespace(LoRARequest=lambda *a: a)
+    path = Path(__file__).resolve().parents[2] / "examples" / "serve_vllm.py"
+    spec = importlib.util.spec_from_file_location("serve_vllm", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    stand_ins = {"vllm": vllm, "vllm.lora": types.ModuleType("vllm.lora")}
+    stand_ins["vllm.lora.request"] = request  # type: ignore[assignment]
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(sys.modules, "serve_vllm", script)  # its dataclass looks itself up there
+        spec.loader.exec_module(script)
+        for name, module in stand_ins.items():
+            m.setitem(sys.modules, name, module)
+        questions = ["What is the mill?", "Where is the harbour?", f"{b.out.name}::Who?"]
+        args = ["--base", "base-model", "--bake", str(routed), "--bake", str(b.out)]
+        answers = script.main([*args, *(x for q in questions for x in ("--question", q))])
+    engine = seen["engine"]
+    assert engine["enable_lora"] is True and engine["model"] == "base-model", engine
+    assert engine["max_lora_rank"] == 16 and 16 in MAX_LORA_RANKS, engine
+    assert answers == ["the answer"] * 3, answers
+    got = [(prompts[0], lora) for prompts, _, lora in seen["asked"]]
+    want = [("What is the mill?", "article/001", 2), ("Where is the harbour?", "article/000", 1)]
+    want.append(("Who?", b.out.name, 3))
+    for (prompt, lora), (question, name, lora_id) in zip(got, want, strict=True):
+        assert prompt == f"Question: {question}\nAnswer:", prompt
+        assert lora[:2] == (name, lora_id), (lora, name, lora_id)
+        assert check_vllm_adapter(Path(lora[2]), b.model).r == 16, lora
+    assert all(p["temperature"] == 0.0 for _, p, _ in seen["asked"]), seen["asked"]
