@@ -12,7 +12,7 @@ subset's first paragraph; the compile's ``examples/medium.txt``; ``--contexts`` 
 warmed by one compile first (not measured).
 
     python -m benchmarks.cost.loaded [--load 2] [--contexts 4] [--only bake,compile,contexts]
-                                     [--json FILE]
+                                     [--no-control] [--json FILE]
 """
 
 from __future__ import annotations
@@ -91,6 +91,7 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, default=4, help="lines of the --contexts run")
     parser.add_argument("--only", default=",".join(COMMANDS), help="commands, comma-separated")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--no-control", action="store_true", help="skip torch's own threads")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ctxc-loaded-"))
     cmds = commands(work, args.contexts)
@@ -108,13 +109,16 @@ def main() -> None:
                 "run": f"{args.load} busy, ctxc's threads",
                 **timed(cmd, auto),
             }
-        with busy(args.load, PYTHON_LOOP):
-            spun = {
-                "command": name,
-                "run": f"{args.load} busy, torch's threads",
-                **timed(cmd, fixed),
-            }
-        for row in (quiet, chosen, spun):
+        runs = [quiet, chosen]
+        if not args.no_control:
+            with busy(args.load, PYTHON_LOOP):
+                spun = {
+                    "command": name,
+                    "run": f"{args.load} busy, torch's threads",
+                    **timed(cmd, fixed),
+                }
+            runs.append(spun)
+        for row in runs:
             row["cpu_vs_quiet"] = round(row["cpu_seconds"] / quiet["cpu_seconds"], 2)
             rows.append(row)
             print(json.dumps(row), flush=True)
