@@ -1,9 +1,10 @@
 """``ctxc.bake.serve``: a thought patch a serving engine's LoRA loader takes (issue 36).
 
 vLLM and llama.cpp load LoRA pairs of linear weights, one rank for every module, and refuse
-norm weights and ``modules_to_save``: a servable bake is ``--linear-only`` (or ``--method
-additive``, linear by construction) at an integer rank, every delta padded to it with zero
-columns (they change nothing). ``--emit lora`` is for vLLM, whose ``--max-lora-rank`` takes
+norm weights and ``modules_to_save``: a servable bake moves no norm scale (a model without post
+norms never does; on one with them, ``--linear-only``; ``--method additive`` is linear by
+construction) at an integer rank, every delta padded to it with zero columns (they change
+nothing). ``--emit lora`` is for vLLM, whose ``--max-lora-rank`` takes
 a few ranks only. Which kinds hold linear weights only (:attr:`Backend.rules
 <ctxc.backends.base.Backend.rules>`) and which ranks they load (:attr:`Backend.ranks
 <ctxc.backends.base.Backend.ranks>`) are the backends' declarations, read here; the artefacts
