@@ -18,14 +18,17 @@ from ctxc.backends.thresholds import RELOAD_ATOL
 from ctxc.core.checks import ArtefactError, CheckFailed
 from ctxc.core.errors import CtxcError
 from ctxc.runs.patched_forward import patched_logits
-from testbed.tiny_models import build_any
+from testbed.tiny_models import shared
 from tests.fixtures.helpers import random_ids
 
 KIND = "safetensors-delta"
 
 
 def _compiled(family: str, seed: int = 4):
-    model = build_any(family)
+    """The session's ``shared`` tiny model (seed 0; built and traced once, where each test built
+    and traced its own: none changes it, the hand-made copy is a deepcopy) and a compile of
+    context ``seed``."""
+    model = shared(family)
     return model, ctxc.compile(model, context_ids=random_ids(seed, 20), verify=False)
 
 

@@ -23,7 +23,7 @@ from ctxc.backends.onnx.check import ONNX_ATOL, check_lengths
 from ctxc.backends.onnx.model import ONNX_FILE, emit_onnx
 from ctxc.backends.onnx.ort_adapter import ADAPTER_FILE, PATCHABLE_FILE
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
-from testbed.tiny_models import MOE, build, build_any
+from testbed.tiny_models import MOE, build, shared
 from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import (
     NOISE,
@@ -33,6 +33,7 @@ from tests.fixtures.helpers import (
     logits,
     max_diff,
     random_ids,
+    run_cli,
 )
 
 if TYPE_CHECKING:
@@ -96,8 +97,11 @@ def _assert_matches_patched(model, patch, path, figures, atol: float) -> None:
 
 @pytest.fixture(scope="module")
 def llama():
-    """A tiny Llama and two contexts' patches: a one-token query (rank 1), a two-token (rank 2)."""
-    model = build("llama")
+    """A tiny Llama and two contexts' patches: a one-token query (rank 1), a two-token (rank 2).
+
+    The models here are the session's ``shared`` ones (seed 0, as ``build``; built and traced
+    once): every export and check leaves the model as it was (``_assert_untouched``)."""
+    model = shared("llama")
     a = random_ids(1, 24)
     b = random_ids(2, 17)
     patch_a = ctxc.compile(model, context_ids=a).patch
@@ -116,16 +120,12 @@ def baked(llama, tmp_path_factory):
 
 @pytest.mark.tiny
 def test_cli_rejects_patchable_without_onnx(tmp_path) -> None:
+    """In this process (``run_cli``): a usage error, refused before anything is imported."""
     args = ["export", "--patch", "p.safetensors", "--to", "torch", "--patchable"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "ctxc.cli.app", *args, "--out", str(tmp_path / "out")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=120,
-    )
+    proc = run_cli(*args, "--out", str(tmp_path / "out"), cwd=tmp_path)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert not (tmp_path / "out").exists()
     assert "--patchable applies to --to onnx" in lines[0]
 
 
@@ -174,20 +174,24 @@ def test_baked_onnx_of_each_shape_matches_torch_patched(family: str, tmp_path) -
     """Conv1D (in_out), MoE expert banks: baked, untouched model. Post-norm scales (Gemma 3):
     the CLI test below, against the full context; every family's figures:
     ``python -m benchmarks.fidelity.onnx`` (docs/results/fidelity-onnx.md)."""
-    model = build(family) if family == "gemma3" else build_any(family)
+    model = shared(family)
     patch = ctxc.compile(model, context_ids=random_ids(3, 20)).patch
     if family in MOE:
         assert any(d.experts for d in patch.deltas.values()), "no expert-bank delta to test"
         # The model's own default: its grouped_mm custom op does not export.
         model.set_experts_implementation("grouped_mm")
-    before = _snapshot(model)
-    path, figures = emit_onnx(model, patch, tmp_path)
-    _assert_untouched(model, before)
-    assert figures.deltas_inserted == len(patch.deltas)
-    if family in MOE:
-        assert figures.experts.startswith("batched_mm"), figures.experts
-        assert model.config._experts_implementation == "grouped_mm", "implementation not restored"
-        model.set_experts_implementation("batched_mm")  # the reference runs what was exported
+    try:
+        before = _snapshot(model)
+        path, figures = emit_onnx(model, patch, tmp_path)
+        _assert_untouched(model, before)
+        assert figures.deltas_inserted == len(patch.deltas)
+        if family in MOE:
+            assert figures.experts.startswith("batched_mm"), figures.experts
+            implementation = model.config._experts_implementation
+            assert implementation == "grouped_mm", "implementation not restored"
+    finally:
+        if family in MOE:  # the shared model's own (build_any's); the reference runs it too
+            model.set_experts_implementation("batched_mm")
     _assert_matches_patched(model, patch, path, figures, BAKED_ATOL[family])
 
 
@@ -270,7 +274,7 @@ def test_patchable_onnx_takes_any_contexts_patch(llama, tmp_path) -> None:
 @pytest.mark.slow
 @needs_extra("onnx")
 def test_patchable_moe_takes_other_experts_patches(tmp_path) -> None:
-    model = build_any("mixtral")
+    model = shared("mixtral")
     a = ctxc.compile(model, context_ids=random_ids(4, 20)).patch
     b = ctxc.compile(model, context_ids=random_ids(5, 13)).patch
     banks_a = {n: d.experts for n, d in a.deltas.items() if d.experts}

@@ -11,11 +11,14 @@ import torch
 import ctxc
 from ctxc.backends.peft.adapter import ADAPTER_DIR, emit_peft, plan_adapter
 from ctxc.patch import Delta, Patch
-from testbed.tiny_models import build, build_any
+from testbed.tiny_models import build, build_any, shared
 from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
 
 pytestmark = [pytest.mark.tiny, needs_extra("peft")]
+# A compile's model is the session's ``shared`` one (seed 0, as ``build``; built and traced once)
+# where the test leaves it as it was; the adapters load on a fresh ``build`` (PEFT wraps it), and
+# the tests that change the model (its weights, requires_grad) build their own.
 
 
 def _adapter_logits(family: str, adapter, query: list[int], merge: bool) -> torch.Tensor:
@@ -30,7 +33,7 @@ def _adapter_logits(family: str, adapter, query: list[int], merge: bool) -> torc
 
 
 def test_llama_adapter_is_plain_lora_and_reproduces_the_full_context(tmp_path) -> None:
-    model = build("llama")
+    model = shared("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = random_ids(1, 24)
     patch = ctxc.compile(model, context_ids=ids[:-3], query_ids=ids[-3:]).patch
@@ -64,7 +67,7 @@ def test_llama_adapter_is_plain_lora_and_reproduces_the_full_context(tmp_path) -
 
 @pytest.mark.parametrize("update", ["standard", "stable"])
 def test_gemma3_norm_scales_go_to_modules_to_save(tmp_path, update: str) -> None:
-    model = build("gemma3")
+    model = shared("gemma3")
     patch = ctxc.compile(model, context_ids=random_ids(2, 20), update=update).patch
     path, figures = emit_peft(model, patch, tmp_path)
 
@@ -121,7 +124,7 @@ def test_mixed_ranks_and_vector_deltas_match_the_baked_model(tmp_path) -> None:
 
 
 def test_moe_expert_banks_are_lora_parameters(tmp_path) -> None:
-    model = build_any("mixtral")
+    model = shared("mixtral")
     patch = ctxc.compile(model, context_ids=random_ids(4, 20)).patch
     path, figures = emit_peft(model, patch, tmp_path)
     banks = sorted(n for n, d in patch.deltas.items() if d.experts)
@@ -140,7 +143,7 @@ def test_moe_expert_banks_are_lora_parameters(tmp_path) -> None:
 
 
 def test_a_patch_lora_cannot_hold_is_a_clear_error(tmp_path) -> None:
-    model = build("gemma3")
+    model = shared("gemma3")
     patch = ctxc.compile(model, context_ids=random_ids(5, 16)).patch
     norms = {n: d for n, d in patch.deltas.items() if d.vector is not None}
     with pytest.raises(ctxc.CtxcError, match="PEFT cannot hold this patch"):

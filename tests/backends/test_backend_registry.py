@@ -12,7 +12,7 @@ import ctxc
 from ctxc.backends import BACKENDS, emit_checked
 from ctxc.core.checks import ArtefactError
 from ctxc.patch import Patch
-from testbed.tiny_models import build, tiny_tokenizer
+from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import random_ids
 
@@ -33,7 +33,7 @@ def test_every_emitter_takes_what_the_registry_passes(name) -> None:
 
 @pytest.mark.tiny
 def test_torch_is_written_reloaded_and_gated(tmp_path) -> None:
-    model = build("gemma3")
+    model = shared("gemma3")  # built and traced once a session; left as it was
     result = ctxc.compile(model, context_ids=random_ids(4, 20), verify=False)
     figures = emit_checked(model, result.patch, tmp_path, ["torch"], tokenizer=tiny_tokenizer())
     found = figures["torch"]
@@ -53,7 +53,7 @@ def test_torch_is_written_reloaded_and_gated(tmp_path) -> None:
 def test_a_patch_without_solver_figure_is_held_to_the_patched_model(tmp_path, monkeypatch):
     """A baked thought patch has no solver figure: model/ reloaded is held to the patched
     model in memory (ctxc bake --emit torch wrote it unchecked before)."""
-    model = build("gemma3")
+    model = shared("gemma3")  # built and traced once a session; left as it was
     patch = ctxc.compile(model, context_ids=random_ids(5, 20), verify=False).patch
     meta = dataclasses.replace(patch.meta, update="bake-fit", solver_max_abs_logit_diff=None)
     baked = Patch(patch.deltas, meta)
@@ -70,7 +70,7 @@ def test_a_patch_without_solver_figure_is_held_to_the_patched_model(tmp_path, mo
 @pytest.mark.tiny
 @needs_extra("peft")
 def test_torch_goes_first_and_its_figure_is_the_reload(tmp_path) -> None:
-    model = build("gemma3")
+    model = shared("gemma3")  # built and traced once a session; left as it was
     result = ctxc.compile(model, context_ids=random_ids(6, 20), verify=False)
     kinds = ["peft", "torch"]
     figures = emit_checked(model, result.patch, tmp_path, kinds, full=result.full_logits)

@@ -12,10 +12,12 @@ from safetensors.torch import load_file
 import ctxc
 from ctxc.backends.torch.model import emit_torch
 from ctxc.runs.patched_forward import patched_values
-from testbed.tiny_models import build
+from testbed.tiny_models import shared
 from tests.fixtures.helpers import random_ids
 
 pytestmark = pytest.mark.tiny
+# The session's ``shared`` tiny Gemma 3 (seed 0, as ``build``), built and traced once instead of
+# once a test: every test leaves it as it was (the first and second check that they do).
 
 
 def _saved(folder) -> dict[str, torch.Tensor]:
@@ -23,7 +25,7 @@ def _saved(folder) -> dict[str, torch.Tensor]:
 
 
 def test_emit_torch_saves_the_applied_weights_and_leaves_the_model(tmp_path) -> None:
-    model = build("gemma3")
+    model = shared("gemma3")
     patch = ctxc.compile(model, context_ids=random_ids(4, 20), verify=False).patch
     before = {k: v.clone() for k, v in model.state_dict().items()}
     addresses = {k: v.data_ptr() for k, v in model.state_dict().items()}
@@ -45,7 +47,7 @@ def test_emit_torch_saves_the_applied_weights_and_leaves_the_model(tmp_path) -> 
 
 
 def test_patched_values_are_the_applied_logits_and_restore_on_error() -> None:
-    model = build("gemma3")
+    model = shared("gemma3")
     ids = random_ids(5, 16)
     patch = ctxc.compile(model, context_ids=ids, verify=False).patch
     query = torch.tensor([patch.meta.query_ids])
@@ -109,7 +111,7 @@ def test_a_marked_tokenizer_is_copied_and_any_other_is_saved(tmp_path) -> None:
 def test_two_writers_write_the_bytes_of_one(tmp_path, monkeypatch) -> None:
     from ctxc.backends.torch import shards as torch_shards
 
-    model = build("gemma3")
+    model = shared("gemma3")
     monkeypatch.setattr(torch_shards, "_CHUNK", 256)  # many pieces per tensor, split anywhere
     one, two = tmp_path / "one", tmp_path / "two"
     for folder, workers in ((one, 1), (two, 2)):
@@ -134,7 +136,7 @@ def test_reference_logits_holds_only_the_query_rows() -> None:
     context + query (at 14k tokens and a 262k vocabulary those are 15 GB held for k rows)."""
     from ctxc.backends.reference import reference_logits
 
-    model = build("gemma3")
+    model = shared("gemma3")
     patch = ctxc.compile(model, context_ids=random_ids(6, 40), verify=False).patch
     got = reference_logits(model, patch)
     assert got.shape[0] == len(patch.meta.query_ids)

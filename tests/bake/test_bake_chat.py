@@ -6,6 +6,8 @@ neither fitted nor compared."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -39,6 +41,14 @@ _OPTIONS = BakeOptions(
 )
 
 
+@functools.cache
+def _model(name: str) -> torch.nn.Module:
+    """``chat_model(name)`` built once a module (and so traced once, the trace being cached on
+    the model): the bakes, evaluations and generations here leave a model as it was, as
+    tests/bake/test_bake.py's shared models do; the distill test, which trains, builds its own."""
+    return chat_model(name)
+
+
 def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
@@ -49,7 +59,7 @@ def test_chat_fit_data_are_the_template_s_ids_split_exactly(name: str) -> None:
     answer after them); its patched input is the template's ids for the user turn alone, the
     same answer after them; the answer is the full-context model's greedy one, cut after the
     end of its turn."""
-    model, tok = chat_model(name), chat_tokenizer(name)
+    model, tok = _model(name), chat_tokenizer(name)
     turns = _TURNS[name]
     result = bake(model, tok, None, list(QUERIES), options=_OPTIONS, messages=turns)
     data, chat = result.data, result.chat
@@ -81,7 +91,7 @@ def test_the_opening_s_positions_are_neither_fitted_nor_compared() -> None:
     at the matched positions (the unmatched rows copy the first matched one); the evaluation
     compares exactly the matched positions: the patched model fed opening + query against the
     full model's last positions."""
-    model, tok = chat_model("gemma3"), chat_tokenizer("gemma3")
+    model, tok = _model("gemma3"), chat_tokenizer("gemma3")
     chat = chat_format(tok, _TURNS["gemma3"])
     assert len(chat.opening) == 4, tok.decode(chat.opening)
     data = bake_data(model, tok, chat.context_ids, list(QUERIES), 0, 1, 0, chat=chat)
@@ -117,7 +127,7 @@ def test_chat_self_study_asks_in_turns_and_answers(monkeypatch) -> None:
     """A reply from a wh-word after a seed prompt's user turn is the question; the fit query is
     its user turn and the greedy answer. The replies are faked (a random model writes no
     ``?``): each row's reply decodes to ``" is it?"``, the answers to four fixed ids."""
-    model, tok = chat_model("llama3"), chat_tokenizer("llama3")
+    model, tok = _model("llama3"), chat_tokenizer("llama3")
     chat = chat_format(tok, _TURNS["llama3"])
     reply = list(tok(" is it?", add_special_tokens=False).input_ids)
     seen: list[list[list[int]]] = []
@@ -161,7 +171,7 @@ def test_chat_cloze_queries_are_user_turns_answered_by_the_span(name: str) -> No
     and one end of turn; with ``fit_rows`` ``answers`` only the span's positions are fitted."""
     from ctxc.bake.cloze import chat_cloze_queries
 
-    model, tok = chat_model(name), chat_tokenizer(name)
+    model, tok = _model(name), chat_tokenizer(name)
     role = "system" if name == "gemma3" else "user"  # Gemma 3's system prompt: inside the turn
     turns = [*_TURNS[name][:-1], {"role": role, "content": DOCUMENTS[0]}]  # names and numbers
     options = BakeOptions(

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ctxc.generate.steps import generate
-from testbed.tiny_models import VOCAB, build, build_any
+from testbed.tiny_models import VOCAB, build, shared
 from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import CliRun, run_cli
 
@@ -20,7 +20,7 @@ CONTEXT = torch.randint(4, VOCAB, (18,), generator=torch.Generator().manual_seed
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_float32_protocol_matches_the_cached_baseline(family: str) -> None:
-    model = build(family)
+    model = shared(family)  # built and traced once a session; generate leaves it as it was
     result = generate(model, CONTEXT, 5, update="stable")
     diffs = [s.max_abs_logit_diff for s in result.steps]
     assert result.targets_from.startswith("cached decode"), result.targets_from
@@ -41,7 +41,7 @@ def test_float32_protocol_matches_the_cached_baseline(family: str) -> None:
 def test_lora_rule_per_token_is_exact_behind_two_post_norms(family: str) -> None:
     """The cached decode's hooks record the residual between the two branches too (the
     pre-FFN norm's input; OLMo 2's MLP input), the ``lora`` rule's start (MATH.md 10)."""
-    model = build_any(family)
+    model = shared(family)
     result = generate(model, CONTEXT, 4, update="lora")
     diffs = [s.max_abs_logit_diff for s in result.steps]
     assert result.targets_from.startswith("cached decode"), result.targets_from

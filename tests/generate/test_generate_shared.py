@@ -19,12 +19,16 @@ from ctxc.passes.runtime.run_graph import record_targets
 from ctxc.passes.solver import solve as solve_mod
 from ctxc.passes.solver.solve import solve
 from ctxc.store.traced import traced_blocks
-from testbed.tiny_models import build_any
+from testbed.tiny_models import shared as shared_model
 from tests.fixtures.helpers import diff_msg, random_ids
 
 pytestmark = pytest.mark.tiny
 
 CONTEXT = random_ids(7, 18)
+# Each family's model is ``shared_model`` (built and traced once a session, seed 0 as
+# ``build_any``): generate and solve leave a model as it was, and every check here compares runs
+# on the one model, so building and tracing the same seeded model again per test checked nothing
+# more (it was half of this file's time).
 
 
 @pytest.fixture
@@ -69,7 +73,7 @@ def _generate(model, monkeypatch, apply: str, plain: bool):
 def test_shared_steps_are_the_plain_steps_bit_for_bit(
     family: str, apply: str, monkeypatch, two_threads
 ) -> None:
-    model = build_any(family)
+    model = shared_model(family)
     want, want_logits, splits = _generate(model, monkeypatch, apply, plain=True)
     assert splits == [None], "no worker, yet the head was split"
     for _ in range(2):  # run twice: the same
@@ -85,7 +89,7 @@ def test_shared_steps_are_the_plain_steps_bit_for_bit(
 
 
 def test_a_failing_decode_on_the_worker_is_raised(monkeypatch, two_threads) -> None:
-    model = build_any("gemma3")
+    model = shared_model("gemma3")
 
     def fail(self, current):
         raise RuntimeError("decode failed")
@@ -98,7 +102,7 @@ def test_a_failing_decode_on_the_worker_is_raised(monkeypatch, two_threads) -> N
 
 
 def test_frozen_objects_are_released_and_a_callers_freeze_is_left(two_threads) -> None:
-    model = build_any("llama")
+    model = shared_model("llama")
     assert gc.get_freeze_count() == 0
     gen.generate(model, CONTEXT, 2)
     assert gc.get_freeze_count() == 0, "generate left objects frozen"
@@ -114,7 +118,7 @@ def test_frozen_objects_are_released_and_a_callers_freeze_is_left(two_threads) -
 
 
 def test_head_split_is_refused_when_its_bits_differ(monkeypatch, two_threads) -> None:
-    traced, blocks = traced_blocks(build_any("gemma3"))
+    traced, blocks = traced_blocks(shared_model("gemma3"))
     monkeypatch.setattr(shared_head, "_ROW_MULTIPLE", 32)
     monkeypatch.setattr(shared_head, "_MIN_ROWS", 64)
     with shared_head.ThreadPoolExecutor(1) as worker:
@@ -144,7 +148,7 @@ def test_split_linear_is_the_product(rows: int, two_threads) -> None:
 @pytest.mark.parametrize("family", ["olmo2", "gpt2", "falcon", "mixtral"])
 @pytest.mark.parametrize("apply", ["lowrank", "baked"])
 def test_reused_outputs_are_the_recomputed_ones(family: str, apply: str, monkeypatch) -> None:
-    model = build_any(family)
+    model = shared_model(family)
     traced, blocks = traced_blocks(model)
     ids = torch.tensor([CONTEXT + random_ids(8, 2)])
     full = record_targets(traced, blocks, ids, 2)
@@ -176,7 +180,7 @@ def test_reused_outputs_are_the_recomputed_ones(family: str, apply: str, monkeyp
 
 
 def test_an_input_changed_in_place_is_recomputed() -> None:
-    traced, blocks = traced_blocks(build_any("llama"))
+    traced, blocks = traced_blocks(shared_model("llama"))
     view = solve_mod.GraphView.of(traced)
     outer = view.by_name[blocks.blocks[0].outer.node]
     run = reduced_run.ReducedRun(view, [outer], traced.placeholder_values(torch.tensor([[5]])))
@@ -192,7 +196,7 @@ def test_an_input_changed_in_place_is_recomputed() -> None:
 @pytest.mark.parametrize("family", ["gemma3", "llama", "gpt2", "qwen2_moe"])
 @pytest.mark.parametrize("apply", ["lowrank", "baked"])
 def test_kept_abs_weights_change_no_bit(family: str, apply: str, monkeypatch) -> None:
-    model = build_any(family)
+    model = shared_model(family)
     kept: list[dict] = []
     stepper_init = gen._Stepper.__init__
 
@@ -226,7 +230,7 @@ def test_input_moves_from_recorded_outputs(family: str, apply: str, monkeypatch)
     """``u = W z_C - W z`` from the full run's recorded inner outputs: every inner linear still
     moved, the patched logits those of ``W (z_C - z)`` up to rounding, and with ``lowrank``
     the inner linears' outputs are not computed a second time (their weights read once)."""
-    model = build_any(family)
+    model = shared_model(family)
     traced, blocks = traced_blocks(model)
     ids = torch.tensor([CONTEXT + random_ids(9, 1)])
     query = ids[:, len(CONTEXT) :]

@@ -6,9 +6,12 @@ import pytest
 import torch
 
 import ctxc
-from testbed.tiny_models import FAMILIES, VOCAB, build
+from testbed.tiny_models import FAMILIES, VOCAB, build, shared
 
 pytestmark = pytest.mark.tiny
+# The tests that leave the model as it was take the session's ``shared`` one (seed 0, as
+# ``build``; built and traced once, where a fresh build was traced again per test: both rules of
+# a family ran on the same seeded weights anyway); the two that set weights build their own.
 
 
 def _ids(seed: int, n: int) -> list[int]:
@@ -19,7 +22,7 @@ def _ids(seed: int, n: int) -> list[int]:
 @pytest.mark.parametrize("update", ["standard", "stable"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_patched_query_matches_full_context(family: str, update: str) -> None:
-    model = build(family)
+    model = shared(family)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     ids = _ids(1, 24)
     result = ctxc.compile(model, context_ids=ids, update=update)
@@ -43,7 +46,7 @@ def test_patched_query_matches_full_context(family: str, update: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_multi_token_query_is_exact_for_linear_output_moves(family: str) -> None:
-    model = build(family)
+    model = shared(family)
     ids = _ids(2, 20)
     result = ctxc.compile(model, context_ids=ids[:-3], query_ids=ids[-3:])
     rep = result.report
@@ -55,7 +58,7 @@ def test_multi_token_query_is_exact_for_linear_output_moves(family: str) -> None
 
 
 def test_compile_twice_gives_identical_patches() -> None:
-    model = build("gemma3")
+    model = shared("gemma3")
     ids = _ids(4, 16)
     a = ctxc.compile(model, context_ids=ids).patch
     b = ctxc.compile(model, context_ids=ids).patch
@@ -65,7 +68,7 @@ def test_compile_twice_gives_identical_patches() -> None:
 
 
 def test_start_layer_leaves_lower_blocks_unpatched() -> None:
-    model = build("llama")
+    model = shared("llama")
     ids = _ids(5, 16)
     result = ctxc.compile(model, context_ids=ids, start_layer=1)
     assert {d.block for d in result.patch.deltas.values()} == {

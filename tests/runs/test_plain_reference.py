@@ -114,17 +114,19 @@ def test_text_context_on_a_bidirectional_model_is_exact(tmp_path) -> None:
 _TEXT_CHECK = r"""
 import json, sys, torch
 from transformers import AutoModelForCausalLM
-out, base = sys.argv[1], sys.argv[2]
-rep = json.load(open(out + "/report.json"))
-q = torch.tensor([rep["query_ids"]])
-orig = AutoModelForCausalLM.from_pretrained(base).eval()
-patched = AutoModelForCausalLM.from_pretrained(out + "/model").eval()
-with torch.no_grad():
-    full = orig(torch.tensor([rep["context_ids"] + rep["query_ids"]])).logits[0, -q.shape[1]:]
-    got, ctl = patched(q).logits[0], orig(q).logits[0]
-print(json.dumps({"max": float((got - full).abs().max()),
+found = {}
+for out, base in zip(sys.argv[1::2], sys.argv[2::2]):
+    rep = json.load(open(out + "/report.json"))
+    q = torch.tensor([rep["query_ids"]])
+    orig = AutoModelForCausalLM.from_pretrained(base).eval()
+    patched = AutoModelForCausalLM.from_pretrained(out + "/model").eval()
+    with torch.no_grad():
+        full = orig(torch.tensor([rep["context_ids"] + rep["query_ids"]])).logits[0, -q.shape[1]:]
+        got, ctl = patched(q).logits[0], orig(q).logits[0]
+    found[out] = {"max": float((got - full).abs().max()),
                   "control": float((ctl - full).abs().max()),
-                  "top1": bool((got.argmax(-1) == full.argmax(-1)).all())}))
+                  "top1": bool((got.argmax(-1) == full.argmax(-1)).all())}
+print(json.dumps(found))
 """
 
 _IMAGE_CHECK = r"""
@@ -170,18 +172,37 @@ def _agrees(report: dict, fresh: dict) -> None:
     assert report["emitted"]["reference"].startswith("transformers "), report["emitted"]
 
 
-@pytest.mark.parametrize("family", ["gemma3", "llama"])
-def test_report_is_what_a_fresh_process_measures(tmp_path, family: str) -> None:
-    folder = tmp_path / family
-    build(family).save_pretrained(str(folder))
-    tiny_tokenizer().save_pretrained(str(folder))
-    (tmp_path / "ctx.txt").write_text(" ".join(f"w{i}" for i in random_ids(9, 30)))
-    out = tmp_path / "out"
-    args = ["--model", str(folder), "--context", str(tmp_path / "ctx.txt")]
-    proc = run_cli("compile", *args, "--query", "w20 w21 w22", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads((out / "report.json").read_text())
-    _agrees(report, _fresh(_TEXT_CHECK, str(out), str(folder)))
+TEXT_FAMILIES = ("gemma3", "llama")
+
+
+@pytest.fixture(scope="module")
+def text_runs(tmp_path_factory) -> dict[str, tuple[dict, dict]]:
+    """Each text family's folder compiled by ``ctxc compile``, then every output measured in
+    one fresh process (``_TEXT_CHECK`` takes (output, model folder) pairs: one interpreter start
+    for both families, not one each): family -> (report.json, the fresh process's figures)."""
+    root = tmp_path_factory.mktemp("plain-reference")
+    (root / "ctx.txt").write_text(" ".join(f"w{i}" for i in random_ids(9, 30)))
+    pairs = {}
+    for family in TEXT_FAMILIES:
+        folder = root / family
+        build(family).save_pretrained(str(folder))
+        tiny_tokenizer().save_pretrained(str(folder))
+        out = root / f"out-{family}"
+        args = ["--model", str(folder), "--context", str(root / "ctx.txt")]
+        proc = run_cli("compile", *args, "--query", "w20 w21 w22", "--out", str(out))
+        assert proc.returncode == 0, (family, proc.stderr)
+        pairs[family] = (out, folder)
+    fresh = _fresh(_TEXT_CHECK, *(str(p) for pair in pairs.values() for p in pair))
+    return {
+        family: (json.loads((out / "report.json").read_text()), fresh[str(out)])
+        for family, (out, _) in pairs.items()
+    }
+
+
+@pytest.mark.parametrize("family", TEXT_FAMILIES)
+def test_report_is_what_a_fresh_process_measures(text_runs, family: str) -> None:
+    report, fresh = text_runs[family]
+    _agrees(report, fresh)
 
 
 def test_image_report_is_what_a_fresh_process_measures(tmp_path) -> None:

@@ -3,6 +3,7 @@ and what the locator says when it finds no block."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 from transformers.pytorch_utils import Conv1D
 
 import ctxc
-from ctxc.frontend.trace import trace
+from ctxc.frontend.trace import TracedModel, trace
 from ctxc.passes.locate.block_map import LinearSite
 from ctxc.passes.locate.classify import INPUT_CONTROLLABLE, OUTPUT_CONTROLLABLE, classify
 from ctxc.passes.locate.graph_view import GraphView, op_name
@@ -29,15 +30,24 @@ from ctxc.passes.locate.match_linears import (
     match_transposed_matmul,
     routing_nodes,
 )
-from testbed.tiny_models import FAMILIES, build, build_any
+from testbed.tiny_models import FAMILIES, build_any
 
 pytestmark = pytest.mark.tiny  # every test traces a tiny model
 
 
+@functools.cache
+def _traced(family: str) -> tuple[torch.nn.Module, TracedModel]:
+    """The seeded tiny model of ``family`` and its trace, once a module: the locator reads the
+    graph and leaves it as it was (the golden test's second, fresh trace checks that its blocks
+    are the same), so a test of another property re-traced the same graph for nothing."""
+    model = build_any(family)
+    return model, trace(model)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_every_layer_has_one_gated_block(family: str) -> None:
-    model = build(family)
-    blocks = locate_blocks(trace(model))
+    model, traced = _traced(family)
+    blocks = locate_blocks(traced)
     n = model.config.num_hidden_layers
     assert len(blocks.blocks) == n, [b.path for b in blocks.blocks]
     assert not blocks.rejections, blocks.rejections
@@ -64,7 +74,7 @@ def test_classify_roles_match_the_golden(family: str) -> None:
     Keyed by fx node name (stable for a pinned torch); regenerate after an intended change
     with ``CTXC_UPDATE_GOLDEN=1`` and review the diff.
     """
-    blocks = locate_blocks(trace(build_any(family)))
+    blocks = locate_blocks(_traced(family)[1])
     roles = classify(blocks)
     got = {node: [r.block, r.part, r.control, r.param, r.used] for node, r in sorted(roles.items())}
     path = GOLDEN / f"classify_{family}.json"
@@ -214,8 +224,8 @@ def test_no_block_names_where_the_search_stopped_in_every_layer() -> None:
 )
 def test_attention_projection_behind_a_post_norm_is_a_second_surface(family, sandwich) -> None:
     """MATH.md 10: ``v = x + s_a * norm(o_proj(a))`` feeds the block's MLP (Gemma 2/3, OLMo 2)."""
-    model = build_any(family)
-    blocks = locate_blocks(trace(model))
+    model, traced = _traced(family)
+    blocks = locate_blocks(traced)
     roles = classify(blocks)
     for b in blocks.blocks:
         layer = b.path.rsplit(".", 1)[0]
