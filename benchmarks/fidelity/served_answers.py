@@ -611,11 +611,39 @@ def _ort_raised(net, out: Path, shared: str | None, atol: float) -> dict:
             "figures": figures.to_dict()}  # fmt: skip
 
 
+def _past_export(net, out: Path, baked: dict) -> None:
+    """Where ``ctxc export --to lora,gguf-lora`` failed a check: ``lora/`` if it passed its own
+    (kept in ``served.failed``), and ``lora.gguf`` written by ctxc's writer without the check
+    (``write_gguf_lora``); ``baked["past_check"]`` says which, and why."""
+    failed = out / "served.failed"
+    if "lora" not in baked["emitted"] and (failed / "lora").is_dir():
+        baked["files"]["lora"] = str(failed / "lora")
+        baked["emitted"].append("lora")
+        baked.setdefault("past_check", {})["lora"] = "passed its check; kept in served.failed"
+    if "gguf-lora" not in baked["emitted"] and "lora" in baked["emitted"]:
+        from ctxc.backends.gguf.lora import write_gguf_lora
+        from ctxc.patch import Patch
+
+        path = out / "unchecked" / "lora.gguf"
+        path.parent.mkdir(exist_ok=True)
+        write_gguf_lora(net, Patch.load(out / "patch.safetensors", net), path)
+        baked["files"]["gguf-lora"] = str(path)
+        baked["emitted"].append("gguf-lora")
+        why = [v for v in baked["refused"].values() if "lora.gguf" in v]
+        baked.setdefault("past_check", {})["gguf-lora"] = (
+            "written by ctxc's write_gguf_lora without the check that refused it: "
+            + (why[-1] if why else "?")
+        )
+
+
 def _paragraph(args, net, tok, para: dict, f32: Path, shared: dict) -> tuple[dict, tuple]:
     """Bake one paragraph and answer its questions in every runtime."""
     out = Path(args.work) / para["id"].replace("#", "-")
     baked = bake(args.model, para, out, args.threads, args.chat)
     stop = sorted(tok.all_special_ids)
+    if "past_check" not in baked:
+        _past_export(net, out, baked)
+        (out / "served_bake.json").write_text(json.dumps(baked, indent=1) + "\n")
     if "ort-adapter" not in baked["emitted"] and args.ort_atol and "ort_raised" not in baked:
         baked["ort_raised"] = _ort_raised(net, out, shared.get("patchable"), args.ort_atol)
         (out / "served_bake.json").write_text(json.dumps(baked, indent=1) + "\n")
@@ -806,6 +834,11 @@ def _bake_lines(doc: dict) -> list[str]:
     if refusals:
         lines += ["Refused (the command went on without what it names):", ""]
         lines += [f"- {line}" for line in sorted(refusals)] + [""]
+    past = [f"- {pid}: `{kind}` {why}" for pid, p in doc["paragraphs"].items()
+            for kind, why in p["bake"].get("past_check", {}).items()]  # fmt: skip
+    if past:
+        lines += ["Served although `ctxc export` refused the pair (the runtimes' rows count "
+                  "them):", "", *past, ""]  # fmt: skip
     raised = {pid: p["bake"]["ort_raised"] for pid, p in doc["paragraphs"].items()
               if "ort_raised" in p["bake"]}  # fmt: skip
     if raised:
