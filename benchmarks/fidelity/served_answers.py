@@ -191,7 +191,8 @@ def bake(model: str, para: dict, out: Path, threads: int, chat: bool = False) ->
         export += ["--out", str(out / "served"), "--force"]
         if run(export, lora):
             served = {"lora": out / "served" / "lora", "gguf-lora": out / "served" / "lora.gguf"}
-    done["files"] = {"model": str(out / "model"), **{k: str(v) for k, v in served.items()}}
+    done["files"] = {"model": str(out / "model")}
+    done["files"].update({k: str(v) for k, v in served.items() if k in done["emitted"]})
     if "ort-adapter" in done["emitted"]:
         done["files"]["patchable"] = str(out / "patchable.onnx")
         done["files"]["ort-adapter"] = str(out / "context.onnx_adapter")
@@ -470,7 +471,7 @@ def _many_specs(gguf: Path, bakes: list[tuple[dict, dict]], stop, gen: int) -> d
                 full.append({"key": f"full/{k}/{j}", "on": None, "ids": asked["full"][j]})
 
     def attach(kind: str) -> dict:
-        return {f"p{k}": baked["files"][kind] for k, (baked, _) in enumerate(bakes)}
+        return {f"p{k}": baked["files"].get(kind) for k, (baked, _) in enumerate(bakes)}
 
     specs = {
         "peft": {
@@ -489,6 +490,9 @@ def _many_specs(gguf: Path, bakes: list[tuple[dict, dict]], stop, gen: int) -> d
             "requests": mine + alone + full,
         },
     }
+    for rt, kind in (("peft", "lora"), ("llama_cpp", "gguf-lora")):
+        if None in attach(kind).values():
+            del specs[rt]  # a paragraph without the artefact
     if all("ort-adapter" in baked["files"] for baked, _ in bakes):
         # one session of the first bake's patchable.onnx (every bake's graph is the same);
         # no paragraph + question runs: without a KV cache each step reruns the whole input
@@ -641,6 +645,9 @@ def _paragraph(args, net, tok, para: dict, f32: Path, shared: dict) -> tuple[dic
     out = Path(args.work) / para["id"].replace("#", "-")
     baked = bake(args.model, para, out, args.threads, args.chat)
     stop = sorted(tok.all_special_ids)
+    for kind in ("lora", "gguf-lora"):  # a record of a failed export: no such file
+        if kind not in baked["emitted"]:
+            baked["files"].pop(kind, None)
     if "past_check" not in baked:
         _past_export(net, out, baked)
         (out / "served_bake.json").write_text(json.dumps(baked, indent=1) + "\n")
