@@ -259,6 +259,11 @@ class PatchMeta:
     # patch is expected to reproduce (ctxc.core.checks.gate). None: not recorded (older patches).
     solver_max_abs_logit_diff: float | None = None
 
+    @property
+    def baked(self) -> bool:
+        """A fitted patch (``ctxc bake``: ``update`` is ``bake-<method>``), not an exact one."""
+        return self.update.startswith("bake")
+
 
 @dataclass
 class Patch:

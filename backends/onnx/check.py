@@ -20,7 +20,7 @@ import torch
 
 from ctxc.backends.onnx.export import root_cause
 from ctxc.backends.onnx.files import file_size
-from ctxc.backends.onnx.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR
+from ctxc.backends.onnx.thresholds import ONNX_ATOL, ONNX_FLOOR_FACTOR, ONNX_PATCH_SHARE
 from ctxc.core.checks import enforce
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
@@ -30,6 +30,7 @@ __all__ = [
     "ONNX_ATOL",
     "LengthCheck",
     "OnnxFigures",
+    "check_bound",
     "check_lengths",
     "check_signature",
     "ort_session",
@@ -227,6 +228,34 @@ def runtime_floor(
     return worst
 
 
+def check_bound(
+    atol: float,
+    floor: float,
+    expected: Sequence[torch.Tensor],
+    unpatched: Sequence[torch.Tensor],
+    baked: bool,
+) -> float:
+    """The bound of a check where onnxruntime's floor was measured (backends/onnx/thresholds.py).
+
+    Args:
+        atol: the absolute bound.
+        floor: onnxruntime's own distance from torch on the unpatched model (:func:`runtime_floor`).
+        expected: the torch patched model's logits [n, vocab] for each input.
+        unpatched: torch's unpatched logits [n, vocab] at the same inputs.
+        baked: a fitted patch (``ctxc bake``), also held to ``ONNX_PATCH_SHARE`` of its effect.
+
+    Returns:
+        ``floor_bound(atol, floor, ONNX_FLOOR_FACTOR)``, or for a baked patch the larger of that
+        and ``ONNX_PATCH_SHARE * max |expected - unpatched|``.
+    """
+    bound = floor_bound(atol, floor, ONNX_FLOOR_FACTOR)
+    if not baked:
+        return bound
+    pairs = zip(expected, unpatched, strict=True)
+    effect = max(float((e.double() - u.double()).abs().max()) for e, u in pairs)
+    return max(bound, ONNX_PATCH_SHARE * effect)
+
+
 def verify_export(
     path: Path,
     ids: Sequence[torch.Tensor],
@@ -237,6 +266,7 @@ def verify_export(
     export: dict[str, Any],
     atol: float = ONNX_ATOL,
     unpatched: Sequence[torch.Tensor] | None = None,
+    baked: bool = False,
 ) -> OnnxFigures:
     """Open ``path`` with onnxruntime, check its signature and lengths, gather its figures.
 
@@ -254,6 +284,8 @@ def verify_export(
         unpatched: torch's unpatched logits at ``ids``, for a patchable file (run without
             factors it is the unpatched model): the bound becomes
             ``floor_bound(atol, floor, ONNX_FLOOR_FACTOR)`` with onnxruntime's own floor.
+        baked: the patch is fitted (``ctxc bake``): with ``unpatched``, the bound is
+            :func:`check_bound`'s, a share of the patch's effect included.
 
     Returns:
         the :class:`OnnxFigures`.
@@ -269,7 +301,7 @@ def verify_export(
     if unpatched is not None:
         plain = lambda x: session.run(["logits"], {"input_ids": x})[0]  # noqa: E731
         floor = runtime_floor(plain, ids, unpatched)
-        atol = floor_bound(atol, floor, ONNX_FLOOR_FACTOR)
+        atol = check_bound(atol, floor, expected, unpatched, baked)
     checks, first = check_lengths(
         lambda x: session.run(["logits"], {**fed, "input_ids": x})[0],
         ids,

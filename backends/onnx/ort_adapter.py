@@ -31,6 +31,7 @@ from ctxc._version import __version__
 from ctxc.backends.onnx.check import (
     ONNX_ATOL,
     LengthCheck,
+    check_bound,
     check_lengths,
     ort_session,
     runtime_floor,
@@ -38,11 +39,9 @@ from ctxc.backends.onnx.check import (
 from ctxc.backends.onnx.export import export_settings, patched_logits, require_onnx
 from ctxc.backends.onnx.files import file_size
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, inputs_of, patch_feeds
-from ctxc.backends.onnx.thresholds import ONNX_FLOOR_FACTOR
 from ctxc.backends.reference import check_ids, reference_logits, torch_logits
 from ctxc.core.errors import CtxcError
 from ctxc.core.metrics import Fidelity, fidelity, top1_word
-from ctxc.core.thresholds import floor_bound
 from ctxc.patch import Patch
 
 __all__ = [
@@ -190,8 +189,9 @@ class AdapterFigures:
         parameters: tensors in the adapter (every factor input of the graph).
         size_bytes: the adapter file.
         checks: onnxruntime with the adapter active against the torch patched model, per length.
-        tolerance: the absolute bound the checks met (:func:`~ctxc.core.thresholds.floor_bound`
-            of the given bound and ``runtime_floor``).
+        tolerance: the absolute bound the checks met
+            (:func:`~ctxc.backends.onnx.check.check_bound`: the given bound, ``runtime_floor``
+            and, for a baked patch, its effect).
         fidelity: the same fed the query alone, against the full-context model.
         seconds: wall time (the patchable export included when it was written here).
         runtime_floor: onnxruntime's own distance from torch on the unpatched model (the
@@ -276,7 +276,7 @@ def emit_ort_adapter(
     adapter = load_adapter(path, session)
     # Without an adapter the session is the unpatched model: onnxruntime's own floor.
     floor = runtime_floor(lambda x: session.run(["logits"], {"input_ids": x})[0], ids, unpatched)
-    atol = floor_bound(atol, floor, ONNX_FLOOR_FACTOR)
+    atol = check_bound(atol, floor, expected, unpatched, patch.meta.baked)
     checks, first = check_lengths(
         lambda x: run_adapter(session, adapter, x), ids, expected, atol, ADAPTER_FILE
     )

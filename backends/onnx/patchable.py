@@ -245,6 +245,7 @@ def emit_onnx_patchable(
         export=export,
         atol=atol,
         unpatched=unpatched,
+        baked=patch.meta.baked,
     )
     return path, figures
 

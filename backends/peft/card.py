@@ -64,7 +64,7 @@ def card_text(
         base: the base model's identity.
         bake_report: the bake's report (its ``options``, ``figures``), when the emit was given it.
     """
-    baked = patch.meta.update.startswith("bake")
+    baked = patch.meta.baked
     report = bake_report or {}
     body = _baked(patch, figures, base, report) if baked else _compiled(patch, figures, base)
     return _front(base, baked) + body + _loading(base, figures.dir, baked, "chat" in report)

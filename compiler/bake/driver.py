@@ -27,7 +27,7 @@ from ctxc.bake.chat import ChatFormat, chat_format
 from ctxc.bake.data import FitData
 from ctxc.bake.onpolicy import joined_targets, with_own_answers
 from ctxc.bake.selfstudy import answer_end
-from ctxc.bake.serve import pad_to_rank
+from ctxc.bake.serve import check_servable_blocks, pad_to_rank, servable_kinds
 from ctxc.bake.sources import fit_context, gather
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
@@ -172,6 +172,7 @@ def bake(
     on_stage: Callable[[str], None] | None = None,
     on_block: Callable[[int, int, str], None] | None = None,
     messages: Sequence[dict] | None = None,
+    emit: Sequence[str] = (),
 ) -> BakeResult:
     """Bake ``context`` into one patch for every query; the model is left unmodified.
 
@@ -191,6 +192,9 @@ def bake(
         messages: a chat model's context turns (``{"role", "content"}``) instead of
             ``context``: the queries are user turns after them, rendered by the chat template
             and answered (:mod:`ctxc.bake.chat`).
+        emit: the artefacts the patch goes into: a LoRA kind's (linear pairs only) refuses,
+            before the fit, a fit that would move norm scales
+            (:func:`~ctxc.bake.serve.check_servable_blocks`), and pads every delta to one rank.
 
     Returns:
         the :class:`BakeResult`.
@@ -213,6 +217,7 @@ def bake(
         data = fit_data(model, tokenizer, ids, queries, o, stage, chat)
     timings["data"] = round(time.perf_counter() - clock, 3)
     traced, blocks = fit_blocks(model, o)
+    check_servable_blocks(emit, o, blocks)
     fit, extra = None, {}
     if o.method == FIT_METHOD or o.distill_from_fit:
         if targets is None:
@@ -232,7 +237,7 @@ def bake(
             timings["on_policy"] = round(time.perf_counter() - clock, 3)
     meta = patch_meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
-    if patch is not None and o.linear_only and o.rank is not None:
+    if patch is not None and o.rank is not None and (o.linear_only or servable_kinds(emit)):
         patch = pad_to_rank(patch, o.rank)  # one rank for every module, as a LoRA has
     if o.method == DISTILL_METHOD:
         from ctxc.bake.distill import distill

@@ -246,7 +246,7 @@ def evaluate_folder(
     if gen_tokens < 0:
         raise OptionError("{gen_tokens} must be at least 0 (got {})", gen_tokens)
     patch = Patch.load(folder)
-    if not patch.meta.update.startswith("bake"):
+    if not patch.meta.baked:
         raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
     from ctxc.bake.evaluate import evaluate_many
 

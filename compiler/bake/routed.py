@@ -227,7 +227,14 @@ def _bake_one(net, tokenizer, folder: Path, entry: dict, job: ChunkJob, hooks: B
     hooks.on_stage(f"chunk {cid} (from {entry['file']}, {count} words)")
     with hooks.progress("baking", "fitting") as (on_stage, on_block):
         result = bake(
-            net, tokenizer, text, None, options=job.options, on_stage=on_stage, on_block=on_block
+            net,
+            tokenizer,
+            text,
+            None,
+            options=job.options,
+            on_stage=on_stage,
+            on_block=on_block,
+            emit=job.emit,
         )
     result.report["route"] = {"chunk": cid, "file": entry["file"], "words": count}
     return write_bake(net, tokenizer, result, folder, job.emit, job.held, hooks)

@@ -114,6 +114,7 @@ def bake_into(job: BakeJob, hooks: BakeHooks | None = None) -> BakeRun:
                 messages=list(job.messages) if job.messages is not None else None,
                 on_stage=on_stage,
                 on_block=on_block,
+                emit=job.emit,
             )
         report = write_bake(net, tokenizer, result, tmp, job.emit, job.held, hooks)
     return BakeRun(Path(job.out), report, summary_lines(report["figures"]))

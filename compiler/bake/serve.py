@@ -14,6 +14,7 @@ themselves are written and checked by the backends ``ctxc compile --emit`` uses
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from ctxc.backends import backend
@@ -22,13 +23,15 @@ from ctxc.core.options import BakeOptions
 from ctxc.core.vocabulary import ADDITIVE_METHOD, DISTILL_METHOD
 
 if TYPE_CHECKING:  # torch-free at import: check_servable runs before the model loads
+    from ctxc.passes.locate.block_map import BlockMap
     from ctxc.patch import Patch
 
-__all__ = ["check_servable", "pad_to_rank"]
+__all__ = ["check_servable", "check_servable_blocks", "pad_to_rank", "servable_kinds"]
 
 
 def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
-    """Refuse, before the model loads, a LoRA artefact the bake's patch cannot go into.
+    """Refuse, before the model loads, a LoRA artefact the bake's options cannot give (whether
+    the fit moves norm scales is the model's: :func:`check_servable_blocks`, once it loads).
 
     Args:
         kinds: the ``--emit`` kinds.
@@ -36,23 +39,16 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
         rank: the ``--rank`` text (``full`` and ``auto`` give matrices of several ranks).
 
     Raises:
-        OptionError: one line naming the parameters: a fit that moves norm scales, a rank
-            that is not one number, or a rank the kind's engine does not load (``lora``:
-            vLLM's).
+        OptionError: one line naming the parameters: a distilled bake, a rank that is not
+            one number, or a rank the kind's engine does not load (``lora``: vLLM's).
     """
-    asked = [k for k in kinds if backend(k).rules is not None]  # linear weights only
+    asked = servable_kinds(kinds)
     if not asked:
         return
     kind = asked[0]
     if options.method == DISTILL_METHOD:
         raise OptionError(
             "{emit} {} takes a fitted bake: {method} fit with {linear_only}, or {method} additive",
-            kind,
-        )
-    if not (options.linear_only or options.method == ADDITIVE_METHOD):
-        raise OptionError(
-            "{emit} {} holds linear weights only, and this bake moves norm scales: bake with "
-            "{linear_only} (or {method} additive)",
             kind,
         )
     if options.rank is None or options.rank_per_block:
@@ -68,6 +64,43 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
                 ", ".join(map(str, ranks)),
                 options.rank,
             )
+
+
+def servable_kinds(kinds: Sequence[str]) -> list[str]:
+    """The kinds among ``kinds`` that hold linear LoRA pairs only (a serving engine's)."""
+    return [k for k in kinds if backend(k).rules is not None]
+
+
+def check_servable_blocks(kinds: Sequence[str], options: BakeOptions, blocks: BlockMap) -> None:
+    """Refuse, once the model's blocks are located and before the fit, a LoRA artefact of a
+    fit that moves norm scales: a block whose output is set through its post norm (Gemma's
+    sandwich norms), or an attention output behind one that the fit moves. A model without
+    post norms (Llama, Qwen, SmolLM2) is fitted by linear moves alone, ``--linear-only`` or not.
+
+    Args:
+        kinds: the ``--emit`` kinds.
+        options: the bake's options.
+        blocks: the located blocks (:func:`~ctxc.store.traced.traced_blocks`).
+
+    Raises:
+        OptionError: one line naming the first such block and the parameter to give.
+    """
+    asked = servable_kinds(kinds)
+    if not asked or options.linear_only or options.method == ADDITIVE_METHOD:
+        return
+    for b in blocks.blocks:
+        if b.output_control != "linear":
+            why = f"{b.path}'s output goes through its post norm's {b.output_control}"
+        elif options.moves_attention and b.attention is not None:
+            why = f"{b.path}'s attention output goes through a post norm"
+        else:
+            continue
+        raise OptionError(
+            "{emit} {} holds linear weights only, and this bake moves norm scales ({}): bake "
+            "with {linear_only} (or {method} additive)",
+            asked[0],
+            why,
+        )
 
 
 def pad_to_rank(patch: Patch, rank: int) -> Patch:

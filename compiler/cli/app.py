@@ -92,7 +92,8 @@ def _root(
         return
     # Beside other jobs, threads spinning for a held core burn the CPU they wait on: torch gets
     # the free cores (before it loads; a quiet machine is left as it is; issue 55).
-    chosen = choose_threads()
+    asked_help = any(a in ("--help", "-h") for a in sys.argv[1:])
+    chosen = None if asked_help else choose_threads()
     if chosen is not None:
         stage(f"other jobs hold cores: {chosen} torch thread(s) (--threads N to choose)", True)
 

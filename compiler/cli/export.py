@@ -97,7 +97,7 @@ def _bake_report(patch_file: Path, patch) -> dict | None:
 
     from ctxc.core.report import REPORT_FILE
 
-    if not patch.meta.update.startswith("bake"):
+    if not patch.meta.baked:
         return None
     folder = patch_file if patch_file.is_dir() else patch_file.parent
     try:

@@ -171,3 +171,18 @@ def test_an_adapter_that_changes_nothing_fails_beside_a_patch_far_from_the_full_
     assert held is not None and held.vs_patched is not None and held.patch_effect is not None
     assert held.vs_patched.max_abs_logit_diff <= held.patched_tolerance, _fig(held)
     assert held.vs_patched.max_abs_logit_diff < 0.01 * held.patch_effect, _fig(held)
+    # A baked (fitted) patch's full-context bound takes the share of its effect too (the
+    # triangle through ctxc's patched model); an exact compile's does not.
+    from ctxc.backends.gguf.thresholds import (
+        LLAMA_CPP_FACTOR,
+        LLAMA_CPP_MIN_FLOOR,
+        LLAMA_CPP_PATCH_SHARE,
+    )
+
+    scale = max(held.floor, held.full_vs_transformers, LLAMA_CPP_MIN_FLOOR)
+    assert held.tolerance == pytest.approx(LLAMA_CPP_FACTOR * scale + own), _fig(held)
+    baked = dataclasses.replace(patch, meta=dataclasses.replace(patch.meta, update="bake-fit"))
+    fitted = run.func(model, baked, **{**run.keywords, "transformers_patched": patched}).same_type
+    assert fitted is not None and fitted.tolerance is not None, fitted
+    share = LLAMA_CPP_PATCH_SHARE * held.patch_effect
+    assert fitted.tolerance == pytest.approx(held.tolerance + share, rel=1e-6), _fig(fitted)

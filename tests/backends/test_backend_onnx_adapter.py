@@ -151,3 +151,35 @@ def test_a_lora_rule_adapter_touches_linear_weights_only(gemma, lora_rule) -> No
     assert figures.parameters == 2 * len(patch.deltas), figures.parameters  # u and v each
     assert all(c.max_abs_diff <= 1e-5 and c.top1_match for c in figures.checks), figures.checks
     assert figures.fidelity.max_abs_logit_diff <= FULL_CONTEXT_ATOL, figures.fidelity
+
+
+def test_a_baked_patch_is_held_to_a_share_of_its_effect_and_an_exact_one_is_not():
+    """``check_bound``: the floor rule for an exact patch; for a baked one, also
+    ``ONNX_PATCH_SHARE`` of max |patched - unpatched| (here 100 logits: 1e-2 > 1e-3)."""
+    import torch
+
+    from ctxc.backends.onnx.check import check_bound
+    from ctxc.backends.onnx.thresholds import ONNX_PATCH_SHARE
+
+    unpatched = [torch.zeros(3, 8), torch.zeros(5, 8)]
+    expected = [torch.zeros(3, 8), torch.zeros(5, 8)]
+    expected[1][4, 2] = -100.0  # the patch's effect: 100 logits at one position
+    floor = 1e-5
+    exact = check_bound(ONNX_ATOL, floor, expected, unpatched, baked=False)
+    assert exact == floor_bound(ONNX_ATOL, floor, ONNX_FLOOR_FACTOR) == ONNX_ATOL
+    baked = check_bound(ONNX_ATOL, floor, expected, unpatched, baked=True)
+    assert baked == pytest.approx(ONNX_PATCH_SHARE * 100.0) and baked > ONNX_ATOL, baked
+    # A small effect leaves the absolute bound (and a large floor its multiple).
+    small = [torch.full((3, 8), 0.5), torch.full((5, 8), 0.5)]
+    assert check_bound(ONNX_ATOL, floor, small, unpatched, baked=True) == ONNX_ATOL
+    assert check_bound(ONNX_ATOL, 1.0, small, unpatched, baked=True) == ONNX_FLOOR_FACTOR
+
+
+def test_a_patch_says_whether_it_is_baked():
+    from dataclasses import replace
+
+    from ctxc.patch import PatchMeta
+
+    meta = PatchMeta({}, [1], [2], "lora", "float32", "0")
+    assert not meta.baked
+    assert replace(meta, update="bake-fit").baked and replace(meta, update="bake-additive").baked

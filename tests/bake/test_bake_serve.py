@@ -41,6 +41,27 @@ def _baked(family: str, rank: int, method: str = "fit"):
 
 
 @pytest.mark.tiny
+def test_a_model_without_post_norms_bakes_into_lora_by_default_and_gemma_is_refused() -> None:
+    """Asked for a LoRA artefact, a default bake (no ``linear_only``) of a model whose blocks
+    have no post norm (Llama) is linear pairs of one rank; Gemma's sandwich norms would move
+    norm scales: refused after the blocks are located, before the fit, naming a block."""
+    prefix = special_prefix(tiny_tokenizer())
+    data = FitData(
+        [*prefix, *random_ids(5, 16)], prefix, [random_ids(40 + i, 6) for i in range(4)],
+        ["file"] * 4,
+    )  # fmt: skip
+    opts = BakeOptions(rank=16)
+    patch = bake(shared("llama"), data=data, options=opts, emit=("lora",)).patch
+    assert patch.deltas and all(d.vector is None for d in patch.deltas.values()), patch.deltas
+    ranks = {d.rank for d in patch.deltas.values()}
+    assert ranks == {16}, f"ranks {sorted(ranks)}, wanted 16 (padded)"
+    with pytest.raises(CtxcError, match=r"moves norm scales \(model\.layers\.0\.mlp's output"):
+        bake(shared("gemma3"), data=data, options=opts, emit=("gguf-lora",))
+    moved = bake(shared("gemma3"), data=data, options=opts).patch  # without a LoRA kind: as before
+    assert any(d.vector is not None for d in moved.deltas.values())
+
+
+@pytest.mark.tiny
 @pytest.mark.parametrize("rank", [16, 64])
 def test_linear_only_patch_has_one_rank_and_no_norm(rank: int) -> None:
     _, patch = _baked("gemma3", rank)
@@ -191,8 +212,9 @@ def _llama_cpp_vs_patched(model, base, lora, query, patched, effect) -> None:
 def test_unservable_bakes_are_refused_before_loading() -> None:
     fit = BakeOptions(rank=16)
     # From Python the messages name the parameters; the CLI says the flags (test_cli_bake_chunks).
-    with pytest.raises(CtxcError, match="bake with linear_only"):
-        check_servable(["lora"], fit, "16")
+    with pytest.raises(CtxcError, match="takes a fitted bake"):
+        check_servable(["lora"], BakeOptions(rank=16, method="distill"), "16")
+    check_servable(["lora"], fit, "16")  # norm-scale moves are the model's: after it loads
     with pytest.raises(CtxcError, match="rank 12 is not one"):
         check_servable(["lora"], BakeOptions(rank=12, linear_only=True), "12")
     with pytest.raises(CtxcError, match="one rank for every module"):

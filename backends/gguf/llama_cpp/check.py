@@ -94,6 +94,7 @@ def run_in_llama_cpp(
         transformers_full=full,
         own=own,
         transformers_patched=transformers_patched,
+        baked=patch.meta.baked,
     )
     with tempfile.TemporaryDirectory(prefix="ctxc-gguf-base-") as tmp:
         base = Path(tmp) / "base.gguf"

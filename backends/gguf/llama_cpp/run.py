@@ -288,6 +288,13 @@ class LlamaCppFigures:
         return line
 
 
+def _share_note(share: float, effect: float | None) -> str:
+    """The bound's baked-patch term, for the message ('' when none)."""
+    if not share or effect is None:
+        return ""
+    return f" plus {LLAMA_CPP_PATCH_SHARE:g} of the patch's effect ({effect:.3g})"
+
+
 def llama_cpp_check(
     what: str,
     base: Path,
@@ -301,6 +308,7 @@ def llama_cpp_check(
     own: float = 0.0,
     enforce: bool = True,
     transformers_patched: torch.Tensor | None = None,
+    baked: bool = False,
 ) -> LlamaCppFigures:
     """Run the artefact and the unpatched ``base`` in llama.cpp; check the bound.
 
@@ -319,6 +327,10 @@ def llama_cpp_check(
         transformers_patched: ctxc's patched model fed the query, in Transformers [k, vocab]:
             the artefact is also held to it (``LLAMA_CPP_PATCH_SHARE``), so that one which
             changes nothing fails whatever the patch's distance from the full context.
+        baked: the patch is fitted (``ctxc bake``): with ``transformers_patched``, the bound
+            from the full-context run also takes that share of the patch's effect (the
+            triangle through ctxc's patched model: its own distance, then the artefact's);
+            an exact compile's stays its floor plus its own distance.
 
     Returns:
         the :class:`LlamaCppFigures`.
@@ -345,6 +357,10 @@ def llama_cpp_check(
     full_floor = float((full - transformers_full).abs().max())
     scale = max(floor, full_floor, LLAMA_CPP_MIN_FLOOR)
     runtime = llama_cpp_version()
+    effect = None
+    if transformers_patched is not None:
+        effect = float((transformers_patched - transformers_query).abs().max())
+    share = LLAMA_CPP_PATCH_SHARE * effect if baked and effect is not None else 0.0
     figures = LlamaCppFigures(
         runtime=runtime,
         reference=f"{runtime}, unpatched GGUF, context+query",
@@ -354,11 +370,10 @@ def llama_cpp_check(
         floor=floor,
         full_vs_transformers=full_floor,
         own=own,
-        tolerance=LLAMA_CPP_FACTOR * scale + own if enforce else None,
+        tolerance=LLAMA_CPP_FACTOR * scale + own + share if enforce else None,
         seconds=round(time.perf_counter() - clock, 3),
     )
-    if transformers_patched is not None:
-        effect = float((transformers_patched - transformers_query).abs().max())
+    if transformers_patched is not None and effect is not None:  # effect: set with it
         bound = LLAMA_CPP_FACTOR * scale + LLAMA_CPP_PATCH_SHARE * effect
         figures = dataclasses.replace(
             figures,
@@ -376,7 +391,7 @@ def llama_cpp_check(
             figures.tolerance,
             f"mean {figures.patched.mean_abs_logit_diff:.3g}; bound {LLAMA_CPP_FACTOR:g}x "
             f"llama.cpp's own distance from Transformers ({scale:.3g}) plus the artefact's own "
-            f"({own:.3g})",
+            f"({own:.3g}){_share_note(share, effect)}",
         )
     if figures.vs_patched is not None and figures.patched_tolerance is not None:
         enforce_bound(
