@@ -212,12 +212,14 @@ def bake(
     chat = _chat(tokenizer, messages, context, context_ids)
     if o.method == ADDITIVE_METHOD:
         raise OptionError("{method} additive bakes chunks: ctxc.bake.chunks.bake_chunks")
+    # The blocks first (a cached trace): a model or a LoRA kind they refuse costs no fit data.
+    traced, blocks = fit_blocks(model, o)
+    check_servable_blocks(emit, o, blocks)
+    clock = time.perf_counter()  # the data's own time, as before (the trace is not in it)
     if data is None:
         ids = chat.context_ids if chat else _context_ids(tokenizer, context, context_ids)
         data = fit_data(model, tokenizer, ids, queries, o, stage, chat)
     timings["data"] = round(time.perf_counter() - clock, 3)
-    traced, blocks = fit_blocks(model, o)
-    check_servable_blocks(emit, o, blocks)
     fit, extra = None, {}
     if o.method == FIT_METHOD or o.distill_from_fit:
         if targets is None:
