@@ -39,7 +39,14 @@ from ctxc.passes.locate.graph_view import GraphView
 from ctxc.passes.runtime.reduced_run import ReducedRun
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver import block_moves as moves
-from ctxc.passes.solver.fit_moves import FitOptions, fit_bias, fit_linear, fit_scale, stable_targets
+from ctxc.passes.solver.fit_moves import (
+    FitOptions,
+    LsInput,
+    fit_bias,
+    fit_linear,
+    fit_scale,
+    stable_targets,
+)
 from ctxc.passes.solver.output_magnitude import least_rounding_targets, summed_terms
 from ctxc.passes.solver.primitive_moves import ConditionError
 from ctxc.patch import Delta
@@ -91,6 +98,18 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 def _sq_norms(x: torch.Tensor) -> torch.Tensor:
     """[N, 1]: each row's squared norm (floored: a zero row divides nothing)."""
     return x.pow(2).sum(1, keepdim=True).clamp_min(1e-30)
+
+
+def _same_inner_products(d: torch.Tensor, w: torch.Tensor, dw: torch.Tensor) -> torch.Tensor:
+    """Rows with the inner products of the rows of ``dw = d @ w.T`` ([N, in] times [out, in])
+    in fewer columns: ``d L`` [N, in] with ``L L^T = W^T W`` when out > in (a gate or up
+    projection: its Gram in :func:`effective_rank` costs N^2 in instead of N^2 out, 576
+    against 1536 on SmolLM2), else ``dw`` itself (also when ``W^T W`` has no Cholesky
+    factor)."""
+    if w.shape[0] <= w.shape[1]:
+        return dw
+    chol, info = torch.linalg.cholesky_ex(w.double().T @ w.double())  # [in, in]
+    return dw if int(info) != 0 else (d.double() @ chol).float()
 
 
 def effective_rank(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -182,21 +201,26 @@ class _Fitter:
         if len(sites) != len(block.inner) or block.output_control == "experts":
             raise SolveError(block.path, "bake does not fit MoE expert banks (exact compile does)")
         rank = 0.0
+        zf = self._fit_rows(z)  # [N', d_in]
+        shared = LsInput(zf)  # the gate's and the up's fits share its Gram and R
         for i, site in enumerate(sites):
             w = self._weight(site).float()  # [out, in]
             if site.weight in self.start:  # W0 z_C - W z: W is W0 plus the last pass's move
                 w0 = self.runs.original(site.weight).float()
                 w0 = w0.T if site.layout == "in_out" else w0  # [out, in]
                 want = self._fit_rows(z_c @ w0.T - z @ w.T)  # [N', out]
+                spread = want
             else:
                 want = self._fit_rows((z_c - z) @ w.T)  # [N', out]: W (z_C - z) at each position
-            zf = self._fit_rows(z)  # [N', d_in]
+                spread = None  # from z_C - z below: the same inner products in fewer columns
             if i == 0:
-                rank = effective_rank(want, zf / _sq_norms(zf))
+                if spread is None:
+                    spread = _same_inner_products(self._fit_rows(z_c - z), w, want)
+                rank = effective_rank(spread, zf / _sq_norms(zf))
                 self.opts = self._block_options(rank)
             if not self.opts.input_moves:
                 continue
-            fit = fit_linear(zf, want, self.opts, "MLP input z")
+            fit = fit_linear(shared, want, self.opts, "MLP input z")
             self._put(
                 Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout),
                 block.mlp_in,

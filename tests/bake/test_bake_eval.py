@@ -18,8 +18,8 @@ from ctxc.bake.evaluate import (
     reference,
 )
 from ctxc.bake.targets import cached_fit_targets
-from ctxc.passes.solver.fit_moves import FitOptions, fit_linear
-from ctxc.passes.solver.fit_solve import effective_rank
+from ctxc.passes.solver.fit_moves import FitOptions, LsInput, fit_linear
+from ctxc.passes.solver.fit_solve import _same_inner_products, effective_rank
 from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import shared, tiny_tokenizer
 from tests.fixtures.extras import needs_extra
@@ -222,3 +222,34 @@ def test_teacher_from_the_shared_context_run_is_the_direct_one(family: str) -> N
             assert torch.allclose(logp, at, atol=1e-4), diff_msg(f"query {i}", logp, at)
             best = want.topk(ids.shape[-1], dim=-1).values
             assert torch.allclose(logp, best, atol=1e-4), diff_msg(f"query {i} top", logp, best)
+
+
+def test_shared_input_fits_are_the_separate_fits_and_the_residual_from_sums_is_direct() -> None:
+    """Two fits over one LsInput (the gate and up projections' z) give the same bits as two
+    fits of their own; the wide-output residual from X^T X and X^T Y is the direct one."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(60, 7, generator=g)
+    ys = [torch.randn(60, 19, generator=g), torch.randn(60, 19, generator=g)]
+    shared_x = LsInput(x)
+    for y in ys:
+        for opts in (FitOptions(ridge=0.5, rank=3), FitOptions(ridge=1.0)):
+            own, got = fit_linear(x, y, opts, "x"), fit_linear(shared_x, y, opts, "x")
+            assert torch.equal(own.u, got.u) and torch.equal(own.v, got.v), opts
+            dw = got.u.double() @ got.v.double().T  # [out, in]
+            direct = float((x.double() @ dw.T - y.double()).norm() / y.double().norm())
+            gap = abs(got.rel_residual - direct)
+            assert gap <= 1e-6, f"residual from sums {got.rel_residual:.9g} vs direct {direct:.9g}"
+
+
+def test_effective_rank_through_the_cholesky_factor_is_the_same() -> None:
+    """The gate's want ``D W^T`` (out > in) has the inner products of ``D L``, ``L L^T = W^T
+    W``: the same participation ratio at N^2 in instead of N^2 out; out <= in keeps ``D W^T``."""
+    g = torch.Generator().manual_seed(4)
+    d, z = torch.randn(50, 6, generator=g), torch.randn(50, 6, generator=g)
+    wide, narrow = torch.randn(20, 6, generator=g), torch.randn(4, 6, generator=g)
+    want = effective_rank(d @ wide.T, z)
+    got = effective_rank(_same_inner_products(d, wide, d @ wide.T), z)
+    assert _same_inner_products(d, wide, d @ wide.T).shape == (50, 6)
+    assert abs(got - want) <= 1e-5 * want, (got, want)
+    dw = d @ narrow.T
+    assert _same_inner_products(d, narrow, dw) is dw
