@@ -519,12 +519,15 @@ def _median_ms(reqs: dict, kind: str, field: str) -> float | None:
     return 1e3 * statistics.median(vals) if vals else None
 
 
-def many(doc: dict, tok, gguf: Path, bakes: list, threads: int) -> dict:
-    """Check 3: the answers of the many-adapter processes against each bake's own."""
+def many(doc: dict, tok, gguf: Path, bakes: list, threads: int, runtimes=None) -> dict:
+    """Check 3: the answers of the many-adapter processes (``runtimes``: those of
+    :func:`_many_specs`, None: every one) against each bake's own."""
     stop = sorted(tok.all_special_ids)
     pids = list(doc["paragraphs"])
     out: dict = {"adapters": len(bakes), "runtimes": {}}
     for rt, spec in _many_specs(gguf, bakes, stop, doc["gen_tokens"]).items():
+        if runtimes is not None and rt not in runtimes:
+            continue
         got = run_child(spec, threads)
         if "error" in got:
             out["runtimes"][rt] = {"error": got["error"]}
@@ -664,6 +667,9 @@ def _paragraph(args, net, tok, para: dict, f32: Path, shared: dict) -> tuple[dic
     ran = {}
     gen = _gen(args.chat)
     for rt, spec in _specs(Path(args.model), f32, baked, asked, stop, gen).items():
+        if rt not in args.runtimes:
+            ran[rt] = {"error": "not run (--runtimes)"}
+            continue
         clock = time.perf_counter()
         ran[rt] = run_child(spec, args.threads)
         print(
@@ -718,7 +724,7 @@ def _run(args) -> None:
         for rt, s in doc["paragraphs"][para["id"]]["runtimes"].items():
             print(f"  {rt}: {s.get('error') or str(s['equal']) + ' equal to model/'}", flush=True)
     if args.many:
-        doc["many"] = many(doc, tok, Path(args.model), bakes, args.threads)
+        doc["many"] = many(doc, tok, Path(args.model), bakes, args.threads, args.many_runtimes)
     _write(Path(args.out), doc)
     if args.page:
         Path(args.page).write_text(render([(doc, args.out)]))
@@ -976,6 +982,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chat", action="store_true", help="ctxc bake --chat --system, user turns")
     p.add_argument("--resume", action="store_true", help="keep --out's paragraphs (same commit)")
     p.add_argument(
+        "--runtimes",
+        type=lambda v: v.split(","),
+        default=[k for k in RUNTIMES if k != "peft_merged"],
+        help="the runtimes each paragraph's answers are asked of (model/ always: the "
+        "reference), comma-separated (default every one)",
+    )
+    p.add_argument(
+        "--many-runtimes",
+        type=lambda v: v.split(","),
+        default=None,
+        help="with --many, the runtimes of the one-process runs (peft, llama_cpp, ort; "
+        "default every one)",
+    )
+    p.add_argument(
         "--ort-atol",
         type=float,
         default=1e-2,
@@ -991,6 +1011,8 @@ def main(argv: list[str] | None = None) -> None:
         print(render(docs), end="")
     elif not args.model or not args.model.endswith(".gguf"):
         raise SystemExit("--model: the base model's .gguf file (llama.cpp serves it)")
+    elif "model" not in args.runtimes or set(args.runtimes) - set(RUNTIMES):
+        raise SystemExit(f"--runtimes: model and any of {', '.join(RUNTIMES)}")
     else:
         args.model = str(Path(args.model).resolve())
         args.work = args.work or "/tmp/ctxc-served" + ("-chat" if args.chat else "")

@@ -292,13 +292,28 @@ def _refit_on_policy(
         return data, targets, fit
     rows = data.part(0, n).positions  # targets may be a longer set's: its leading rows
     mine = cached_fit_targets(model, traced, blocks, data.part(n))
+    if o.on_policy_refit == "new":
+        # A refit pass over the new rows alone: their question positions repeat the first
+        # fit's rows (the same tokens, the same targets), so only the answers are fitted.
+        stage("fitting the on-policy answers")
+        return data, targets, _fit(traced, blocks, mine, data.part(n), o, on_block, fit)
     targets = joined_targets({p: t.leading(rows) for p, t in targets.items()}, mine)
     stage("fitting again")
     return data, targets, _fit(traced, blocks, targets, data, o, on_block)
 
 
-def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> FitSolution:
-    """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``."""
+def _fit(
+    traced,
+    blocks,
+    targets,
+    data: FitData,
+    o: BakeOptions,
+    on_block,
+    on_top: FitSolution | None = None,
+) -> FitSolution:
+    """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``; with ``on_top``,
+    a refit pass on top of its deltas over ``data``'s answers (its question positions run, not
+    fitted)."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
     opts = FitOptions(
         o.ridge,
@@ -309,12 +324,13 @@ def _fit(traced, blocks, targets, data: FitData, o: BakeOptions, on_block) -> Fi
         o.moves_attention,
         o.linear_only,
     )
-    answers = o.fit_rows == "answers"
+    answers = o.fit_rows == "answers" or on_top is not None
     whole = o.fit_prefix and not data.opening and not answers
     rows = None if whole else query_rows(data, o.fit_prefix, answers)
     weights = row_weights(data, o.off_topic_weight)
+    start = None if on_top is None else on_top.deltas
     return fit_solve(
-        traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes, weights
+        traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes, weights, start
     )
 
 

@@ -29,6 +29,7 @@ from ctxc.core.vocabulary import (
     DISTILL_METHOD,
     FIT_METHOD,
     FIT_ROWS,
+    ON_POLICY_REFITS,
     QUESTION_PROMPTS,
     RULES,
     SELF_STUDY_DATA,
@@ -204,6 +205,10 @@ class BakeOptions:
             (SmolLM2-135M-Instruct, 10 SQuAD paragraphs: the baked answers that looped, 2 of
             61, loop no more; issue 35, docs/bake.md), not in plain text; True or False: always
             or never.
+        on_policy_refit: library-only: how the on-policy rows refit (``ON_POLICY_REFITS``):
+            ``all``, a second fit over the first fit's rows and the new ones; ``new``, a
+            refit pass (:func:`~ctxc.passes.solver.fit_solve.fit_solve`'s ``start``) over the
+            on-policy answers' positions alone, on top of the first fit.
         refit_passes: library-only (0.60 against 1.01 kept): refit passes after the first fit
             (at least 0): each runs the queries again with the patch so far and fits every
             block's remaining error on top of it
@@ -337,6 +342,7 @@ class BakeOptions:
         "Default: in a chat bake (--chat), not in plain text.",
         negative="--no-on-policy",
     )
+    on_policy_refit: str = _option("all", "fit", None, "", choices=ON_POLICY_REFITS)
     refit_passes: int = _option(0, "fit", None, "")
     scale_ridge: float = _option(0.1, "fit", None, "")
     fit_prefix: bool = _option(False, "fit", None, "")
@@ -376,6 +382,7 @@ class BakeOptions:
         check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
+        check_choice("on_policy_refit", self.on_policy_refit, ON_POLICY_REFITS, "on-policy refit")
         check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
         if not self.question_temperature > 0:
             raise OptionError(

@@ -428,6 +428,7 @@ def fit_solve(
     rows: torch.Tensor | None = None,
     passes: int = 1,
     weights: torch.Tensor | None = None,
+    start: dict[str, Delta] | None = None,
 ) -> FitSolution:
     """Fit one patch over every position of every query, block by block (pure).
 
@@ -445,6 +446,8 @@ def fit_solve(
         weights: [N] float, each position's weight in every fit (a position of weight ``w``
             counts as ``w`` copies of it); None: 1 each. The effective rank does not depend on
             them (each position's exact move ``y x^T / ||x||^2`` is the same scaled).
+        start: deltas to fit on top of, as a refit pass does (its first pass is then a refit
+            pass over these queries: each block's remaining error, the moves summed).
 
     Returns:
         the :class:`FitSolution` (the figures of the last pass).
@@ -453,7 +456,7 @@ def fit_solve(
         SolveError: a block the fit cannot move (an MoE bank, a zero input), with its reason.
     """
     keep = set().union(*(moves.output_reads(b) for b in blocks.blocks))
-    deltas: dict[str, Delta] = {}
+    deltas: dict[str, Delta] = dict(start or {})
     stats: list[FitBlock] = []
     total = passes * len(blocks.blocks)
     for p in range(passes):

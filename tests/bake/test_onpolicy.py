@@ -118,3 +118,57 @@ def test_twice_gives_the_same_patch_and_distill_refuses_it() -> None:
             model.get_parameter(p))), p  # fmt: skip
     with pytest.raises(OptionError, match="refits the fit: it needs"):
         BakeOptions(method="distill", on_policy=True)
+
+
+def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first_fit() -> None:
+    """``on_policy_refit="new"``: the same on-policy rows as the default, but the second fit is
+    a refit pass of :func:`fit_solve` over their answers alone, started from the first fit's
+    deltas (its patch differs from the first fit's and from the whole refit's, rank kept)."""
+    from ctxc.bake.driver import query_rows
+    from ctxc.passes.solver.fit_solve import fit_solve
+
+    model, tok = chat_model("llama3"), chat_tokenizer("llama3")
+    new = BakeOptions(**{**_CHAT.__dict__, "on_policy_refit": "new"})
+    first_o = BakeOptions(**{**_CHAT.__dict__, "on_policy": False})
+    got = bake(model, tok, None, list(QUERIES), options=new, messages=_TURNS)
+    whole = bake(model, tok, None, list(QUERIES), options=_CHAT, messages=_TURNS)
+    first = bake(model, tok, None, list(QUERIES), options=first_o, messages=_TURNS)
+    assert got.data.queries == whole.data.queries and got.data.kinds == whole.data.kinds
+    n = len(first.data.queries)
+    part = got.data.part(n)
+    traced, blocks = traced_blocks(model)
+    assert first.fit is not None and got.fit is not None
+    rows = query_rows(part, answers=True)  # the answers (and the position before each)
+    assert 0 < int(rows.sum()) < part.positions, (int(rows.sum()), part.positions)
+    want = fit_solve(
+        traced,
+        blocks,
+        cached_fit_targets(model, traced, blocks, part),
+        [torch.tensor([part.reduced(i)]) for i in range(len(part.queries))],
+        _fit_options(new),
+        rows=rows,
+        start=first.fit.deltas,
+    )
+    for p, d in got.patch.deltas.items():
+        w = model.get_parameter(p)
+        mine = d.materialize(w)
+        assert torch.equal(mine, want.deltas[p].materialize(w)), p
+        assert not torch.equal(mine, first.patch.deltas[p].materialize(w)), p
+        assert not torch.equal(mine, whole.patch.deltas[p].materialize(w)), p
+        assert d.rank is None or d.rank <= 4, (p, d.rank)
+    with pytest.raises(OptionError, match="on-policy refit"):
+        BakeOptions(on_policy_refit="some")
+
+
+def _fit_options(o: BakeOptions):
+    from ctxc.passes.solver.fit_moves import FitOptions
+
+    return FitOptions(
+        o.ridge,
+        o.rank,
+        o.scale_ridge,
+        o.input_moves,
+        o.rank_per_block,
+        o.moves_attention,
+        o.linear_only,
+    )
