@@ -54,6 +54,7 @@ __all__ = [
     "check_rank",
     "fit_blocks",
     "fit_data",
+    "fit_options",
     "patch_meta",
     "query_rows",
     "row_weights",
@@ -315,15 +316,7 @@ def _fit(
     a refit pass on top of its deltas over ``data``'s answers (its question positions run, not
     fitted)."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
-    opts = FitOptions(
-        o.ridge,
-        o.rank,
-        o.scale_ridge,
-        o.input_moves,
-        o.rank_per_block,
-        o.moves_attention,
-        o.linear_only,
-    )
+    opts = fit_options(o)
     answers = o.fit_rows == "answers" or on_top is not None
     whole = o.fit_prefix and not data.opening and not answers
     rows = None if whole else query_rows(data, o.fit_prefix, answers)
@@ -331,6 +324,19 @@ def _fit(
     start = None if on_top is None else on_top.deltas
     return fit_solve(
         traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes, weights, start
+    )
+
+
+def fit_options(o: BakeOptions) -> FitOptions:
+    """The solver's :class:`~ctxc.passes.solver.fit_moves.FitOptions` of a bake's ``o``."""
+    return FitOptions(
+        o.ridge,
+        o.rank,
+        o.scale_ridge,
+        o.input_moves,
+        o.rank_per_block,
+        o.moves_attention,
+        o.linear_only,
     )
 
 

@@ -124,7 +124,7 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
     """``on_policy_refit="new"``: the same on-policy rows as the default, but the second fit is
     a refit pass of :func:`fit_solve` over their answers alone, started from the first fit's
     deltas (its patch differs from the first fit's and from the whole refit's, rank kept)."""
-    from ctxc.bake.driver import query_rows
+    from ctxc.bake.driver import fit_options, query_rows
     from ctxc.passes.solver.fit_solve import fit_solve
 
     model, tok = chat_model("llama3"), chat_tokenizer("llama3")
@@ -145,7 +145,7 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
         blocks,
         cached_fit_targets(model, traced, blocks, part),
         [torch.tensor([part.reduced(i)]) for i in range(len(part.queries))],
-        _fit_options(new),
+        fit_options(new),
         rows=rows,
         start=first.fit.deltas,
     )
@@ -158,17 +158,3 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
         assert d.rank is None or d.rank <= 4, (p, d.rank)
     with pytest.raises(OptionError, match="on-policy refit"):
         BakeOptions(on_policy_refit="some")
-
-
-def _fit_options(o: BakeOptions):
-    from ctxc.passes.solver.fit_moves import FitOptions
-
-    return FitOptions(
-        o.ridge,
-        o.rank,
-        o.scale_ridge,
-        o.input_moves,
-        o.rank_per_block,
-        o.moves_attention,
-        o.linear_only,
-    )
