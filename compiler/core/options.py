@@ -208,7 +208,9 @@ class BakeOptions:
         on_policy_refit: library-only: how the on-policy rows refit (``ON_POLICY_REFITS``):
             ``all``, a second fit over the first fit's rows and the new ones; ``new``, a
             refit pass (:func:`~ctxc.passes.solver.fit_solve.fit_solve`'s ``start``) over the
-            on-policy answers' positions alone, on top of the first fit.
+            on-policy answers' positions alone, on top of the first fit: the stage about 2.5x
+            cheaper, but kept 0.72 against 0.94 and a loop back (SmolLM2 chat, 10 paragraphs;
+            docs/bake.md).
         refit_passes: library-only (0.60 against 1.01 kept): refit passes after the first fit
             (at least 0): each runs the queries again with the patch so far and fits every
             block's remaining error on top of it
