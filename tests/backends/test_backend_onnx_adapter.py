@@ -25,7 +25,7 @@ from ctxc.backends.onnx.ort_adapter import (
 )
 from ctxc.backends.onnx.thresholds import ONNX_FLOOR_FACTOR
 from ctxc.core.thresholds import floor_bound
-from testbed.tiny_models import build
+from testbed.tiny_models import build, shared
 from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import diff_msg, full_logits, max_diff, random_ids
 
@@ -40,8 +40,12 @@ FULL_CONTEXT_ATOL = 1e-5
 
 @pytest.fixture(scope="module")
 def gemma(tmp_path_factory):
-    """A tiny Gemma 3 (post-norm scales), three contexts' patches, one adapter export."""
-    model = build("gemma3")
+    """A tiny Gemma 3 (post-norm scales), three contexts' patches, one adapter export.
+
+    The model is the session's ``shared`` one (seed 0, as ``build``; built and traced once):
+    the compiles and the exports here leave it as it was (tests/backends/test_backend_onnx.py
+    checks that of every ONNX export)."""
+    model = shared("gemma3")
     patches = [ctxc.compile(model, context_ids=random_ids(s, 9 + 5 * s)).patch for s in (1, 2, 3)]
     out = tmp_path_factory.mktemp("adapter")
     path, figures = emit_ort_adapter(model, patches[0], out)

@@ -35,10 +35,20 @@ def _wide_llama(softcap: bool = False) -> torch.nn.Module:
     return tf.LlamaForCausalLM(tf.LlamaConfig(**common)).eval()
 
 
+@pytest.fixture(scope="module")
+def wide() -> dict[bool, torch.nn.Module]:
+    """``_wide_llama(softcap)`` built and traced once for the module, by ``softcap``: the two
+    query lengths compile the same model (``ctxc.compile`` leaves it as it was, and caches its
+    trace on it; the head is restored, as the test checks)."""
+    return {}
+
+
 @pytest.mark.parametrize("softcap", [False, True])
 @pytest.mark.parametrize("k", [1, 3])
-def test_reference_is_the_default_forward_at_the_query_rows(k: int, softcap: bool) -> None:
-    model = _wide_llama(softcap)
+def test_reference_is_the_default_forward_at_the_query_rows(k: int, softcap: bool, wide) -> None:
+    if softcap not in wide:
+        wide[softcap] = _wide_llama(softcap)
+    model = wide[softcap]
     ids = random_ids(11, 60, vocab=2 * PROBE_COLUMNS)
     patch = ctxc.compile(model, context_ids=ids[:-k], query_ids=ids[-k:], verify=False).patch
     with torch.no_grad():

@@ -6,8 +6,6 @@ neither fitted nor compared."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ from ctxc.bake.selfstudy import SEED_PROMPTS
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.chat import template_ids
 from ctxc.store.traced import traced_blocks
-from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer
+from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer, shared_chat_model
 from tests.fixtures.extras import needs_extra
 
 pytestmark = pytest.mark.tiny
@@ -41,12 +39,12 @@ _OPTIONS = BakeOptions(
 )
 
 
-@functools.cache
 def _model(name: str) -> torch.nn.Module:
-    """``chat_model(name)`` built once a module (and so traced once, the trace being cached on
-    the model): the bakes, evaluations and generations here leave a model as it was, as
-    tests/bake/test_bake.py's shared models do; the distill test, which trains, builds its own."""
-    return chat_model(name)
+    """The session's shared ``chat_model(name)`` (built once, and so traced once, the trace
+    being cached on the model): the bakes, evaluations and generations here leave a model as it
+    was, as tests/bake/test_bake.py's shared models do; the distill test, which trains, builds
+    its own."""
+    return shared_chat_model(name)
 
 
 def _user(text: str) -> list[dict]:

@@ -15,7 +15,7 @@ from ctxc.bake.selfstudy import answer_end, continue_rows
 from ctxc.bake.targets import cached_fit_targets
 from ctxc.core.errors import OptionError
 from ctxc.store.traced import traced_blocks
-from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer
+from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_tokenizer, shared_chat_model
 from testbed.tiny_models import VOCAB, shared
 from tests.fixtures.helpers import CharTokenizer
 
@@ -35,7 +35,7 @@ def test_a_chat_bake_refits_on_its_own_answers_by_default() -> None:
     question's ids, then the first fit's patched model's greedy answer to it, cut after the end
     of its turn. The first fit is the bake with ``on_policy=False`` (same data, same fit), so
     its patch gives those answers again here; the refit's patch differs from it."""
-    model, tok = chat_model("llama3"), chat_tokenizer("llama3")
+    model, tok = shared_chat_model("llama3"), chat_tokenizer("llama3")
     with_rows = bake(model, tok, None, list(QUERIES), options=_CHAT, messages=_TURNS)
     plain = BakeOptions(**{**_CHAT.__dict__, "on_policy": False})
     first = bake(model, tok, None, list(QUERIES), options=plain, messages=_TURNS)
@@ -92,7 +92,7 @@ def test_plain_text_bakes_without_them_unless_asked() -> None:
 def test_joined_targets_are_the_whole_set_s() -> None:
     """The first rows' targets joined with the new rows' equal the targets of all the queries
     at once (the cached context run; batches change the summation order only)."""
-    model, tok = chat_model("gemma3"), chat_tokenizer("gemma3")
+    model, tok = shared_chat_model("gemma3"), chat_tokenizer("gemma3")
     data = bake(model, tok, None, list(QUERIES), options=_CHAT, messages=_TURNS).data
     n = data.kinds.index(ON_POLICY_KIND)
     traced, blocks = traced_blocks(model)
@@ -110,7 +110,7 @@ def test_joined_targets_are_the_whole_set_s() -> None:
 
 
 def test_twice_gives_the_same_patch_and_distill_refuses_it() -> None:
-    model, tok = chat_model("qwen3"), chat_tokenizer("qwen3")
+    model, tok = shared_chat_model("qwen3"), chat_tokenizer("qwen3")
     a, b = (bake(model, tok, None, list(QUERIES), options=_CHAT, messages=_TURNS) for _ in "ab")
     assert a.data.queries == b.data.queries
     for p, d in a.patch.deltas.items():

@@ -28,7 +28,7 @@ from ctxc.bake.sources import (
     registry,
 )
 from ctxc.core.errors import CtxcError
-from testbed.chat import DOCUMENTS, SYSTEMS, chat_model, chat_tokenizer
+from testbed.chat import DOCUMENTS, SYSTEMS, chat_tokenizer, shared_chat_model
 from testbed.tiny_models import shared
 from tests.fixtures.helpers import CharTokenizer
 
@@ -148,7 +148,7 @@ def test_a_registered_source_is_in_plain_and_chat_fit_data(monkeypatch) -> None:
     assert plain.queries[-1][: len(asked)] == asked and len(plain.queries[-1]) > len(asked)
     assert plain.answer_from is not None and plain.answer_from[-1] == len(asked)
 
-    model, chat_tok = chat_model("llama3"), chat_tokenizer("llama3")
+    model, chat_tok = shared_chat_model("llama3"), chat_tokenizer("llama3")
     turns = [{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": DOCUMENTS[0]}]
     chat_opts = BakeOptions(samples=2, sample_tokens=4, questions=0, cloze=0, answer_tokens=5,
                             rank=4, on_policy=False)  # fmt: skip

@@ -188,15 +188,17 @@ def test_progress_shows_rate(capsys) -> None:
     assert re.fullmatch(r"ctxc: contexts 2/2, [0-9.e+]+ contexts/s \(\d+\.\d s\)", lines[2]), lines
 
 
-def test_interrupt_leaves_nothing(tiny_model_dir, tmp_path) -> None:
-    """Ctrl-C while writing a context's folder: exit 130, no DIR, no staging folder."""
+def test_interrupt_leaves_nothing(tiny_model_dir, warm_cache, tmp_path) -> None:
+    """Ctrl-C while writing a context's folder: exit 130, no DIR, no staging folder. The run
+    loads the tiny model's graph from ``warm_cache`` (as tests/cli/test_cli_interrupt.py's do)
+    instead of exporting it: the interrupt comes after the trace either way."""
     import signal
 
     from tests.cli.test_cli_interrupt import _interrupted
 
     _write(tmp_path / "c.jsonl", GOOD[:2])
     args = ["compile", "--model", str(tiny_model_dir), "--contexts", "c.jsonl", "--out", "out"]
-    rc, lines = _interrupted(args, "writing", signal.SIGINT, tmp_path, tmp_path / "cache")
+    rc, lines = _interrupted(args, "writing", signal.SIGINT, tmp_path, warm_cache)
     assert rc == 130, lines
     assert lines == ["ctxc: interrupted"]
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "cache") == ["c.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.jsonl"]

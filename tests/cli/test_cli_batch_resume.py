@@ -50,9 +50,12 @@ def whole(tiny_model_dir, tmp_path_factory) -> Path:
     return work / "out"
 
 
-def test_interrupted_after_k_lines_then_resumed_is_byte_identical(whole, tiny_model_dir, tmp_path):
+def test_interrupted_after_k_lines_then_resumed_is_byte_identical(
+    whole, tiny_model_dir, warm_cache, tmp_path
+):
+    # The interrupted run loads the tiny model's graph from warm_cache instead of exporting it.
     _jsonl(tmp_path, ROWS)
-    proc = _start(_args(tiny_model_dir, "out"), tmp_path, tmp_path / "cache", "line 2 done")
+    proc = _start(_args(tiny_model_dir, "out"), tmp_path, warm_cache, "line 2 done")
     _wait_paused(proc, "line 2 done")
     proc.send_signal(signal.SIGINT)
     rc, lines = _finish(proc)

@@ -52,6 +52,13 @@ def cwd(tmp_path, monkeypatch):
     return work
 
 
+@pytest.fixture
+def warm_private_cache(cwd, warm_cache) -> None:
+    """``cwd``'s private cache given the tiny model's export entry (``warm_cache``'s): a compile
+    there loads the graph, as a user's second run does, instead of tracing the model again."""
+    shutil.copytree(warm_cache / "exports", Path(os.environ["CTXC_CACHE"]) / "exports")
+
+
 @pytest.fixture(scope="module")
 def compiled(tiny_model_dir, tmp_path_factory) -> Path:
     """One compile output for the tests that read or reuse it."""
@@ -103,6 +110,7 @@ def test_folder_with_other_files_is_refused_even_with_force(cwd, tiny_model_dir,
     assert not _no_staging(cwd)
 
 
+@pytest.mark.usefixtures("warm_private_cache")
 def test_earlier_output_needs_force_and_force_replaces_it(cwd, tiny_model_dir, capsys):
     assert main(_compile(tiny_model_dir, "--out", "out")) == 0
     first = _snapshot(cwd / "out")
@@ -273,6 +281,7 @@ def test_staging_of_a_killed_run_is_removed(cwd, capsys):
     assert not dead.exists() and live.exists()
 
 
+@pytest.mark.usefixtures("warm_private_cache")
 def test_a_full_disk_is_one_line_exit_2_and_nothing_kept(cwd, tiny_model_dir, capsys, monkeypatch):
     """The machine refusing a write (disk full) is the user's to fix, not a bug: one line naming
     the cause and the path, exit 2, no output folder, no staging folder, the user's files kept."""
@@ -297,6 +306,7 @@ def test_a_full_disk_is_one_line_exit_2_and_nothing_kept(cwd, tiny_model_dir, ca
     assert _snapshot(cwd) == before
 
 
+@pytest.mark.usefixtures("warm_private_cache")
 def test_a_full_disk_while_writing_model_keeps_the_patch(cwd, tiny_model_dir, capsys, monkeypatch):
     """The disk full while model/ is written, by a write that names no file (a shard's pwrite,
     as measured on a full tmpfs): the message names the artefact's path under --out, and the

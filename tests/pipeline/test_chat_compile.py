@@ -5,15 +5,13 @@ protocol's answer matches greedy generation on the whole conversation."""
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
 import ctxc
 from ctxc.core.errors import SolveError
 from ctxc.generate.steps import generate
-from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_model, chat_tokenizer
+from testbed.chat import DOCUMENTS, QUERIES, SYSTEMS, chat_tokenizer, shared_chat_model
 from tests.fixtures.helpers import diff_msg, logits, max_diff
 
 pytestmark = pytest.mark.tiny
@@ -22,9 +20,10 @@ TEMPLATES = ("llama3", "gemma3", "qwen3")
 BOUND = 2e-5
 
 
-@functools.cache
 def _model(name: str):
-    return chat_model(name), chat_tokenizer(name)
+    """The session's shared chat model of template ``name`` (built and traced once: a compile
+    and a generation leave it as it was) and its tokenizer."""
+    return shared_chat_model(name), chat_tokenizer(name)
 
 
 def _whole_ids(tok, messages: list[dict]) -> list[int]:

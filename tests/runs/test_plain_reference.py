@@ -20,7 +20,7 @@ import transformers as tf
 import ctxc
 from ctxc.passes.runtime import plain_head
 from ctxc.passes.runtime.plain_head import PROBE_COLUMNS, default_forward_rows
-from testbed.tiny_models import build, tiny_tokenizer
+from testbed.tiny_models import build, shared, tiny_tokenizer
 from testbed.tiny_vlms import build_vlm, make_image
 from tests.fixtures.helpers import diff_msg, max_diff, random_ids, run_cli
 
@@ -79,9 +79,16 @@ def _wide_llama() -> torch.nn.Module:
     return tf.LlamaForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="module")
+def wide_llama() -> torch.nn.Module:
+    """``_wide_llama()`` built and traced once for the two query lengths (``ctxc.compile``
+    leaves the model as it was, and caches its trace on it)."""
+    return _wide_llama()
+
+
 @pytest.mark.parametrize("k", [1, 3])
-def test_full_logits_are_the_default_forward_bit_for_bit(k: int) -> None:
-    model = _wide_llama()
+def test_full_logits_are_the_default_forward_bit_for_bit(k: int, wide_llama) -> None:
+    model = wide_llama
     ids = random_ids(7, 40, vocab=8192)
     result = ctxc.compile(model, context_ids=ids[:-k], query_ids=ids[-k:])
     full = torch.tensor([ids])
@@ -250,7 +257,8 @@ def test_a_verified_compile_checks_the_graph_on_its_patched_runs(monkeypatch) ->
     import ctxc.pipeline
     from ctxc.runs import plain_attention
 
-    model, ids = build("llama"), random_ids(3, 6)
+    # The session's shared Llama (seed 0, as build): a compile, failed or not, leaves it as it was.
+    model, ids = shared("llama"), random_ids(3, 6)
     ctx, query = ids[:5], ids[5:]
     real_control, real_patched = plain_attention.sdpa_calls, ctxc.pipeline.patched_logits
 
@@ -280,7 +288,7 @@ def test_mask_calls_are_the_graph_runs_calls(tmp_path, kind: str) -> None:
     if kind == "paligemma":
         model, _ = ctxc.load_model(str(build_vlm(kind, tmp_path / kind)))
     else:
-        model = build(kind)
+        model = shared(kind)  # the session's (seed 0, as build): traced once, read here
     for k in (1, 3):
         traced, _ = traced_blocks(model, k)
         ids = torch.tensor([random_ids(k, k)])
