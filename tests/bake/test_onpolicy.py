@@ -127,7 +127,7 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
     from ctxc.bake.driver import fit_options, query_rows
     from ctxc.passes.solver.fit_solve import fit_solve
 
-    model, tok = chat_model("llama3"), chat_tokenizer("llama3")
+    model, tok = shared_chat_model("llama3"), chat_tokenizer("llama3")
     new = BakeOptions(**{**_CHAT.__dict__, "on_policy_refit": "new"})
     first_o = BakeOptions(**{**_CHAT.__dict__, "on_policy": False})
     got = bake(model, tok, None, list(QUERIES), options=new, messages=_TURNS)
