@@ -300,7 +300,11 @@ def _refit_on_policy(
         return data, targets, _fit(traced, blocks, mine, data.part(n), o, on_block, fit)
     targets = joined_targets({p: t.leading(rows) for p, t in targets.items()}, mine)
     stage("fitting again")
-    return data, targets, _fit(traced, blocks, targets, data, o, on_block)
+    fitted = None
+    if o.on_policy_refit == "answers":  # the new rows' questions repeat the first rows: run only
+        first_rows = query_rows(data.part(0, n), o.fit_prefix, o.fit_rows == "answers")
+        fitted = torch.cat([first_rows, query_rows(data.part(n), o.fit_prefix, True)])
+    return data, targets, _fit(traced, blocks, targets, data, o, on_block, rows=fitted)
 
 
 def _fit(
@@ -311,15 +315,17 @@ def _fit(
     o: BakeOptions,
     on_block,
     on_top: FitSolution | None = None,
+    rows: torch.Tensor | None = None,
 ) -> FitSolution:
     """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``; with ``on_top``,
     a refit pass on top of its deltas over ``data``'s answers (its question positions run, not
-    fitted)."""
+    fitted); ``rows`` [N] bool, the fitted positions instead of ``o``'s."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
     opts = fit_options(o)
     answers = o.fit_rows == "answers" or on_top is not None
     whole = o.fit_prefix and not data.opening and not answers
-    rows = None if whole else query_rows(data, o.fit_prefix, answers)
+    if rows is None:
+        rows = None if whole else query_rows(data, o.fit_prefix, answers)
     weights = row_weights(data, o.off_topic_weight)
     start = None if on_top is None else on_top.deltas
     return fit_solve(

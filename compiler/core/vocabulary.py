@@ -154,6 +154,7 @@ OFF_TOPIC_KINDS = (OFF_TOPIC_TEXT_KIND, OFF_TOPIC_QUESTION_KIND, OFF_TOPIC_READI
 ON_POLICY_REFITS: dict[str, str] = {
     "all": "a second fit over the first fit's rows and the on-policy rows",
     "new": "a refit pass over the on-policy answers alone, on top of the first fit",
+    "answers": "a second fit over the first fit's rows and the on-policy rows' answers",
 }
 FIT_ROWS: dict[str, str] = {
     "all": "every position of the question and its answer",

@@ -158,3 +158,33 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
         assert d.rank is None or d.rank <= 4, (p, d.rank)
     with pytest.raises(OptionError, match="on-policy refit"):
         BakeOptions(on_policy_refit="some")
+
+
+def test_the_answers_refit_fits_every_row_but_the_new_rows_questions() -> None:
+    """``on_policy_refit="answers"``: the second fit over every row (the default's data and
+    targets) with the on-policy rows' question positions run, not fitted."""
+    from ctxc.bake.driver import fit_options, query_rows
+    from ctxc.passes.solver.fit_solve import fit_solve
+
+    model, tok = shared_chat_model("llama3"), chat_tokenizer("llama3")
+    opts = BakeOptions(**{**_CHAT.__dict__, "on_policy_refit": "answers"})
+    got = bake(model, tok, None, list(QUERIES), options=opts, messages=_TURNS)
+    whole = bake(model, tok, None, list(QUERIES), options=_CHAT, messages=_TURNS)
+    assert got.data.queries == whole.data.queries
+    data, n = got.data, got.data.kinds.index(ON_POLICY_KIND)
+    rows = torch.cat([query_rows(data.part(0, n)), query_rows(data.part(n), answers=True)])
+    assert int(rows.sum()) < int(query_rows(data).sum()), "no question position left out"
+    traced, blocks = traced_blocks(model)
+    want = fit_solve(
+        traced,
+        blocks,
+        cached_fit_targets(model, traced, blocks, data),
+        [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))],
+        fit_options(opts),
+        rows=rows,
+    )
+    for p, d in got.patch.deltas.items():
+        w = model.get_parameter(p)
+        mine = d.materialize(w)
+        torch.testing.assert_close(mine, want.deltas[p].materialize(w), msg=p)
+        assert not torch.equal(mine, whole.patch.deltas[p].materialize(w)), p
