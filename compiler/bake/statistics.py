@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -39,7 +38,7 @@ from ctxc.core.options import BakeOptions
 from ctxc.passes.locate.block_map import BlockMap, LinearSite, MlpBlock
 from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver import block_moves as moves
-from ctxc.passes.solver.fit_moves import stable_targets
+from ctxc.passes.solver.fit_moves import residual_from_sums, stable_targets
 from ctxc.passes.solver.fit_solve import Lockstep
 from ctxc.patch import Delta
 
@@ -387,9 +386,7 @@ def solve_site(
         basis = torch.zeros(d_out, 1, dtype=gram.dtype)
         basis[0, 0] = 1.0
     v = b @ basis  # [in, r']
-    fitted = v @ basis.T  # [in, out]: the rank-r' dW^T
-    rest = energy - 2.0 * float((fitted * cross).sum()) + float((fitted * (gram @ fitted)).sum())
-    rel = math.sqrt(max(rest, 0.0) / energy) if energy > 0 else 0.0
+    rel = residual_from_sums(gram, cross, basis, v, energy)
     return SiteFit(basis.float().contiguous(), v.float().contiguous(), rel)
 
 

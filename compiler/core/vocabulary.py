@@ -149,13 +149,13 @@ OFF_TOPIC_READING_KIND = "off-topic-reading"
 # The kinds ``--off-topic-weight`` weighs (an on-policy row asked again is ``on-policy``).
 OFF_TOPIC_KINDS = (OFF_TOPIC_TEXT_KIND, OFF_TOPIC_QUESTION_KIND, OFF_TOPIC_READING_KIND)
 
-# Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 # How the on-policy rows refit a bake (``BakeOptions.on_policy_refit``, issue 55).
 ON_POLICY_REFITS: dict[str, str] = {
     "all": "a second fit over the first fit's rows and the on-policy rows",
     "new": "a refit pass over the on-policy answers alone, on top of the first fit",
     "answers": "a second fit over the first fit's rows and the on-policy rows' answers",
 }
+# Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {
     "all": "every position of the question and its answer",
     "answers": "the answer's positions (and the one predicting its first token)",

@@ -28,6 +28,7 @@ __all__ = [
     "fit_bias",
     "fit_linear",
     "fit_scale",
+    "residual_from_sums",
     "stable_targets",
 ]
 
@@ -150,7 +151,7 @@ def fit_linear(x: torch.Tensor | LsInput, y: torch.Tensor, opts: FitOptions, wha
             # The residual from the sums, not from the fitted values [N, out] (a product of
             # N x in x out, as large as the solve's): ||X v u^T - Y||^2 =
             # ||X v||^2 - 2 <X^T Y, v u^T> + ||Y||^2, float64 (rounding ~1e-16 of ||Y||^2).
-            return LsFit(u.float().contiguous(), v.float().contiguous(), _rel_from_sums(
+            return LsFit(u.float().contiguous(), v.float().contiguous(), residual_from_sums(
                 inp.gram(), cross, u, v, float(yd.pow(2).sum())))  # fmt: skip
         fitted = xd @ b  # [N, out]
         basis = _top_right(fitted, r)  # [out, r]
@@ -161,11 +162,12 @@ def fit_linear(x: torch.Tensor | LsInput, y: torch.Tensor, opts: FitOptions, wha
     return LsFit(u.float().contiguous(), v.float().contiguous(), rel)
 
 
-def _rel_from_sums(
+def residual_from_sums(
     gram: torch.Tensor, cross: torch.Tensor, u: torch.Tensor, v: torch.Tensor, energy: float
 ) -> float:
     """``||X v u^T - Y|| / ||Y||`` from ``X^T X`` [in, in], ``X^T Y`` [in, out], ``u``
-    [out, r] (orthonormal columns), ``v`` [in, r] and ``||Y||^2``."""
+    [out, r] (orthonormal columns), ``v`` [in, r] and ``||Y||^2`` (a fit from its sums alone:
+    :func:`fit_linear`'s wide outputs, ``ctxc.bake.statistics.solve_site``)."""
     if energy <= 0.0:
         return 0.0
     fitted = float((gram @ v * v).sum())  # ||X v u^T||^2 = tr(v^T X^T X v): u^T u = I

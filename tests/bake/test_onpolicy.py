@@ -124,8 +124,7 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
     """``on_policy_refit="new"``: the same on-policy rows as the default, but the second fit is
     a refit pass of :func:`fit_solve` over their answers alone, started from the first fit's
     deltas (its patch differs from the first fit's and from the whole refit's, rank kept)."""
-    from ctxc.bake.driver import fit_options, query_rows
-    from ctxc.passes.solver.fit_solve import fit_solve
+    from ctxc.bake.driver import query_rows
 
     model, tok = shared_chat_model("llama3"), chat_tokenizer("llama3")
     new = BakeOptions(**{**_CHAT.__dict__, "on_policy_refit": "new"})
@@ -136,19 +135,10 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
     assert got.data.queries == whole.data.queries and got.data.kinds == whole.data.kinds
     n = len(first.data.queries)
     part = got.data.part(n)
-    traced, blocks = traced_blocks(model)
     assert first.fit is not None and got.fit is not None
     rows = query_rows(part, answers=True)  # the answers (and the position before each)
     assert 0 < int(rows.sum()) < part.positions, (int(rows.sum()), part.positions)
-    want = fit_solve(
-        traced,
-        blocks,
-        cached_fit_targets(model, traced, blocks, part),
-        [torch.tensor([part.reduced(i)]) for i in range(len(part.queries))],
-        fit_options(new),
-        rows=rows,
-        start=first.fit.deltas,
-    )
+    want = _solved(model, part, new, rows, first.fit.deltas)
     for p, d in got.patch.deltas.items():
         w = model.get_parameter(p)
         mine = d.materialize(w)
@@ -163,8 +153,7 @@ def test_the_new_rows_refit_is_a_refit_pass_over_the_answers_on_top_of_the_first
 def test_the_answers_refit_fits_every_row_but_the_new_rows_questions() -> None:
     """``on_policy_refit="answers"``: the second fit over every row (the default's data and
     targets) with the on-policy rows' question positions run, not fitted."""
-    from ctxc.bake.driver import fit_options, query_rows
-    from ctxc.passes.solver.fit_solve import fit_solve
+    from ctxc.bake.driver import query_rows
 
     model, tok = shared_chat_model("llama3"), chat_tokenizer("llama3")
     opts = BakeOptions(**{**_CHAT.__dict__, "on_policy_refit": "answers"})
@@ -174,17 +163,20 @@ def test_the_answers_refit_fits_every_row_but_the_new_rows_questions() -> None:
     data, n = got.data, got.data.kinds.index(ON_POLICY_KIND)
     rows = torch.cat([query_rows(data.part(0, n)), query_rows(data.part(n), answers=True)])
     assert int(rows.sum()) < int(query_rows(data).sum()), "no question position left out"
-    traced, blocks = traced_blocks(model)
-    want = fit_solve(
-        traced,
-        blocks,
-        cached_fit_targets(model, traced, blocks, data),
-        [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))],
-        fit_options(opts),
-        rows=rows,
-    )
+    want = _solved(model, data, opts, rows)
     for p, d in got.patch.deltas.items():
         w = model.get_parameter(p)
         mine = d.materialize(w)
         torch.testing.assert_close(mine, want.deltas[p].materialize(w), msg=p)
         assert not torch.equal(mine, whole.patch.deltas[p].materialize(w)), p
+
+
+def _solved(model, data, opts: BakeOptions, rows: torch.Tensor, start=None):
+    """:func:`fit_solve` called directly on ``data``'s rows ``rows`` (from ``start``)."""
+    from ctxc.bake.driver import fit_options
+    from ctxc.passes.solver.fit_solve import fit_solve
+
+    traced, blocks = traced_blocks(model)
+    targets = cached_fit_targets(model, traced, blocks, data)
+    queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
+    return fit_solve(traced, blocks, targets, queries, fit_options(opts), rows=rows, start=start)
