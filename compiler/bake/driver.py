@@ -29,7 +29,7 @@ from ctxc.bake.onpolicy import joined_targets, with_own_answers
 from ctxc.bake.selfstudy import answer_end
 from ctxc.bake.serve import check_servable_blocks, pad_to_rank, servable_kinds
 from ctxc.bake.sources import fit_context, gather
-from ctxc.bake.targets import cached_fit_targets
+from ctxc.bake.targets import cached_fit_targets, own_targets
 from ctxc.core.errors import CtxcError, OptionError, UnpatchableError
 from ctxc.core.options import BakeOptions
 from ctxc.core.vocabulary import (
@@ -228,6 +228,8 @@ def bake(
             stage("full runs")
             targets = cached_fit_targets(model, traced, blocks, data)
             timings["targets"] = round(time.perf_counter() - clock, 3)
+        if o.off_topic_targets == "none":  # given targets too: replacing twice changes nothing
+            targets = own_targets(model, traced, blocks, data, targets, OFF_TOPIC_KINDS)
         stage("fitting")
         clock = time.perf_counter()
         fit = _fit(traced, blocks, targets, data, o, on_block)

@@ -17,7 +17,9 @@ norm), checked the same way.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections import defaultdict
+from collections.abc import Collection
 
 import torch
 
@@ -28,7 +30,7 @@ from ctxc.models.kv_cache import cache_of, with_cache
 from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.runtime.run_graph import BlockTargets
 
-__all__ = ["CHECK_TOL", "cached_fit_targets"]
+__all__ = ["CHECK_TOL", "cached_fit_targets", "own_targets"]
 
 CHECK_TOL = BAKE_TARGETS_RTOL  # relative max difference to the graph's recording
 _BATCH = 16  # queries per batched forward
@@ -161,6 +163,69 @@ def cached_fit_targets(
         return record_fit_targets(traced, blocks, data)
     dtype = {p: tg.z.dtype for p, tg in want.items()}
     return {p: _cast(stacked(rows), dtype[p]) for p, rows in got.items()}
+
+
+def own_targets(
+    model: torch.nn.Module,
+    traced: TracedModel,
+    blocks: BlockMap,
+    data: FitData,
+    targets: dict[str, BlockTargets],
+    kinds: Collection[str],
+) -> dict[str, BlockTargets]:
+    """``targets`` with the rows of ``kinds`` replaced by the unpatched model's own values on
+    what the patched model is fed for them (prefix + query, no context): fitted, the patch is
+    held to change nothing at those rows (``BakeOptions.off_topic_targets`` ``none``).
+
+    The same recording as :func:`cached_fit_targets` (its check included), of the rows alone
+    with the prefix as their context: ``full(i) = reduced(i)``.
+
+    Args:
+        model: the unpatched model.
+        traced: its export.
+        blocks: its blocks.
+        data: the fit data ``targets`` were recorded for.
+        targets: block path -> stacked targets, rows query by query (a longer set's rows after
+            ``data``'s are kept as they are).
+        kinds: the query kinds to replace.
+
+    Returns:
+        block path -> stacked :class:`BlockTargets` (``targets`` itself when no row is of
+        ``kinds``).
+    """
+    picked = [i for i, k in enumerate(data.kinds) if k in kinds]
+    if not picked:
+        return targets
+    alone = dataclasses.replace(
+        data,
+        context_ids=list(data.prefix),
+        queries=[data.queries[i] for i in picked],
+        kinds=[data.kinds[i] for i in picked],
+        answer_from=None if data.answer_from is None else [data.answer_from[i] for i in picked],
+        shown=None,
+    )
+    own = cached_fit_targets(model, traced, blocks, alone)
+    sizes = [len(data.prefix) + len(q) for q in data.queries]  # each query's rows, in order
+    replaced = set(picked)
+    out: dict[str, BlockTargets] = {}
+    for path, tg in targets.items():
+        mine, parts, at, own_at = own[path], [], 0, 0
+        for i, n in enumerate(sizes):
+            if i in replaced:  # the next of ``own``'s rows (the picked rows, in order)
+                parts.append(_rows(mine, own_at, own_at + n))
+                own_at += n
+            else:
+                parts.append(_rows(tg, at, at + n))
+            at += n
+        parts.append(_rows(tg, at, tg.z.shape[0]))
+        out[path] = _cast(stacked(parts), tg.z.dtype)
+    return out
+
+
+def _rows(tg: BlockTargets, start: int, stop: int) -> BlockTargets:
+    """Rows ``[start:stop]`` of ``tg``."""
+    v = tg.v[start:stop] if tg.v is not None else None
+    return BlockTargets(z=tg.z[start:stop], y=tg.y[start:stop], v=v)
 
 
 def _cast(tg: BlockTargets, dtype: torch.dtype) -> BlockTargets:

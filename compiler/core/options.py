@@ -29,6 +29,7 @@ from ctxc.core.vocabulary import (
     DISTILL_METHOD,
     FIT_METHOD,
     FIT_ROWS,
+    OFF_TOPIC_TARGETS,
     ON_POLICY_REFITS,
     QUESTION_PROMPTS,
     RULES,
@@ -164,6 +165,13 @@ class BakeOptions:
             ``benchmarks/thought/noharm.py``). Default 0 until the no-harm benchmark says.
         off_topic_questions: off-topic questions (at least 0): questions the model writes from
             its BOS alone, each answered by the full-context model, fitted likewise.
+        off_topic_targets: library-only (issue 53, measured on ``benchmarks/thought/noharm.py``):
+            what every off-topic row is fitted to (``OFF_TOPIC_TARGETS``): ``context``, the
+            full-context model's values on context + row; ``none``, the unpatched model's own
+            on the row alone (:func:`~ctxc.bake.targets.own_targets`), so the patch is held to
+            change nothing off the context instead of reproducing what reading the context
+            does there (a target that asks for capacity: the model fed a paragraph answers
+            fewer general questions than alone).
         seed: the sampling (and training) seed.
         question_prompt: library-only (``facts`` was within noise of ``plain``): how the model
             is asked to write a self-study question after the context
@@ -324,6 +332,7 @@ class BakeOptions:
     )
     rank_per_block: bool = _option(False, "fit", None, "")  # the command's --rank auto
     ridge: float = _option(1.0, "fit", "--ridge", "Relative ridge of the matrix fits.")
+    off_topic_targets: str = _option("context", "data", None, "", choices=OFF_TOPIC_TARGETS)
     off_topic_weight: float = _option(
         1.0,
         "fit",
@@ -386,6 +395,8 @@ class BakeOptions:
         check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
+        targets = self.off_topic_targets
+        check_choice("off_topic_targets", targets, OFF_TOPIC_TARGETS, "off-topic target")
         check_choice("on_policy_refit", self.on_policy_refit, ON_POLICY_REFITS, "on-policy refit")
         check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
         if not self.question_temperature > 0:

@@ -41,6 +41,7 @@ __all__ = [
     "OFF_TOPIC_KINDS",
     "OFF_TOPIC_QUESTION_KIND",
     "OFF_TOPIC_READING_KIND",
+    "OFF_TOPIC_TARGETS",
     "OFF_TOPIC_TEXT_KIND",
     "ON_POLICY_KIND",
     "OUTPUT_RULE",
@@ -149,6 +150,11 @@ OFF_TOPIC_READING_KIND = "off-topic-reading"
 # The kinds ``--off-topic-weight`` weighs (an on-policy row asked again is ``on-policy``).
 OFF_TOPIC_KINDS = (OFF_TOPIC_TEXT_KIND, OFF_TOPIC_QUESTION_KIND, OFF_TOPIC_READING_KIND)
 
+# What an off-topic row is fitted to (``BakeOptions.off_topic_targets``, issue 53).
+OFF_TOPIC_TARGETS: dict[str, str] = {
+    "context": "the full-context model's values on context + row (it does what reading does)",
+    "none": "the unpatched model's own values on the row alone (the patch changes nothing there)",
+}
 # How the on-policy rows refit a bake (``BakeOptions.on_policy_refit``, issue 55).
 ON_POLICY_REFITS: dict[str, str] = {
     "all": "a second fit over the first fit's rows and the on-policy rows",

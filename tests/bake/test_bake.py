@@ -235,3 +235,72 @@ def test_an_off_topic_weight_of_two_is_the_row_fitted_twice(family: str) -> None
         BakeOptions(off_topic_weight=0.0)
     with pytest.raises(CtxcError, match="off_topic_weight weighs the fit's rows"):
         BakeOptions(off_topic_weight=2.0, method="additive")
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama"])
+def test_off_topic_rows_held_to_the_model_alone_are_its_own_values(
+    family: str,
+) -> None:
+    """``off_topic_targets="none"`` (issue 53): an off-topic row's targets become the unpatched
+    model's own values on what the patched model is fed (prefix + row, no context), as the
+    graph records them; every other row's are the full-context targets bit for bit; twice, the
+    same."""
+    from ctxc.bake.data import record_fit_targets
+    from ctxc.bake.targets import cached_fit_targets, own_targets
+    from ctxc.core.vocabulary import OFF_TOPIC_KINDS
+    from ctxc.store.traced import traced_blocks
+
+    model, tok = shared(family), tiny_tokenizer()
+    traced, blocks = traced_blocks(model)
+    ctx, prefix = [1, *random_ids(3, 20)], special_prefix(tok)
+    rows = [random_ids(4, 6), random_ids(5, 7), random_ids(6, 5)]
+    data = FitData(ctx, prefix, rows, ["file", "off-topic-text", "file"])
+    full = cached_fit_targets(model, traced, blocks, data)
+    got = own_targets(model, traced, blocks, data, full, OFF_TOPIC_KINDS)
+    again = own_targets(model, traced, blocks, data, full, OFF_TOPIC_KINDS)
+    p = len(prefix)
+    mine = slice(p + 6, 2 * p + 13)  # the off-topic row's positions: its prefix and its 7 ids
+    alone = record_fit_targets(traced, blocks, FitData(prefix, prefix, rows[1:2], ["x"]))
+    changed = 0
+    for path, tg in full.items():
+        g = got[path]
+        assert g.z.shape == tg.z.shape and g.y.shape == tg.y.shape, path
+        for a, b in ((g.z, tg.z), (g.y, tg.y)):
+            same = torch.ones(a.shape[0], dtype=torch.bool)
+            same[mine] = False
+            assert torch.equal(a[same], b[same]), f"{path}: a context row changed"
+            changed += int((a[mine] != b[mine]).any(-1).sum())
+        for a, b in ((g.z[mine], alone[path].z), (g.y[mine], alone[path].y)):
+            scale = float(b.abs().max()) or 1.0
+            assert float((a - b).abs().max()) <= 1e-4 * scale, diff_msg(path, a, b)
+        assert torch.equal(g.y, again[path].y) and torch.equal(g.z, again[path].z), path
+    assert changed == 2 * len(full) * (p + 7), f"{changed} rows changed, not the off-topic row's"
+
+    with pytest.raises(CtxcError, match="off-topic target"):
+        BakeOptions(off_topic_targets="nothing")
+
+
+def test_a_bake_of_rows_held_to_the_model_alone_changes_nothing_there() -> None:
+    """``off_topic_targets="none"``: a bake of one such row fits no change (the patched model's
+    logits on it are the unpatched model's), where the context's targets move them. Llama: a
+    post norm's eps is outside the stable rule's target (MATH.md 4), so at a tiny random
+    model's small activations Gemma's post-norm moves are not zero where nothing should change
+    (at a real model's, eps is a rounding)."""
+    from ctxc.backends.onnx.export import patched_logits
+    from ctxc.patch import Patch
+
+    model, tok = shared("llama"), tiny_tokenizer()
+    ctx, prefix, row = [1, *random_ids(3, 20)], special_prefix(tok), random_ids(5, 7)
+    only = FitData(ctx, prefix, [row], ["off-topic-text"])
+    opts = BakeOptions(rank=4, attention=None)
+    held = bake(
+        model, data=only, options=BakeOptions(**{**vars(opts), "off_topic_targets": "none"})
+    )
+    moved = bake(model, data=only, options=opts)
+    ids = [torch.tensor([prefix + row])]
+    base = patched_logits(model, Patch({}, held.patch.meta), ids)[0]
+    same = patched_logits(model, held.patch, ids)[0]
+    other = patched_logits(model, moved.patch, ids)[0]
+    scale = float(base.abs().max())
+    assert float((same - base).abs().max()) <= 1e-4 * scale, diff_msg("held", same, base)
+    assert float((other - base).abs().max()) > 1e-2 * scale, diff_msg("context", other, base)
