@@ -4,7 +4,8 @@ The baked route (:func:`patched_graph`, then :func:`export_program`):
 
 1. ``ctxc.frontend.trace.trace(model)`` under :func:`export_settings` (no KV cache, an exportable
 MoE
-   expert implementation): a ``torch.export`` of the logits-only wrapper, sequence length dynamic.
+   expert implementation): a ``torch.export`` of the logits-only wrapper, sequence length dynamic;
+   the process's own export of a dense model when a compile made it (:func:`reusable_export`).
 2. ``program.module()``: the unlifted ``GraphModule``. Its parameters are ``get_attr`` nodes that
    read the model's own tensors (shared, not copied).
 3. :func:`ctxc.passes.runtime.insert_deltas.insert_deltas` mutates that GraphModule: the patch's
@@ -37,14 +38,16 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind
 from torch.func import functional_call
 
 from ctxc.backends.base import require_installed
 from ctxc.backends.onnx.facts import EXTRA, NAME, REQUIRES
 from ctxc.core.errors import CtxcError
-from ctxc.frontend.trace import MAX_SEQ, no_cache, trace
+from ctxc.frontend.trace import MAX_SEQ, WRAPPED, longest_input, no_cache, trace
 from ctxc.passes.runtime.insert_deltas import InsertResult, insert_deltas
 from ctxc.patch import Patch
+from ctxc.store.traced import shared_program
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -57,6 +60,7 @@ __all__ = [
     "patched_graph",
     "patched_logits",
     "require_onnx",
+    "reusable_export",
     "root_cause",
     "seq_dim",
 ]
@@ -128,9 +132,55 @@ def patched_graph(model: torch.nn.Module, patch: Patch) -> InsertResult:
         :func:`insert_deltas`'s result: ``gm`` computes ``input_ids`` [1, seq] -> logits
         [1, seq, vocab] of the patched model, reading the model's own (unchanged) tensors.
     """
-    program = trace(model).program
+    # The compile of this process traced the model already (the same call, see
+    # reusable_export): a second torch.export of it is a quarter of a small model's ONNX export.
+    program = reusable_export(model) or trace(model).program
     assert isinstance(program, ExportedProgram)  # a fresh export, not the export cache's
+    # module() unlifts a copy of the graph: insert_deltas never edits the shared export.
     return insert_deltas(program.module(), patch)
+
+
+def reusable_export(model: torch.nn.Module) -> ExportedProgram | None:
+    """The process's shared export of ``model`` when it is what ``trace(model)`` would make now.
+
+    :func:`ctxc.store.traced.traced_blocks` keeps one export per model; its dynamic rung is the
+    call ``trace(model)`` makes (the whole ``seq`` range, the same example), so the graph is the
+    same while the model is. It is not reused for a model with MoE experts (its experts
+    implementation may have been another at that trace), a graph loaded from the export cache
+    (not an ``ExportedProgram``), a dispersed model (traced on a meta skeleton), or when any
+    parameter or buffer the graph reads is no longer the model's own tensor (replaced since).
+
+    Args:
+        model: the model, under :func:`export_settings`.
+
+    Returns:
+        the ``ExportedProgram``, or None: trace afresh.
+    """
+    found = shared_program(model)
+    if found is None or experts_implementation(model) != "dense":
+        return None
+    traced = found[0]
+    program = traced.program
+    if not isinstance(program, ExportedProgram) or traced.source is not None:
+        return None
+    if (traced.frontend, traced.seq_range) != ("dynamic", (1, longest_input(model))):
+        return None
+    prefix = WRAPPED + "."
+    for spec in program.graph_signature.input_specs:
+        if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER) or spec.target is None:
+            continue
+        name = spec.target.removeprefix(prefix)
+        held = program.state_dict.get(spec.target, program.constants.get(spec.target))
+        try:
+            if spec.kind == InputKind.PARAMETER:
+                live: torch.Tensor = model.get_parameter(name)
+            else:
+                live = model.get_buffer(name)
+        except AttributeError:  # no longer the model's: the graph would read a stale tensor
+            return None
+        if held is not live:
+            return None
+    return program
 
 
 def patched_logits(

@@ -18,7 +18,7 @@ from ctxc.passes.locate.block_map import BlockMap
 from ctxc.passes.locate.locate_blocks import locate_blocks
 from ctxc.store.export_cache import frontend_for
 
-__all__ = ["traced_blocks"]
+__all__ = ["shared_program", "traced_blocks"]
 
 # One frontend per model, reused by every compile of it (the graph reads the model's own tensors):
 # its shared export, or its static exports per length (compiler/frontend/ladder.py).
@@ -43,3 +43,18 @@ def traced_blocks(
     if frontend is None:
         frontend = _TRACES[model] = frontend_for(model, locate_blocks)
     return frontend.traced_for(length)
+
+
+def shared_program(model: torch.nn.Module) -> tuple[TracedModel, BlockMap] | None:
+    """The model's shared export of this process, if one was made (no export, no trace).
+
+    Args:
+        model: the causal LM.
+
+    Returns:
+        what :func:`traced_blocks` returns for ``length=None`` when the model's frontend has a
+        shared export already; None when the model was not traced here or only static exports
+        hold for it.
+    """
+    frontend = _TRACES.get(model)
+    return None if frontend is None else frontend.shared

@@ -20,9 +20,11 @@ import transformers as tf
 
 import ctxc
 from ctxc.backends.onnx.check import ONNX_ATOL, check_lengths
+from ctxc.backends.onnx.export import reusable_export
 from ctxc.backends.onnx.model import ONNX_FILE, emit_onnx
 from ctxc.backends.onnx.ort_adapter import ADAPTER_FILE, PATCHABLE_FILE
 from ctxc.backends.onnx.patchable import emit_onnx_patchable, patch_feeds
+from ctxc.store.traced import traced_blocks
 from testbed.tiny_models import MOE, build, shared
 from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import (
@@ -127,6 +129,23 @@ def test_cli_rejects_patchable_without_onnx(tmp_path) -> None:
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert not (tmp_path / "out").exists()
     assert "--patchable applies to --to onnx" in lines[0]
+
+
+@pytest.mark.tiny
+def test_the_compiles_export_serves_the_baked_route_while_the_model_holds_its_tensors(llama):
+    """The baked route reuses the process's export of a compiled model (the same graph: the
+    files above are byte-identical either way), never one whose tensors were replaced since."""
+    model = llama[0]
+    traced, _ = traced_blocks(model)
+    assert reusable_export(model) is traced.program
+    mlp = model.get_submodule("model.layers.0.mlp.down_proj")
+    old = mlp.weight
+    mlp.weight = torch.nn.Parameter(old.detach().clone())
+    try:
+        assert reusable_export(model) is None, "a graph reading a replaced tensor was reused"
+    finally:
+        mlp.weight = old
+    assert reusable_export(model) is traced.program
 
 
 @pytest.mark.slow
