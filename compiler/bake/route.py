@@ -18,7 +18,10 @@ A chunk is added by baking it alone and adding its text to the router, and remov
 deleting both: no patch already made is touched. Each chunk's patch is an ordinary bake folder
 (``chunks/<id>/``, whatever ``--emit`` wrote), so a serving engine that takes one LoRA per
 request (vLLM's multi-LoRA) serves the document as one adapter per chunk, picked by
-:meth:`Router.pick` (``ctxc route DIR --query TEXT``).
+:meth:`Router.pick` (``ctxc route DIR --query TEXT``). A chat model's document is baked as chat
+chunks (``ctxc bake --route --chat --system DOC.txt``): each chunk the system turn of its own
+chat bake (:func:`chunk_turns`), so each chunk's adapter answers a user turn through the
+template.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ from pathlib import Path
 
 from ctxc.core.errors import CtxcError
 
-__all__ = ["CHUNKS_DIR", "CHUNK_WORDS", "ROUTER_FILE", "Router", "split_chunks", "words"]
+__all__ = [
+    "CHUNKS_DIR",
+    "CHUNK_WORDS",
+    "ROUTER_FILE",
+    "Router",
+    "chunk_turns",
+    "split_chunks",
+    "words",
+]
 
 ROUTER_FILE = "router.json"
 CHUNKS_DIR = "chunks"  # a routed bake's chunk folders: DIR/chunks/<id>/
@@ -79,6 +90,12 @@ def split_chunks(text: str, max_words: int = CHUNK_WORDS) -> list[str]:
     return ["\n\n".join(c) for c in chunks]
 
 
+def chunk_turns(chunk: str) -> list[dict]:
+    """The context turns of a routed chat bake's ``chunk``: one system turn holding it, as
+    ``ctxc bake --chat --system CHUNK.txt`` gives them (a new list each call)."""
+    return [{"role": "system", "content": chunk}]
+
+
 @dataclass(frozen=True)
 class Router:
     """The chunks of a routed bake, in order: their ids (folder names under ``chunks/``), their
@@ -90,6 +107,8 @@ class Router:
         options: the :class:`~ctxc.core.options.BakeOptions` fields (JSON), for ``--add``.
         chunk_words: :func:`split_chunks`'s ``max_words`` the document was cut with.
         emit: the ``--emit`` artefacts each chunk's folder holds (a chunk added gets them too).
+        chat: each chunk was baked as a chat bake whose system turn it is
+            (:func:`chunk_turns`); a chunk added is too.
     """
 
     ids: tuple[str, ...]
@@ -97,6 +116,7 @@ class Router:
     options: dict
     chunk_words: int = CHUNK_WORDS
     emit: tuple[str, ...] = ()
+    chat: bool = False
 
     def __post_init__(self) -> None:
         if len(self.ids) != len(self.texts) or len(set(self.ids)) != len(self.ids):
@@ -146,6 +166,7 @@ class Router:
             "options": self.options,
             "chunk_words": self.chunk_words,
             "emit": list(self.emit),
+            "chat": self.chat,
             "chunks": chunks,
         }
         return json.dumps(doc, indent=1) + "\n"
@@ -180,6 +201,19 @@ class Router:
                 dict(doc["options"]),
                 int(doc["chunk_words"]),
                 tuple(doc["emit"]),
+                _chat_of(doc),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CtxcError(f"{path} is not a ctxc router ({exc})") from None
+
+
+def _chat_of(doc: dict) -> bool:
+    """``router.json``'s ``chat`` (False in a router written before chat chunks were baked).
+
+    Raises:
+        ValueError: a value that is not a boolean.
+    """
+    chat = doc.get("chat", False)
+    if not isinstance(chat, bool):
+        raise ValueError(f"chat {chat!r}")
+    return chat

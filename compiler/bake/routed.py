@@ -4,7 +4,11 @@ its own folder, a router beside them (issue 36; the router itself: :mod:`ctxc.ba
 :func:`bake_routed` writes ``DIR/chunks/<id>/`` (an ordinary bake folder: ``patch.safetensors``,
 ``report.json``, the ``emit`` artefacts) per chunk and ``DIR/router.json``;
 :func:`change_routed` bakes new chunks with DIR's options and artefacts beside the others, or
-drops one; neither touches another chunk's patch. Prints nothing: the
+drops one; neither touches another chunk's patch. With ``chat=True`` every chunk is a chat bake
+whose system turn is the chunk (:func:`~ctxc.bake.route.chunk_turns`): its folder is what
+``ctxc bake --chat --system CHUNK.txt`` writes, so a chat model (which answers nothing in plain
+text) is served the document as one adapter per chunk; the router records the mode, and a
+chunk added later is baked the same way. Prints nothing: the
 :class:`~ctxc.bake.hooks.BakeHooks` hear of each chunk.
 """
 
@@ -22,7 +26,7 @@ from pathlib import Path
 
 from ctxc.bake.hooks import BakeHooks, ChunkProgress
 from ctxc.bake.job import BakeJob, BakeRun, HeldOut
-from ctxc.bake.route import CHUNKS_DIR, ROUTER_FILE, Router, split_chunks
+from ctxc.bake.route import CHUNKS_DIR, ROUTER_FILE, Router, chunk_turns, split_chunks
 from ctxc.batch.folder import Layout, check_mode
 from ctxc.batch.hooks import BatchHooks
 from ctxc.batch.pool import Work
@@ -65,6 +69,7 @@ def bake_routed(
     chunk_words: int,
     hooks: BakeHooks | None = None,
     *,
+    chat: bool = False,
     workers: int | None = None,
     engine: str = "local",
     address: str | None = None,
@@ -82,6 +87,11 @@ def bake_routed(
         job: the request (``job.force``: replace an earlier output).
         chunk_words: the most words of a chunk joining paragraphs.
         hooks: the callbacks (``on_chunks``: each chunk's progress); None: silent.
+        chat: bake each chunk as a chat bake whose one context turn is the chunk as a system
+            turn (the model's chat template needed; the fit queries and held-out sets are user
+            turns after it), as ``bake_into`` bakes ``messages=[{"role": "system", "content":
+            chunk}]``; recorded in the router (``change_routed`` adds chat chunks) and in the
+            resume marker (a resume of the other mode is refused).
         workers: worker processes (each its own model, sharing this process's torch
             threads: :func:`~ctxc.batch.pool.worker_threads`); 1: every chunk in this
             process; None: as many as the threads and the memory hold
@@ -89,16 +99,18 @@ def bake_routed(
             size (:class:`~ctxc.batch.ray_engine.RayEngine`).
         engine: ``"local"`` or ``"ray"`` (``ctxc[ray]``).
         address: the Ray cluster (``engine="ray"`` only); None: a local Ray.
-        resume: keep the chunks an earlier run with the same options and texts wrote in
-            ``job.out`` (refused in one line otherwise, before any model loads).
+        resume: keep the chunks an earlier run with the same options, texts and mode
+            (``chat``) wrote in ``job.out`` (refused in one line otherwise, before any model
+            loads).
 
     Returns:
         the :class:`BakeRun`: its report holds each chunk's report under ``chunks`` (by id)
         and every chunk's id under ``chunk_ids``.
 
     Raises:
-        CtxcError: additive options, chat turns or fit queries (each chunk fits on its own
-            data), an empty document, a context past the model's positions, bad engine
+        CtxcError: additive options, chat turns (``chat`` cuts ``job.chunks`` instead) or
+            fit queries (each chunk fits on its own data), an empty document, a context past
+            the model's positions, a chat bake on a model without a chat template, bad engine
             options, ``job.out`` refused or holding another run to resume, a chunk that failed
             (the others kept).
 
@@ -112,19 +124,22 @@ def bake_routed(
     if job.options.method == ADDITIVE_METHOD:
         raise CtxcError("a routed bake bakes each chunk alone: give method fit or distill")
     if job.messages is not None or job.queries is not None:
-        raise CtxcError("a routed bake fits each chunk on its own data (no chat turns, no queries)")
+        raise CtxcError(
+            "a routed bake cuts its documents into chunks (chat=True: each chunk a system turn) "
+            "and fits each on its own data (no chat turns, no queries)"
+        )
     chunks = routed_chunks(job.chunks, chunk_words)
     check_mode(job.force, resume)
     on = _engine(engine, workers, address, job.model)
-    preflight(dataclasses.replace(job, chunks=tuple(chunks)), hooks)
-    router = Router((), (), dataclasses.asdict(job.options), chunk_words, tuple(job.emit))
+    preflight(dataclasses.replace(job, chunks=tuple(chunks)), hooks, chat_chunks=chat)
+    router = Router((), (), dataclasses.asdict(job.options), chunk_words, tuple(job.emit), chat)
     ids = router.next_ids(len(chunks))
     router = router.added(ids, [t for _, t in chunks])
     lines = [
         (n, {"name": cid, "context": text, "query": None, "messages": None, "file": name}, None)
         for n, (cid, (name, text)) in enumerate(zip(ids, chunks, strict=True), 1)
     ]
-    chunk_job = ChunkJob(job.options, job.held, tuple(job.emit))
+    chunk_job = ChunkJob(job.options, job.held, tuple(job.emit), chat)
     work = Work(
         bake_chunk,
         chunk_job,
@@ -138,7 +153,7 @@ def bake_routed(
         if all(row["status"] == "ok" for row in rows):
             folder.write_file(ROUTER_FILE, router.text())
 
-    options = _resume_options(job, chunk_words, chunks)
+    options = _resume_options(job, chunk_words, chunks, chat)
     batch = _batch_hooks(hooks)
     model = (job.model, "float32")
     rows = run_lines(lines, job.out, model, options, (job.force, resume), on, batch, work, finish)
@@ -180,11 +195,14 @@ class ChunkJob:
         options: the fit's options.
         held: what its figures are measured on.
         emit: the artefacts each chunk's folder gets.
+        chat: each chunk baked as a chat bake, the chunk its system turn
+            (:func:`~ctxc.bake.route.chunk_turns`).
     """
 
     options: BakeOptions
     held: HeldOut
     emit: tuple[str, ...]
+    chat: bool = False
 
 
 def bake_chunk(
@@ -218,20 +236,24 @@ def bake_chunk(
 
 
 def _bake_one(net, tokenizer, folder: Path, entry: dict, job: ChunkJob, hooks: BakeHooks) -> dict:
-    """Bake one chunk alone into ``folder``: its report as written."""
+    """Bake one chunk alone into ``folder``: its report as written (a chat chunk's folder is
+    what ``bake_into`` writes for the chunk as its one system turn, ``route`` added)."""
     from ctxc.bake.driver import bake
     from ctxc.bake.folder import write_bake
 
     cid, text = entry["name"], entry["context"]
     count = len(text.split())
     hooks.on_stage(f"chunk {cid} (from {entry['file']}, {count} words)")
+    # A chat chunk: no text, the chunk the one system turn (bake_into's call for --chat --system).
+    messages = chunk_turns(text) if job.chat else None
     with hooks.progress("baking", "fitting") as (on_stage, on_block):
         result = bake(
             net,
             tokenizer,
-            text,
+            None if job.chat else text,
             None,
             options=job.options,
+            messages=messages,
             on_stage=on_stage,
             on_block=on_block,
             emit=job.emit,
@@ -292,9 +314,12 @@ def _memory_per_worker(model: str | None) -> int | None:
     return _PEAK_PER_MODEL * stored * 4 // size or None
 
 
-def _resume_options(job: BakeJob, chunk_words: int, chunks: list[tuple[str, str]]) -> dict:
+def _resume_options(
+    job: BakeJob, chunk_words: int, chunks: list[tuple[str, str]], chat: bool
+) -> dict:
     """What a resume must match (DIR's marker): the fit's options, the held-out sets, the
-    artefacts, the model as named, the chunks' files and texts (a digest)."""
+    artefacts, the model as named, the chunks' files and texts (a digest), and whether they
+    are chat chunks (the same texts baked the other way are other patches)."""
     from ctxc._version import __version__
 
     model = job.model
@@ -310,6 +335,7 @@ def _resume_options(job: BakeJob, chunk_words: int, chunks: list[tuple[str, str]
         "emit": list(job.emit),
         "model": model,
         "documents_sha256": texts,
+        "chat": chat,
     }
     return json.loads(json.dumps(options))  # as the marker holds them: lists, not tuples
 
@@ -366,8 +392,9 @@ def change_routed(
     hooks: BakeHooks | None = None,
 ) -> BakeRun:
     """Add ``documents``' chunks to, or ``remove`` one chunk (its id) from, the routed bake
-    in ``folder``: new chunks baked with its options and artefacts, the other chunks' folders
-    kept as they are (hard links into the staged copy).
+    in ``folder``: new chunks baked with its options, artefacts and mode (chat chunks in a
+    routed chat bake: its router's ``chat``), the other chunks' folders kept as they are (hard
+    links into the staged copy).
 
     Raises:
         CtxcError: not a routed bake, no such chunk, both or neither of ``documents`` and
@@ -395,7 +422,7 @@ def change_routed(
         model=model,
     )
     if chunks:
-        preflight(job, hooks)
+        preflight(job, hooks, chat_chunks=router.chat)
     reports: dict = {}
     with output_folder(Path(folder), True, "bake") as tmp:
         kept = [c for c in router.ids if c != remove]
@@ -414,22 +441,22 @@ def change_routed(
                 # Another model than the one the patches were made for: one line, nothing kept.
                 Patch.load(Path(folder) / CHUNKS_DIR / kept[0], net).check(net)
             ids = router.next_ids(len(chunks))
-            reports, lines = _bake_chunks(net, tokenizer, chunks, ids, job, tmp, hooks)
+            chunk_job = ChunkJob(options, job.held, job.emit, router.chat)
+            reports, lines = _bake_chunks(net, tokenizer, chunks, ids, chunk_job, tmp, hooks)
             router.added(ids, [t for _, t in chunks]).save(tmp)
     held_ids = Router.load(folder).ids
     return BakeRun(Path(folder), {"chunks": reports, "chunk_ids": list(held_ids)}, lines)
 
 
-def _bake_chunks(net, tokenizer, chunks, ids: list[str], job: BakeJob, root: Path, hooks):
-    """Bake each chunk alone into ``root/chunks/<id>/`` (``--add``): (each chunk's report by
-    id, a summary line per chunk)."""
+def _bake_chunks(net, tokenizer, chunks, ids: list[str], job: ChunkJob, root: Path, hooks):
+    """Bake each chunk alone into ``root/chunks/<id>/`` (``--add``) with ``job``: (each
+    chunk's report by id, a summary line per chunk)."""
     reports, lines = {}, []
-    chunk_job = ChunkJob(job.options, job.held, tuple(job.emit))
     for n, (cid, (name, text)) in enumerate(zip(ids, chunks, strict=True), 1):
         folder = root / CHUNKS_DIR / cid
         folder.mkdir(parents=True)
         hooks.on_stage(f"chunk {n}/{len(chunks)}")
         entry = {"name": cid, "context": text, "file": name}
-        reports[cid] = _bake_one(net, tokenizer, folder, entry, chunk_job, hooks)
+        reports[cid] = _bake_one(net, tokenizer, folder, entry, job, hooks)
         lines.append(_summary(cid, reports[cid]))
     return reports, lines

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ctxc.bake.hooks import BakeHooks
 from ctxc.bake.job import BakeJob, BakeRun, HeldOut
+from ctxc.bake.route import chunk_turns
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
 from ctxc.core.vocabulary import ADDITIVE_METHOD
@@ -36,11 +37,18 @@ __all__ = [
 _PROBE = "What is it about?"
 
 
-def preflight(job: BakeJob, hooks: BakeHooks | None = None) -> None:
+def preflight(job: BakeJob, hooks: BakeHooks | None = None, *, chat_chunks: bool = False) -> None:
     """Refuse, before any model loads, what the request, the tokenizer and the files decide:
     nothing to fit on, an empty context, a context past the model's positions, chat turns
     without a template or that it cannot split. Reads the tokenizer and the config alone (a
     second or two; the bundled model's first run converts it first, once).
+
+    Args:
+        job: the request.
+        hooks: the stage's reporters; None: silent.
+        chat_chunks: each of ``job.chunks`` is the one system turn of its own chat context
+            (a routed chat bake: :func:`~ctxc.bake.route.chunk_turns`), each checked as
+            ``job.messages`` is.
 
     Raises:
         CtxcError: the first problem, in one line.
@@ -64,13 +72,16 @@ def preflight(job: BakeJob, hooks: BakeHooks | None = None) -> None:
 
     on_stage(f"reading the tokenizer of {job.model or 'the bundled model'}")
     directory = model_directory(job.model, on_stage)
-    if job.messages is not None and not declares_chat_template(directory):
+    chat = job.messages is not None or chat_chunks
+    if chat and not declares_chat_template(directory):
         raise CtxcError(NO_TEMPLATE)
     tokenizer = load_tokenizer(job.model, on_stage)
     if job.messages is not None:
         # The context turns' ids are the same whatever user turn follows them.
         ids = split_chat(tokenizer, list(job.messages), _PROBE).context_ids
         lengths = [len(ids)]
+    elif chat_chunks:
+        lengths = [len(split_chat(tokenizer, chunk_turns(t), _PROBE).context_ids) for t in texts]
     else:
         lengths = [len(tokenizer(text).input_ids) for text in texts]
     limit = positions_of(directory)

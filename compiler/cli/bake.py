@@ -83,8 +83,9 @@ _OWN: tuple[tuple[str, Any, Any, str, str], ...] = (
         bool,
         False,
         "--route",
-        "Long documents: cut --context at blank lines into chunks of paragraphs, bake each alone, "
-        "keep a BM25 router (ctxc route DIR --query TEXT picks the chunk's patch).",
+        "Long documents: cut --context (with --chat: the --system file, each chunk a system "
+        "turn) at blank lines into chunks of paragraphs, bake each alone, keep a BM25 router "
+        "(ctxc route DIR --query TEXT picks the chunk's patch).",
     ),
     (
         "chunk_words",
@@ -318,24 +319,20 @@ def _additive(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) ->
 
 
 def _routed(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> None:
-    """``--route``: each chunk of the documents baked alone, a router beside them."""
+    """``--route``: each chunk of the documents baked alone, a router beside them; with
+    ``--chat``, the ``--system`` file's chunks, each baked as ``--chat --system CHUNK`` is."""
     from dataclasses import replace
 
     from ctxc.bake import bake_routed
 
-    if a.chat or job.queries is not None:
-        raise CtxcError(
-            "--route takes --context files and fits each chunk on its own data (no --chat, "
-            "no --queries)"
-        )
+    if job.queries is not None:
+        raise CtxcError("--route fits each chunk on its own data (no --queries)")
     if job.options.method == ADDITIVE_METHOD:
         raise CtxcError("--route bakes each chunk alone: give --method fit or distill")
-    if not contexts:
-        raise CtxcError("missing option '--context' (--route cuts a document into chunks)")
+    named = _route_documents(a, contexts)
     # A chunk's folder holds its patch; artefacts only when asked for (--emit torch writes
     # a model/ per chunk, 283 MB of patched shard each on Gemma 3 270M).
     emit = job.emit if _given(ctx, "emit") else ()
-    named = tuple((p.name, read_context(p)) for p in contexts)
     hooks = replace(
         hooks,
         on_chunks=_say_chunks,
@@ -346,6 +343,7 @@ def _routed(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> N
         replace(job, chunks=named, emit=emit),
         a.chunk_words,
         hooks,
+        chat=a.chat,
         workers=a.workers,
         engine=a.engine,
         address=a.address,
@@ -353,7 +351,40 @@ def _routed(ctx: typer.Context, a: _Args, job, contexts: list[Path], hooks) -> N
     )
     n = len(run.report["chunk_ids"])
     closing = f"wrote {a.out_dir}/ ({n} chunks; ctxc route {a.out_dir} --query TEXT picks one)"
-    _say_all([*run.lines, closing])
+    # Chat chunks: how to feed each chunk's patched model (one template: the same for all).
+    first = run.report["chunks"][run.report["chunk_ids"][0]]
+    _say_all([*run.lines, *_chat_lines(first), closing])
+
+
+def _route_documents(a: _Args, contexts: list[Path]) -> tuple[tuple[str, str], ...]:
+    """``(file name, text)`` of the documents ``--route`` cuts into chunks: the ``--context``
+    files, or with ``--chat`` the one ``--system`` file (read and checked now).
+
+    Raises:
+        CtxcError: no document; with ``--chat``, ``--context``, ``--document`` or
+            ``--messages`` (each chunk is a system turn alone), or no ``--system``; a chat
+            file without ``--chat``.
+    """
+    if not a.chat:
+        chat_input(False, a.system, a.document, a.messages, _PROBE)  # a chat file: refused
+        if not contexts:
+            raise CtxcError("missing option '--context' (--route cuts a document into chunks)")
+        return tuple((p.name, read_context(p)) for p in contexts)
+    for flag, given in (
+        ("--context", contexts),
+        ("--document", a.document),
+        ("--messages", a.messages),
+    ):
+        if given:
+            raise CtxcError(
+                f"--route --chat cuts the --system file into chunks, each chunk a system turn "
+                f"alone: give the document as --system FILE, not {flag}"
+            )
+    if a.system is None:
+        raise CtxcError("--route --chat needs --system FILE (the document cut into chunks)")
+    got = chat_input(True, a.system, None, None, _PROBE)  # the file read as --chat reads it
+    assert got is not None  # with --chat: the turns, or a CtxcError
+    return ((a.system.name, got[0][0]["content"]),)
 
 
 def _say_chunks(p: ChunkProgress) -> None:

@@ -2,8 +2,9 @@
 
 ``ctxc bake --route --context doc.txt --out DIR`` (``compiler/cli/bake.py``; the run is
 ``ctxc.bake.routed``) bakes a long document as one patch per chunk of paragraphs under
-``DIR/chunks/<id>/`` with ``DIR/router.json`` beside them; ``ctxc route DIR --query TEXT``
-prints the folder of the chunk the router (BM25+, ``ctxc.bake.route``) picks.
+``DIR/chunks/<id>/`` with ``DIR/router.json`` beside them (``--route --chat --system doc.txt``:
+each chunk a chat bake, the chunk its system turn); ``ctxc route DIR --query TEXT`` prints the
+folder of the chunk the router (BM25+, ``ctxc.bake.route``) picks, whichever the mode.
 
 No torch import at module level (``ctxc --help`` stays fast).
 """

@@ -66,6 +66,22 @@ def test_router_add_remove_and_file_round_trip(tmp_path) -> None:
         Router(("000", "000"), ("a", "b"), {})
 
 
+def test_a_router_records_chat_chunks(tmp_path) -> None:
+    """A routed chat bake's router says so (``--add`` bakes chat chunks); one written before
+    chat chunks existed (no ``chat``) is a plain one; anything but a boolean is refused."""
+    chat = Router(("000",), ("w1 w2",), {"seed": 0}, emit=("lora",), chat=True)
+    chat.save(tmp_path)
+    assert json.loads((tmp_path / ROUTER_FILE).read_text())["chat"] is True
+    assert Router.load(tmp_path) == chat and chat.added(["001"], ["w3"]).chat
+    doc = json.loads(chat.text())
+    del doc["chat"]
+    (tmp_path / ROUTER_FILE).write_text(json.dumps(doc))
+    assert Router.load(tmp_path).chat is False
+    (tmp_path / ROUTER_FILE).write_text(json.dumps({**doc, "chat": "yes"}))
+    with pytest.raises(CtxcError, match=r"is not a ctxc router \(chat 'yes'\)"):
+        Router.load(tmp_path)
+
+
 def test_a_folder_without_a_router_is_one_line(tmp_path) -> None:
     with pytest.raises(CtxcError, match="not a routed bake"):
         Router.load(tmp_path)

@@ -81,7 +81,16 @@ def test_route_bakes_each_chunk_alone_and_adds_and_removes(tiny_model_dir, tmp_p
     ("args", "message"),
     [
         (["--route", "--context", "{ctx}", "--method", "additive"], "give --method fit or"),
-        (["--route", "--chat", "--system", "{ctx}"], "no --chat, no --queries"),
+        (["--route", "--context", "{ctx}", "--queries", "{ctx}"], "(no --queries)"),
+        # --route --chat: the document is the --system file, each chunk a system turn alone.
+        (["--route", "--chat", "--system", "{ctx}", "--queries", "{ctx}"], "(no --queries)"),
+        (["--route", "--chat", "--system", "{ctx}", "--context", "{ctx}"], "not --context"),
+        (["--route", "--chat", "--system", "{ctx}", "--document", "{ctx}"], "not --document"),
+        (["--route", "--chat", "--messages", "{ctx}"], "as --system FILE, not --messages"),
+        (["--route", "--chat"], "--route --chat needs --system FILE"),
+        (["--route", "--chat", "--system", "{empty}"], "system prompt file is empty"),
+        (["--route", "--context", "{ctx}", "--system", "{ctx}"], "--system applies with --chat"),
+        (["--add", "{routed}", "--context", "{ctx}", "--chat"], "not --chat turns"),
         (["--context", "{ctx}", "--chunk-words", "9"], "--chunk-words goes with --route"),
         (["--route", "--context", "{ctx}", "--chunk-words", "0"], "at least 1"),
         (["--route", "--context", "{empty}"], "context file"),
