@@ -328,7 +328,7 @@ def render(doc: dict, source: str) -> str:
     header = ["runtime", "F1", "kept F1", "gold inside", "answers = model/",
               "ms per request: adapter / base alone / base fed the article",
               "RSS MiB: base -> adapters"]  # fmt: skip
-    return "\n".join(lines) + table(header, rows) + "\n"
+    return "\n".join(lines) + "\n" + table(header, rows) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
