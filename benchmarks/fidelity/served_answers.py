@@ -678,7 +678,8 @@ def _paragraph(args, net, tok, para: dict, f32: Path, shared: dict) -> tuple[dic
     if "past_check" not in baked:
         _past_export(net, out, baked)
         (out / "served_bake.json").write_text(json.dumps(baked, indent=1) + "\n")
-    if "ort-adapter" not in baked["emitted"] and args.ort_atol and "ort_raised" not in baked:
+    raise_ort = "ort-adapter" in args.emit and args.ort_atol  # --emit without it: no onnxruntime
+    if raise_ort and "ort-adapter" not in baked["emitted"] and "ort_raised" not in baked:
         baked["ort_raised"] = _ort_raised(net, out, shared.get("patchable"), args.ort_atol)
         (out / "served_bake.json").write_text(json.dumps(baked, indent=1) + "\n")
     if "files" in baked.get("ort_raised", {}):
