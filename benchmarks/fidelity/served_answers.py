@@ -471,10 +471,18 @@ def summary(doc: dict) -> dict:
     return out
 
 
-def _many_specs(gguf: Path, bakes: list[tuple[dict, dict]], stop, gen: int, timed: int = 0) -> dict:
+def _many_specs(
+    gguf: Path,
+    bakes: list[tuple[dict, dict]],
+    stop,
+    gen: int,
+    timed: int = 0,
+    f32: Path | None = None,
+) -> dict:
     """Check 3's specs: every bake's adapter in one process, each question with its own
     (``timed``: the base model's requests, alone and fed the paragraph, for the first N
-    questions in the interleaved order only; 0: every one)."""
+    questions in the interleaved order only; 0: every one; ``f32``: the base as an F32 GGUF,
+    for ``llama_cpp_f32``: llama.cpp on Transformers' weights, without the quantisation)."""
     common = {"gen": gen, "stop": stop}
     mine, alone, full = [], [], []
     for j in range(max(len(a["alone"]) for _, a in bakes)):  # interleaved: each switches
@@ -507,8 +515,10 @@ def _many_specs(gguf: Path, bakes: list[tuple[dict, dict]], stop, gen: int, time
             "requests": mine + alone + full,
         },
     }
-    for rt, kind in (("peft", "lora"), ("llama_cpp", "gguf-lora")):
-        if None in attach(kind).values():
+    if f32 is not None:
+        specs["llama_cpp_f32"] = {**specs["llama_cpp"], "base": str(f32)}
+    for rt, kind in (("peft", "lora"), ("llama_cpp", "gguf-lora"), ("llama_cpp_f32", "gguf-lora")):
+        if rt in specs and None in attach(kind).values():
             del specs[rt]  # a paragraph without the artefact
     if all("ort-adapter" in baked["files"] for baked, _ in bakes):
         # one session of the first bake's patchable.onnx (every bake's graph is the same);
@@ -536,7 +546,14 @@ def _median_ms(reqs: dict, kind: str, field: str) -> float | None:
 
 
 def many(
-    doc: dict, tok, gguf: Path, bakes: list, threads: int, runtimes=None, timed: int = 0
+    doc: dict,
+    tok,
+    gguf: Path,
+    bakes: list,
+    threads: int,
+    runtimes=None,
+    timed: int = 0,
+    f32: Path | None = None,
 ) -> dict:
     """Check 3: the answers of the many-adapter processes (``runtimes``: those of
     :func:`_many_specs`, None: every one) against each bake's own; ``equal_single`` is None
@@ -544,7 +561,7 @@ def many(
     stop = sorted(tok.all_special_ids)
     pids = list(doc["paragraphs"])
     out: dict = {"adapters": len(bakes), "runtimes": {}, "timed": timed or None}
-    for rt, spec in _many_specs(gguf, bakes, stop, doc["gen_tokens"], timed).items():
+    for rt, spec in _many_specs(gguf, bakes, stop, doc["gen_tokens"], timed, f32).items():
         if runtimes is not None and rt not in runtimes:
             continue
         got = run_child(spec, threads)
@@ -588,7 +605,9 @@ def many(
         row.update({k: got[k] for k in (*keep, "ctxc_imported")})
         # the same process without adapters (PEFT's: plain Transformers), the same base requests
         alone = {**spec, "attach": {}, "requests": [r for r in spec["requests"] if not r["on"]]}
-        plain = run_child({**alone, "runtime": {"peft": "transformers"}.get(rt, rt)}, threads)
+        engine = spec["runtime"]  # llama_cpp_f32's is llama_cpp; PEFT's base: Transformers
+        alone["runtime"] = "transformers" if engine == "peft" else engine
+        plain = run_child(alone, threads)
         if "error" in plain:
             row["base_only"] = {"error": plain["error"]}
         else:
@@ -749,7 +768,7 @@ def _run(args) -> None:
             print(f"  {rt}: {s.get('error') or str(s['equal']) + ' equal to model/'}", flush=True)
     if args.many:
         doc["many"] = many(
-            doc, tok, Path(args.model), bakes, args.threads, args.many_runtimes, args.timed
+            doc, tok, Path(args.model), bakes, args.threads, args.many_runtimes, args.timed, f32
         )
     _write(Path(args.out), doc)
     if args.page:
@@ -1021,8 +1040,8 @@ def main(argv: list[str] | None = None) -> None:
         "--many-runtimes",
         type=lambda v: v.split(","),
         default=None,
-        help="with --many, the runtimes of the one-process runs (peft, llama_cpp, ort; "
-        "default every one)",
+        help="with --many, the runtimes of the one-process runs (peft, llama_cpp, "
+        "llama_cpp_f32: on the base written as F32, ort; default every one)",
     )
     p.add_argument(
         "--emit",
