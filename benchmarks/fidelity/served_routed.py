@@ -55,6 +55,7 @@ from benchmarks.fidelity.served_answers import (
     _last,
     _llama_worker,
     _median_ms,
+    _requests,
     run_child,
 )
 from benchmarks.thought.squad import _gen, _raw, answer_text, chat_split
@@ -103,10 +104,6 @@ def routes(folder: Path, questions: list[str], threads: int) -> list[str]:
             raise SystemExit(f"ctxc route failed: {_last(proc.stderr)}")
         picked.append(Path(proc.stdout.strip().splitlines()[-1]).name)
     return picked
-
-
-def _requests(key: str, on, ids: list[list[int]], gen: bool = True) -> list[dict]:
-    return [{"key": f"{key}/{i}", "on": on, "ids": x, "generate": gen} for i, x in enumerate(ids)]
 
 
 def _answers(tok, reqs: dict, key: str, n: int) -> list[str]:
