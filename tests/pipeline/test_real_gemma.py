@@ -120,12 +120,37 @@ def _short(value: str) -> str:
     return re.sub(r"e([+-])0*(\d)", r"e\1\2", value)
 
 
+# A figure at the float32 rounding floor (max |logit diff|, total variation, the floor itself,
+# the solver's) moves in its last bits with the CPU's kernels: the same code printed 1.34e-05,
+# 1.24e-05 and 1.43e-05 on three hosts. Such a figure is compared within this factor; every
+# other word and number (token counts, blocks, unpatched figures, top-1) exactly.
+_HOST_FACTOR = 2.0
+_FIGURE = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+
+
+def _same_figures(documented: list[str], printed: list[str]) -> str | None:
+    """None when ``documented`` lines say what ``printed`` ones do, figures at the rounding floor
+    (under 1e-3) within :data:`_HOST_FACTOR`; else the first difference, in words."""
+    if len(documented) != len(printed):
+        return f"{len(documented)} lines against {len(printed)}"
+    for doc, run in zip(documented, printed, strict=True):
+        if _FIGURE.sub("#", doc) != _FIGURE.sub("#", run):
+            return f"{doc!r} against {run!r}"
+        for a, b in zip(_FIGURE.findall(doc), _FIGURE.findall(run), strict=True):
+            x, y = float(a), float(b)
+            tiny = max(x, y) < 1e-3 and min(x, y) > 0
+            if (tiny and not 1 / _HOST_FACTOR <= x / y <= _HOST_FACTOR) or (not tiny and a != b):
+                return f"{a} against {b} in {run!r}"
+    return None
+
+
 def test_quick_start_figures_are_what_the_command_prints(quick_start) -> None:
     """The README's quick start (``ctxc compile --context examples/medium.txt --out out`` on
     the bundled model) prints what the README, its table and docs/cli.md's log example say, at
-    the README's thread count (the ``quick_start`` fixture). When the compile changes, regenerate
-    the figures from the command and this passes again; it reads the documents, so it holds no
-    figure itself."""
+    the README's thread count (the ``quick_start`` fixture): every word and count exactly, the
+    figures at the rounding floor within a factor of 2 (they move with the host's CPU kernels).
+    When the compile changes, regenerate the figures from the command and this passes again; it
+    reads the documents, so it holds no figure itself."""
     run, _ = quick_start
     text = README.read_text()
     assert run.returncode == 0, run.stderr
@@ -133,9 +158,11 @@ def test_quick_start_figures_are_what_the_command_prints(quick_start) -> None:
     regenerate = f"regenerate the documents' figures from what the command prints: {printed}"
 
     readme = _indented_block(text, "and printed its figures:")
-    assert readme == printed, f"README's quick start says {readme}; {regenerate}"
+    differ = _same_figures(readme, printed)
+    assert differ is None, f"README's quick start says {differ}; {regenerate}"
     log = _indented_block((ROOT / "docs" / "cli.md").read_text(), "bundled model:")[1:5]
-    assert log == printed, f"docs/cli.md's log example says {log}; {regenerate}"
+    differ = _same_figures(log, printed)
+    assert differ is None, f"docs/cli.md's log example says {differ}; {regenerate}"
 
     numbers = re.compile(r"context (\d+) tokens, query (\d+)").search(printed[0])
     emitted, unpatched = re.search(
@@ -150,7 +177,24 @@ def test_quick_start_figures_are_what_the_command_prints(quick_start) -> None:
         f"unpatched {unpatched})"
     )
     tokens = int(numbers.group(1)) + int(numbers.group(2))
-    assert (int(row.group(1)), row.group(2).strip()) == (tokens, want), (
-        f"README's table row says {row.group(1)} tokens, {row.group(2).strip()!r}; the command "
-        f"prints {tokens} tokens, {want!r}"
+    assert int(row.group(1)) == tokens, (
+        f"README's table row says {row.group(1)} tokens; the command prints {tokens}"
     )
+    differ = _same_figures([row.group(2).strip()], [want])
+    assert differ is None, f"README's table row says {differ}; the command prints {want!r}"
+
+
+def test_same_figures_lets_the_floor_move_and_nothing_else() -> None:
+    """The comparison above lets a figure at the rounding floor move within a factor of 2 and
+    holds every other word and number."""
+    doc = ["context 389 tokens, query 1", "max |logit diff| 1.24e-05 (unpatched: 25.1)"]
+    assert _same_figures(doc, ["context 389 tokens, query 1",
+                               "max |logit diff| 1.43e-05 (unpatched: 25.1)"]) is None  # fmt: skip
+    for changed in (
+        ["context 390 tokens, query 1", doc[1]],
+        [doc[0], "max |logit diff| 3.1e-05 (unpatched: 25.1)"],
+        [doc[0], "max |logit diff| 1.24e-05 (unpatched: 25.2)"],
+        [doc[0], "max |logit diff| 1.24e-05 (unpatched 25.1)"],
+        [doc[0]],
+    ):
+        assert _same_figures(doc, changed) is not None, changed
