@@ -223,22 +223,18 @@ def bake(
     timings["data"] = round(time.perf_counter() - clock, 3)
     fit, extra = None, {}
     if o.method == FIT_METHOD or o.distill_from_fit:
-        if targets is None:
-            clock = time.perf_counter()
-            stage("full runs")
-            targets = cached_fit_targets(model, traced, blocks, data)
-            timings["targets"] = round(time.perf_counter() - clock, 3)
-        if o.off_topic_targets == "none":  # given targets too: replacing twice changes nothing
-            targets = own_targets(model, traced, blocks, data, targets, OFF_TOPIC_KINDS)
+        targets = _fit_targets(model, traced, blocks, data, targets, o, stage, timings)
+        priors = _priors(model, blocks, data, o, stage, timings)
         stage("fitting")
         clock = time.perf_counter()
-        fit = _fit(traced, blocks, targets, data, o, on_block)
+        fit = _fit(traced, blocks, targets, data, o, on_block, priors=priors)
         timings["fit"] = round(time.perf_counter() - clock, 3)
         if o.method == FIT_METHOD and o.on_policy_for(chat is not None):
             clock = time.perf_counter()
             data, targets, fit = _refit_on_policy(
-                model, tokenizer, chat, traced, blocks, data, targets, fit, o, stage, on_block
-            )
+                model, tokenizer, chat, traced, blocks, data, targets, fit, o, stage, on_block,
+                priors,
+            )  # fmt: skip
             timings["on_policy"] = round(time.perf_counter() - clock, 3)
     meta = patch_meta(model, traced.dtype, data, o)
     patch = Patch(fit.deltas, meta) if fit is not None else None
@@ -283,6 +279,7 @@ def _refit_on_policy(
     o: BakeOptions,
     stage,
     on_block,
+    priors=None,
 ) -> tuple[FitData, dict[str, BlockTargets], FitSolution]:
     """The fit again over ``data`` and the patched model's own answers to its questions, read
     by the full-context model (:mod:`ctxc.bake.onpolicy`): (data, targets, fit)."""
@@ -299,14 +296,22 @@ def _refit_on_policy(
         # A refit pass over the new rows alone: their question positions repeat the first
         # fit's rows (the same tokens, the same targets), so only the answers are fitted.
         stage("fitting the on-policy answers")
-        return data, targets, _fit(traced, blocks, mine, data.part(n), o, on_block, fit)
+        return (
+            data,
+            targets,
+            _fit(traced, blocks, mine, data.part(n), o, on_block, fit, priors=priors),
+        )
     targets = joined_targets({p: t.leading(rows) for p, t in targets.items()}, mine)
     stage("fitting again")
     fitted = None
     if o.on_policy_refit == "answers":  # the new rows' questions repeat the first rows: run only
         first_rows = query_rows(data.part(0, n), o.fit_prefix, o.fit_rows == "answers")
         fitted = torch.cat([first_rows, query_rows(data.part(n), o.fit_prefix, True)])
-    return data, targets, _fit(traced, blocks, targets, data, o, on_block, rows=fitted)
+    return (
+        data,
+        targets,
+        _fit(traced, blocks, targets, data, o, on_block, rows=fitted, priors=priors),
+    )
 
 
 def _fit(
@@ -318,10 +323,12 @@ def _fit(
     on_block,
     on_top: FitSolution | None = None,
     rows: torch.Tensor | None = None,
+    priors: dict[str, torch.Tensor] | None = None,
 ) -> FitSolution:
     """:func:`~ctxc.passes.solver.fit_solve.fit_solve` of ``data`` under ``o``; with ``on_top``,
     a refit pass on top of its deltas over ``data``'s answers (its question positions run, not
-    fitted); ``rows`` [N] bool, the fitted positions instead of ``o``'s."""
+    fitted); ``rows`` [N] bool, the fitted positions instead of ``o``'s; ``priors`` the ridge's
+    metrics (:func:`_priors`)."""
     queries = [torch.tensor([data.reduced(i)]) for i in range(len(data.queries))]
     opts = fit_options(o)
     answers = o.fit_rows == "answers" or on_top is not None
@@ -331,8 +338,52 @@ def _fit(
     weights = row_weights(data, o.off_topic_weight)
     start = None if on_top is None else on_top.deltas
     return fit_solve(
-        traced, blocks, targets, queries, opts, on_block, rows, 1 + o.refit_passes, weights, start
+        traced,
+        blocks,
+        targets,
+        queries,
+        opts,
+        on_block,
+        rows,
+        1 + o.refit_passes,
+        weights,
+        start,
+        priors,
     )
+
+
+def _fit_targets(model, traced, blocks, data: FitData, targets, o: BakeOptions, stage, timings):
+    """The fit's targets: the full runs' (``targets`` when given, else recorded, timed into
+    ``timings``), the off-topic rows' replaced by the model's own with
+    ``o.off_topic_targets == "none"``."""
+    if targets is None:
+        clock = time.perf_counter()
+        stage("full runs")
+        targets = cached_fit_targets(model, traced, blocks, data)
+        timings["targets"] = round(time.perf_counter() - clock, 3)
+    if o.off_topic_targets == "none":  # given targets too: replacing twice changes nothing
+        targets = own_targets(model, traced, blocks, data, targets, OFF_TOPIC_KINDS)
+    return targets
+
+
+def _priors(
+    model, blocks, data: FitData, o: BakeOptions, stage, timings: dict[str, float]
+) -> dict[str, torch.Tensor] | None:
+    """The ridge's metric of every linear the fit moves (``o.prior``: :mod:`ctxc.bake.prior`),
+    timed into ``timings``; None at ``o.prior == 0``."""
+    if not o.prior:
+        return None
+    from ctxc.bake.prior import input_priors, moved_linears
+
+    clock = time.perf_counter()
+    stage("the prior: the model's own text")
+    names = moved_linears(blocks, bool(fit_options(o).attention_moves))
+    try:
+        got = input_priors(model, data.prefix, names, o.prior, o.seed)
+    except ValueError as exc:
+        raise OptionError(f"{{prior}}: {exc}") from exc
+    timings["prior"] = round(time.perf_counter() - clock, 3)
+    return got
 
 
 def fit_options(o: BakeOptions) -> FitOptions:

@@ -225,6 +225,11 @@ class BakeOptions:
             (at least 0): each runs the queries again with the patch so far and fits every
             block's remaining error on top of it
             (:func:`~ctxc.passes.solver.fit_solve.fit_solve`).
+        prior: library-only (issue 53, measured on ``benchmarks/thought/noharm.py``): the share
+            (0 to 1) of the second moment of each moved linear's inputs, on the model's own
+            text from its prefix alone, in the metric of that linear's ridge
+            (``ctxc.bake.prior``: MEMIT's covariance term), so a move is charged by what it
+            changes off the context; 0 (default): the plain ridge.
         scale_ridge: library-only: relative ridge of the post-norm scale fit (0.1: best among
             0.01-1).
         fit_prefix: library-only: the prefix positions (BOS, matched to the context's last
@@ -357,6 +362,7 @@ class BakeOptions:
     )
     on_policy_refit: str = _option("all", "fit", None, "", choices=ON_POLICY_REFITS)
     refit_passes: int = _option(0, "fit", None, "")
+    prior: float = _option(0.0, "fit", None, "")
     scale_ridge: float = _option(0.1, "fit", None, "")
     fit_prefix: bool = _option(False, "fit", None, "")
     input_moves: bool = _option(True, "fit", None, "")
@@ -374,6 +380,12 @@ class BakeOptions:
         "--linear-only",
         "fit: move linear weights only, no norm scale (servable: --emit lora,gguf-lora).",
     )
+
+    def _check_prior(self) -> None:
+        if not 0.0 <= self.prior <= 1.0:
+            raise OptionError("{prior} must be between 0 and 1 (got {})", self.prior)
+        if self.prior and self.method != FIT_METHOD:
+            raise OptionError("{prior} is the fit's ridge metric: it needs {method} fit")
 
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
@@ -425,6 +437,7 @@ class BakeOptions:
             )
         if self.on_policy and self.method != FIT_METHOD:
             raise OptionError("{on_policy} refits the fit: it needs {method} fit")
+        self._check_prior()
         if self.off_topic_weight != 1.0 and self.method != FIT_METHOD:
             raise OptionError("{off_topic_weight} weighs the fit's rows: it needs {method} fit")
         if self.method != DISTILL_METHOD:

@@ -7,6 +7,12 @@ reduced-rank ridge regression (the ridge solution projected on the top-R right s
 of its fitted values ``X dW^T``: the best rank-R fit in the data's own metric, better than a
 truncated SVD of ``dW``). With one position, ``lam = 0`` and ``R >= 1`` it is the exact move:
 ``dW = y x^T / ||x||^2``. Pure float32/float64 functions; rows are positions.
+
+A fit may take a prior ``M`` [in, in] for its ridge: ``lam tr(dW M dW^T)`` instead of
+``lam ||dW||^2``. With ``M`` the second moment of the linear's inputs on text unrelated to the
+context, the ridge charges a move by what it changes there, ``E_k ||dW k||^2`` (the covariance
+term of MEMIT, Meng et al. 2023, "Mass-Editing Memory in a Transformer", eq. 14): the patch
+is held to leave the rest alone where the inputs of the rest lie (issue 53).
 """
 
 from __future__ import annotations
@@ -93,12 +99,17 @@ class LsInput:
         self.x = x.double()  # [N, in]
         self.energy = float(self.x.pow(2).sum())
         self._gram: torch.Tensor | None = None
+        self._primal: torch.Tensor | None = None
         self._r: torch.Tensor | None = None
 
-    def gram(self) -> torch.Tensor:
-        """``X^T X`` [in, in] when N > in, else the kernel ``X X^T`` [N, N]."""
+    def gram(self, primal: bool = False) -> torch.Tensor:
+        """``X^T X`` [in, in] when N > in (or ``primal``), else the kernel ``X X^T`` [N, N]."""
+        n, d_in = self.x.shape
+        if primal and n <= d_in:  # the kernel's side is N: the primal Gram is another matrix
+            if self._primal is None:
+                self._primal = self.x.T @ self.x
+            return self._primal
         if self._gram is None:
-            n, d_in = self.x.shape
             self._gram = self.x.T @ self.x if n > d_in else self.x @ self.x.T
         return self._gram
 
@@ -109,7 +120,13 @@ class LsInput:
         return self._r
 
 
-def fit_linear(x: torch.Tensor | LsInput, y: torch.Tensor, opts: FitOptions, what: str) -> LsFit:
+def fit_linear(
+    x: torch.Tensor | LsInput,
+    y: torch.Tensor,
+    opts: FitOptions,
+    what: str,
+    prior: torch.Tensor | None = None,
+) -> LsFit:
     """Reduced-rank ridge regression ``x dW^T ~ y``.
 
     Args:
@@ -118,6 +135,9 @@ def fit_linear(x: torch.Tensor | LsInput, y: torch.Tensor, opts: FitOptions, wha
         y: the wanted change of its output [N, out].
         opts: ridge and rank.
         what: the input's name, for the error message.
+        prior: the ridge's metric ``M`` [in, in], symmetric positive definite with trace
+            ``in`` (so ``opts.ridge`` means what it does without one): the penalty is
+            ``lam tr(dW M dW^T)`` (module docstring). None: the identity.
 
     Returns:
         the :class:`LsFit`.
@@ -133,6 +153,16 @@ def fit_linear(x: torch.Tensor | LsInput, y: torch.Tensor, opts: FitOptions, wha
     lam = opts.ridge * inp.energy / d_in
     full = min(n, d_in, y.shape[1])
     r = full if opts.rank is None else min(opts.rank, full)
+    if prior is not None:
+        # (X^T X + lam M) b = X^T Y: the primal form at any N (the kernel form's identity
+        # becomes M^-1 there); the rank cut and the residual as below.
+        gram = inp.gram(primal=True)  # [in, in]
+        cross = xd.T @ yd  # [in, out]
+        b = _psd_solve(gram, cross, lam, prior.double())  # [in, out]
+        basis = _top_right(inp.r() @ b if y.shape[1] > d_in else xd @ b, r)  # [out, r]
+        u, v = basis, b @ basis  # [out, r], [in, r]
+        rel = residual_from_sums(gram, cross, u, v, float(yd.pow(2).sum()))
+        return LsFit(u.float().contiguous(), v.float().contiguous(), rel)
     if n <= d_in:  # kernel form: dW^T = X^T (X X^T + lam I)^+ Y, the min-norm solution at lam 0
         c = _psd_solve(inp.gram(), yd, lam)  # [N, out]
         b = xd.T @ c  # [in, out]
@@ -175,9 +205,12 @@ def residual_from_sums(
     return max(fitted - 2.0 * inner + energy, 0.0) ** 0.5 / energy**0.5
 
 
-def _psd_solve(a: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
-    """``(a + lam I)^+ b`` for a symmetric PSD ``a`` (pseudo-inverse where singular at lam 0)."""
-    shifted = a + lam * torch.eye(a.shape[0], dtype=a.dtype)
+def _psd_solve(
+    a: torch.Tensor, b: torch.Tensor, lam: float, m: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``(a + lam M)^+ b`` for a symmetric PSD ``a`` and ``M`` (the identity when ``m`` is
+    None; a pseudo-inverse where singular at lam 0)."""
+    shifted = a + lam * (torch.eye(a.shape[0], dtype=a.dtype) if m is None else m)
     if lam > 0:
         # Positive definite: Cholesky is BLAS3 and several times faster than eigh at side 2048.
         chol, info = torch.linalg.cholesky_ex(shifted)

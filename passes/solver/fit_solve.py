@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -177,8 +177,10 @@ class _Fitter:
         rows: torch.Tensor | None,
         start: dict[str, Delta] | None = None,
         weights: torch.Tensor | None = None,
+        priors: Mapping[str, torch.Tensor] | None = None,
     ):
         self.runs, self.targets, self.opts = runs, targets, opts
+        self.priors = priors or {}  # weight name -> its ridge's metric [in, in] (fit_linear)
         self.base_opts = opts  # ``opts`` is this block's (its own rank: rank_per_block)
         self.rows = rows  # [N] bool: the positions that are constraints (None: all)
         # [N'] the square roots of the fitted rows' weights (None: 1 each): a row of weight w
@@ -220,7 +222,7 @@ class _Fitter:
                 self.opts = self._block_options(rank)
             if not self.opts.input_moves:
                 continue
-            fit = fit_linear(shared, want, self.opts, "MLP input z")
+            fit = fit_linear(shared, want, self.opts, "MLP input z", self.priors.get(site.weight))
             self._put(
                 Delta(site.weight, block.path, u=fit.u, v=fit.v, layout=site.layout),
                 block.mlp_in,
@@ -340,7 +342,8 @@ class _Fitter:
         self, path: str, site: LinearSite, x: torch.Tensor, move: torch.Tensor, upto: str, what: str
     ) -> None:
         """Fit ``site``'s move (``x`` [N, in] -> ``move`` [N, out] at the fit rows) and put it."""
-        fit = fit_linear(self._fit_rows(x), self._fit_rows(move), self.opts, what)
+        prior = self.priors.get(site.weight)
+        fit = fit_linear(self._fit_rows(x), self._fit_rows(move), self.opts, what, prior)
         delta = Delta(site.weight, path, u=fit.u, v=fit.v, layout=site.layout)
         self._put(delta, upto, fit.rel_residual)
 
@@ -429,6 +432,7 @@ def fit_solve(
     passes: int = 1,
     weights: torch.Tensor | None = None,
     start: dict[str, Delta] | None = None,
+    priors: Mapping[str, torch.Tensor] | None = None,
 ) -> FitSolution:
     """Fit one patch over every position of every query, block by block (pure).
 
@@ -448,6 +452,9 @@ def fit_solve(
             them (each position's exact move ``y x^T / ||x||^2`` is the same scaled).
         start: deltas to fit on top of, as a refit pass does (its first pass is then a refit
             pass over these queries: each block's remaining error, the moves summed).
+        priors: weight name -> the metric ``M`` [in, in] of that linear's ridge
+            (:func:`~ctxc.passes.solver.fit_moves.fit_linear`'s ``prior``; a bake's
+            ``BakeOptions.prior``: ``ctxc.bake.prior``); a linear not named: the identity.
 
     Returns:
         the :class:`FitSolution` (the figures of the last pass).
@@ -461,7 +468,13 @@ def fit_solve(
     total = passes * len(blocks.blocks)
     for p in range(passes):
         fitter = _Fitter(
-            Lockstep(traced, queries, keep), targets, opts, rows, start=deltas, weights=weights
+            Lockstep(traced, queries, keep),
+            targets,
+            opts,
+            rows,
+            start=deltas,
+            weights=weights,
+            priors=priors,
         )
         stats = []
         with torch.no_grad():
