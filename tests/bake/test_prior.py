@@ -67,9 +67,9 @@ def test_input_priors_are_the_inputs_second_moments(family: str) -> None:
         m = full[name]
         d = m.shape[0]
         assert m.shape == (d, d) and torch.allclose(m, m.T), name
-        assert abs(float(torch.diagonal(m).sum()) - d) < 1e-6 * d, name
-        want = 0.5 * torch.eye(d, dtype=torch.float64) + 0.5 * m
-        assert torch.allclose(half[name], want, atol=1e-10), diff_msg(name, half[name], want)
+        assert abs(float(torch.diagonal(m).sum()) - d) < 1e-4 * d, name
+        want = 0.5 * torch.eye(d) + 0.5 * m
+        assert torch.allclose(half[name], want, atol=1e-6), diff_msg(name, half[name], want)
     assert all(not mod._forward_pre_hooks for mod in model.modules()), "a hook stayed"
     again = input_priors(model, prefix, names, 1.0, seed=0, samples=4, tokens=6)
     assert all(torch.equal(again[n], full[n]) for n in names), "not the same twice"
