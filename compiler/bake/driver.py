@@ -396,6 +396,7 @@ def fit_options(o: BakeOptions) -> FitOptions:
         o.rank_per_block,
         o.moves_attention,
         o.linear_only,
+        o.moved_blocks,
     )
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "CompileOptions",
     "GenerateOptions",
     "bake_fields",
+    "block_slice",
 ]
 
 
@@ -124,6 +125,22 @@ def _option(default: Any, group: str, flag: str | None, help: str, **more: Any) 
     ``ctxc bake`` builds its option from (``flag`` None: library-only). ``more``: ``choices``
     (the vocabulary's dict), ``negative`` (a ``--no-`` form for a tri-state bool)."""
     return field(default=default, metadata={"group": group, "flag": flag, "help": help, **more})
+
+
+def block_slice(spec: str) -> slice:
+    """A ``start:stop`` spec of blocks (``BakeOptions.moved_blocks``) as a slice; ``""``: all.
+
+    Raises:
+        ValueError: a spec that is not ``start:stop`` of integers (either may be left out).
+    """
+    if not spec:
+        return slice(None)
+    parts = spec.split(":")
+    ok = len(parts) == 2 and all(not p.strip() or p.strip().lstrip("-").isdigit() for p in parts)
+    if not ok:
+        raise ValueError(f"{spec!r} is not start:stop (block indices, e.g. 9: or 4:14)")
+    start, stop = (int(p) if p.strip() else None for p in parts)
+    return slice(start, stop)
 
 
 @dataclass(frozen=True)
@@ -230,6 +247,9 @@ class BakeOptions:
             text from its prefix alone, in the metric of that linear's ridge
             (``ctxc.bake.prior``: MEMIT's covariance term), so a move is charged by what it
             changes off the context; 0 (default): the plain ridge.
+        moved_blocks: library-only (issue 53): which blocks the fit moves, a Python slice over
+            their indices (``"9:"``: the tenth block on); the others are run, not moved
+            (``FitOptions.moved_blocks``). ``""`` (default): every block.
         scale_ridge: library-only: relative ridge of the post-norm scale fit (0.1: best among
             0.01-1).
         fit_prefix: library-only: the prefix positions (BOS, matched to the context's last
@@ -363,6 +383,7 @@ class BakeOptions:
     on_policy_refit: str = _option("all", "fit", None, "", choices=ON_POLICY_REFITS)
     refit_passes: int = _option(0, "fit", None, "")
     prior: float = _option(0.0, "fit", None, "")
+    moved_blocks: str = _option("", "fit", None, "")
     scale_ridge: float = _option(0.1, "fit", None, "")
     fit_prefix: bool = _option(False, "fit", None, "")
     input_moves: bool = _option(True, "fit", None, "")
@@ -382,6 +403,12 @@ class BakeOptions:
     )
 
     def _check_prior(self) -> None:
+        try:
+            block_slice(self.moved_blocks)
+        except ValueError as exc:
+            raise OptionError("{moved_blocks}: {}", exc) from exc
+        if self.moved_blocks and self.method != FIT_METHOD:
+            raise OptionError("{moved_blocks} picks the fit's blocks: it needs {method} fit")
         if not 0.0 <= self.prior <= 1.0:
             raise OptionError("{prior} must be between 0 and 1 (got {})", self.prior)
         if self.prior and self.method != FIT_METHOD:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ctxc.core.options import block_slice
 from ctxc.passes.solver.primitive_moves import SCALE_FLOOR, ConditionError, stable_post_norm_target
 
 _NEWTON_STEPS = 60  # safeguarded Newton on F^(-1/2), nearly linear: converges in ~10
@@ -58,6 +59,9 @@ class FitOptions:
             after the attention reaches the full run's before the MLP's moves.
         linear_only: move linear weights only: no post-norm scale (the output move is the
             outer linear's), and a block whose output is set by a norm bias is refused.
+        moved_blocks: which blocks move, a Python slice over their indices in graph order
+            (``"9:"``: the tenth on, ``":9"``: the first nine); the others are run, not moved,
+            and the blocks after them fit what is left. ``""``: every block.
     """
 
     ridge: float = 0.0
@@ -67,6 +71,15 @@ class FitOptions:
     rank_per_block: bool = False
     attention_moves: bool = False
     linear_only: bool = False
+    moved_blocks: str = ""
+
+    def moved(self, n: int) -> range:
+        """The indices of the moved blocks among ``n`` (:attr:`moved_blocks`).
+
+        Raises:
+            ValueError: a spec that is not ``start:stop`` of integers.
+        """
+        return range(n)[block_slice(self.moved_blocks)]
 
 
 @dataclass(frozen=True)

@@ -242,6 +242,24 @@ class _Fitter:
             ranks={p: d.rank for p, d in self.deltas.items() if d.block == block.path and d.rank},
         )
 
+    def skip(self, block: MlpBlock) -> FitBlock:
+        """Run ``block`` without moving it (``FitOptions.moved_blocks``): a refit pass keeps
+        its earlier deltas as they were; its figures say what is left for the next blocks."""
+        self.runs.advance(block.residual_add)
+        self._start_from(block, block.residual_add)
+        for param, before in self.start.items():
+            if before.block == block.path:
+                self.deltas[param] = before
+        y = self.runs.values(block.residual_add).float()  # [N, d]
+        y_c = self.targets[block.path].y.float()  # [N, d]
+        return FitBlock(
+            block.path,
+            {},
+            residual_rms=float((y - y_c).pow(2).mean().sqrt()),
+            target_rms=float(y_c.pow(2).mean().sqrt()),
+            effective_rank=0.0,
+        )
+
     def _start_from(self, block: MlpBlock, upto: str, only: set[str] | None = None) -> None:
         """Put the previous pass's deltas of ``block`` (of ``only``) not yet put: a refit pass
         starts from them. Recomputes up to ``upto`` (call after the advance: it loads the
@@ -477,10 +495,11 @@ def fit_solve(
             priors=priors,
         )
         stats = []
+        moved = set(opts.moved(len(blocks.blocks)))
         with torch.no_grad():
             for i, block in enumerate(blocks.blocks):
                 try:
-                    stats.append(fitter.block(block))
+                    stats.append(fitter.block(block) if i in moved else fitter.skip(block))
                 except ConditionError as exc:
                     raise SolveError(block.path, str(exc)) from exc
                 fitter.runs.drop_before(block.residual_add)
