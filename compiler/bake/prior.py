@@ -67,8 +67,9 @@ def input_priors(
 
     Returns:
         weight name -> ``M`` [in, in] float32, symmetric positive semi-definite (definite
-        below share 1), trace ``in``: one such matrix per moved linear (Gemma 3 270M: about
-        0.4 GB), which is why this stays library-only (measured worse: docs/bake.md).
+        below share 1), trace ``in``: one such matrix per input read (the gate and up
+        projections share theirs; Gemma 3 270M: about 0.4 GB), which is why this stays
+        library-only (measured worse: docs/bake.md).
 
     Raises:
         ValueError: an empty prefix, or a name that is not a module's ``weight``.
@@ -86,13 +87,15 @@ def input_priors(
     rows = sample_continuations(model, list(prefix), samples, tokens, seed + _PRIOR_SEED)
     p = len(prefix)
     sums: dict[str, torch.Tensor] = {}
-    count = 0
+    last: list = [None, None]  # the last input seen and its Gram: gate and up read one tensor
 
     def hook(name: str):
         def record(_module, args) -> None:
-            k = args[0][:, p:].reshape(-1, args[0].shape[-1]).float()  # [b * tokens, in]
-            got = (k.T @ k).double()  # [in, in]
-            sums[name] = got if name not in sums else sums[name] + got
+            x = args[0]
+            if last[0] is not x:  # held, so no other tensor can take its identity meanwhile
+                k = x[:, p:].reshape(-1, x.shape[-1]).float()  # [b * tokens, in]
+                last[:] = [x, (k.T @ k).double()]  # [in, in]
+            sums[name] = last[1]
 
         return record
 
@@ -102,16 +105,19 @@ def input_priors(
         with torch.no_grad():
             ids = torch.tensor([list(prefix) + r for r in rows], device=device)  # [K, p + T]
             model(input_ids=ids, use_cache=False, logits_to_keep=1)
-            count = ids.shape[0] * (ids.shape[1] - p)
     finally:
         for h in handles:
             h.remove()
-    priors = {}
-    for name in names:
-        c = sums[name] / count  # [in, in]: E[k k^T]
+        last.clear()
+    count = len(rows) * tokens
+    metrics: dict[int, torch.Tensor] = {}  # one metric per input, shared by the linears reading it
+    for gram in sums.values():
+        if id(gram) in metrics:
+            continue
+        c = gram / count  # [in, in]: E[k k^T]
         d = c.shape[0]
         trace = float(torch.diagonal(c).sum())
         eye = torch.eye(d, dtype=torch.float64)
         m = eye if trace <= 0 else (1 - share) * eye + share * c * (d / trace)
-        priors[name] = m.float()
-    return priors
+        metrics[id(gram)] = m.float()
+    return {name: metrics[id(sums[name])] for name in names}

@@ -402,7 +402,8 @@ class BakeOptions:
         "fit: move linear weights only, no norm scale (servable: --emit lora,gguf-lora).",
     )
 
-    def _check_prior(self) -> None:
+    def _check_fit_levers(self) -> None:
+        """The library-only levers of the fit's blocks and ridge (issue 53)."""
         try:
             block_slice(self.moved_blocks)
         except ValueError as exc:
@@ -464,7 +465,7 @@ class BakeOptions:
             )
         if self.on_policy and self.method != FIT_METHOD:
             raise OptionError("{on_policy} refits the fit: it needs {method} fit")
-        self._check_prior()
+        self._check_fit_levers()
         if self.off_topic_weight != 1.0 and self.method != FIT_METHOD:
             raise OptionError("{off_topic_weight} weighs the fit's rows: it needs {method} fit")
         if self.method != DISTILL_METHOD:

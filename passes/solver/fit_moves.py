@@ -166,25 +166,18 @@ def fit_linear(
     lam = opts.ridge * inp.energy / d_in
     full = min(n, d_in, y.shape[1])
     r = full if opts.rank is None else min(opts.rank, full)
-    if prior is not None:
-        # (X^T X + lam M) b = X^T Y: the primal form at any N (the kernel form's identity
-        # becomes M^-1 there); the rank cut and the residual as below.
-        gram = inp.gram(primal=True)  # [in, in]
-        cross = xd.T @ yd  # [in, out]
-        b = _psd_solve(gram, cross, lam, prior.double())  # [in, out]
-        basis = _top_right(inp.r() @ b if y.shape[1] > d_in else xd @ b, r)  # [out, r]
-        u, v = basis, b @ basis  # [out, r], [in, r]
-        rel = residual_from_sums(gram, cross, u, v, float(yd.pow(2).sum()))
-        return LsFit(u.float().contiguous(), v.float().contiguous(), rel)
-    if n <= d_in:  # kernel form: dW^T = X^T (X X^T + lam I)^+ Y, the min-norm solution at lam 0
+    if n <= d_in and prior is None:  # kernel form: dW^T = X^T (X X^T + lam I)^+ Y, min-norm at 0
         c = _psd_solve(inp.gram(), yd, lam)  # [N, out]
         b = xd.T @ c  # [in, out]
         fitted = xd @ b  # [N, out]
         # Top-r right singular vectors of the fitted values, from their Gram [out, out] or [N, N].
         basis = _top_right(fitted, r)  # [out, r]
     else:
+        # (X^T X + lam M) b = X^T Y; with a prior the primal form at any N (the kernel form's
+        # identity would become M^-1 there).
+        gram = inp.gram(primal=True)  # [in, in]
         cross = xd.T @ yd  # [in, out]
-        b = _psd_solve(inp.gram(), cross, lam)  # [in, out]
+        b = _psd_solve(gram, cross, lam, None if prior is None else prior.double())  # [in, out]
         if y.shape[1] > d_in:
             # X = Q R, so X b = Q (R b) has the right singular vectors of R b [in, out]: a Gram
             # of side `in` instead of `out` (Gemma's gate/up: 640 instead of 2048; eigh is the
@@ -195,7 +188,7 @@ def fit_linear(
             # N x in x out, as large as the solve's): ||X v u^T - Y||^2 =
             # ||X v||^2 - 2 <X^T Y, v u^T> + ||Y||^2, float64 (rounding ~1e-16 of ||Y||^2).
             return LsFit(u.float().contiguous(), v.float().contiguous(), residual_from_sums(
-                inp.gram(), cross, u, v, float(yd.pow(2).sum())))  # fmt: skip
+                gram, cross, u, v, float(yd.pow(2).sum())))  # fmt: skip
         fitted = xd @ b  # [N, out]
         basis = _top_right(fitted, r)  # [out, r]
     u, v = basis, b @ basis  # [out, r], [in, r]
