@@ -17,7 +17,8 @@ packages = [
     for root, folder in ROOTS.items()
     for name in (root, *(f"{root}.{found}" for found in find_packages(folder)))
 ]
-# HTML templates: a data folder with no __init__.py, shipped through package-data.
-packages.append("ctxc.templates")
+# HTML templates and data files (ctxc.bake.scope's word list): data folders with no
+# __init__.py, shipped through package-data.
+packages += ["ctxc.templates", "ctxc.resources"]
 
 setup(package_dir=ROOTS, packages=packages)

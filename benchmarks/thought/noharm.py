@@ -188,6 +188,36 @@ def _general(frame: Framing, model, start, general: list[dict], patch=None) -> d
     return got
 
 
+def scope_decisions(frame: Framing, para: dict, other: dict, general: list[dict]) -> dict:
+    """Which of paragraph i's checks its bake's scope (``ctxc.bake.scope``, the default
+    threshold) serves with the patch: a list of booleans per check, in the checks' order.
+
+    The gate reads what the user sends, as ``ctxc route --query`` does: a query's text in its
+    form (plain), or the user turn's text (chat); paragraph j and its question for the other
+    document; the other article's opening (its first :data:`TEXT_TOKENS` tokens) off topic.
+    It depends on the texts alone, not on the setting.
+    """
+    from ctxc.bake.scope import Scope
+
+    gate = Scope.of(para["context"])
+    forms = frame.forms
+    asked = [q["question"].strip() for q in para["questions"]]
+    got: dict = {"threshold": gate.threshold, "reading": {}, "general": {}}
+    for form in forms:
+        got["reading"][form] = [gate.admits(forms[form].format(q=q)) for q in asked]
+    for form in ("ctxc", "plain"):
+        got["general"][form] = [gate.admits(forms[form].format(q=g["q"].strip())) for g in general]
+    oq = [q["question"].strip() for q in other["questions"]]
+    if frame.chat:
+        got["other_document"] = [gate.admits(f"{other['context'].strip()}\n\n{q}") for q in oq]
+    else:
+        ask = forms["ctxc"]
+        got["other_document"] = [gate.admits(other["context"] + ask.format(q=q)) for q in oq]
+    ids = list(frame.tok(other["context"], add_special_tokens=False).input_ids)[:TEXT_TOKENS]
+    got["off_topic"] = gate.admits(frame.tok.decode(ids))
+    return got
+
+
 def _refs(frame: Framing, model, para: dict, other: dict, general: list[dict]) -> dict:
     """The setting-independent answers of paragraph i: full and none in every check."""
     full, none = frame.starts(para["context"])
@@ -212,6 +242,7 @@ def _refs(frame: Framing, model, para: dict, other: dict, general: list[dict]) -
         got = answers(model, frame.tok, start, oq, gen=frame.gen)["answers"]
         em, f1 = _f1(got, ogolds)
         ref[key] = {"answers": got, "em": em, "f1": f1}
+    ref["scope"] = scope_decisions(frame, para, other, general)
     return ref
 
 
@@ -315,6 +346,77 @@ def summary(doc: dict, setting: str) -> dict:
         "none_kl": _mean([b["off_topic"]["none_kl"] for b in rows.values()]),
     }
     got["bake_cpu_seconds"] = _mean([b["bake_cpu_seconds"] for b in rows.values()])
+    if all("scope" in r for r in refs):
+        got["scoped"] = _scoped(doc, rows, refs)
+    return got
+
+
+def _pick(on: list[bool], baked: list, none: list) -> list:
+    """The baked model's item where the scope admits the query, the unpatched one's elsewhere."""
+    return [b if a else n for a, b, n in zip(on, baked, none, strict=True)]
+
+
+def _scoped(doc: dict, rows: dict, refs: list[dict]) -> dict:
+    """The figures served with the bake's scope: the patched model on the queries its scope
+    admits, the unpatched one (the references' ``none``, the original alone) on the others;
+    and how many of each check's queries the scope admitted."""
+    pairs = list(zip(refs, rows.values(), strict=True))
+    got: dict = {}
+    for form in _forms(doc):
+        for fig in ("f1", "em"):
+            full = [x for r, _ in pairs for x in r["reading"][f"{form}/full"][fig]]
+            none = [x for r, _ in pairs for x in r["reading"][f"{form}/none"][fig]]
+            mixed = [
+                x
+                for r, b in pairs
+                for x in _pick(
+                    r["scope"]["reading"][form],
+                    b["reading"][form][fig],
+                    r["reading"][f"{form}/none"][fig],
+                )
+            ]
+            f, n, m = (100 * _mean(v) for v in (full, none, mixed))
+            got[f"reading/{form}/{fig}"] = {
+                "baked": m,
+                "kept": (m - n) / (f - n) if f != n else None,
+            }
+        on = [x for r, _ in pairs for x in r["scope"]["reading"][form]]
+        got[f"reading/{form}/in_scope"] = [sum(on), len(on)]
+    for form in ("ctxc", "plain"):
+        full = sum(sum(r["general"][f"{form}/full"]["right"]) for r, _ in pairs)
+        mixed = sum(
+            sum(
+                _pick(
+                    r["scope"]["general"][form],
+                    b["general"][form]["right"],
+                    r["general"][f"{form}/none"]["right"],
+                )
+            )
+            for r, b in pairs
+        )
+        on = [x for r, _ in pairs for x in r["scope"]["general"][form]]
+        got[f"general/{form}"] = {
+            "baked": mixed,
+            "ratio": mixed / full if full else None,
+            "in_scope": [sum(on), len(on)],
+        }
+    orig = [x for r, _ in pairs for x in r["other_document"]["f1"]]
+    mixed_o = [
+        x
+        for r, b in pairs
+        for x in _pick(
+            r["scope"]["other_document"], b["other_document"]["f1"], r["other_document"]["f1"]
+        )
+    ]
+    on = [x for r, _ in pairs for x in r["scope"]["other_document"]]
+    got["other_document"] = {
+        "baked_f1": 100 * _mean(mixed_o),
+        "ratio": _mean(mixed_o) / _mean(orig) if _mean(orig) else None,
+        "in_scope": [sum(on), len(on)],
+    }
+    kls = [b["off_topic"]["baked_kl" if r["scope"]["off_topic"] else "none_kl"] for r, b in pairs]
+    on = [r["scope"]["off_topic"] for r, _ in pairs]
+    got["off_topic"] = {"baked_kl": _mean(kls), "in_scope": [sum(on), len(on)]}
     return got
 
 
@@ -362,6 +464,38 @@ def render(doc: dict, source: str) -> str:
             f"{'-' if o['after_f1'] is None else format(o['after_f1'], '.1f')} | "
             f"{t['baked_kl']:.3f} / {t['none_kl']:.3f} | {s['bake_cpu_seconds']:.0f} |"
         )
+    scoped = [(n, summary(doc, n)) for n, v in doc["settings"].items() if v["paragraphs"]]
+    scoped = [(n, s) for n, s in scoped if "scoped" in s]
+    if scoped:
+        lines += [
+            "",
+            "Served with its scope (`ctxc.bake.scope`, threshold "
+            f"{next(iter(doc['paragraphs'].values()))['scope']['threshold']}; `ctxc route`): "
+            "the baked model answers the queries its paragraph's scope admits and the original "
+            "alone the others (the same runs as above, item by item). In scope: queries "
+            "admitted of those asked.",
+            "",
+            f"| setting | paragraphs | reading F1 kept: {' / '.join(_forms(doc))} | EM kept "
+            "(ctxc) | general right (ratio to full) | other document F1 (ratio) | off-topic KL "
+            "(none) | in scope: own (ctxc) / general / other / off-topic |",
+            "|---|---:|---|---:|---|---|---|---|",
+        ]
+        for setting, s in scoped:
+            c = s["scoped"]
+            kept = " / ".join(k(c[f"reading/{f}/f1"]["kept"]) for f in _forms(doc))
+            g, o, t = c["general/ctxc"], c["other_document"], c["off_topic"]
+
+            def frac(x) -> str:
+                return f"{x[0]}/{x[1]}"
+
+            lines.append(
+                f"| `{setting}` | {s['paragraphs']} | {kept} | {k(c['reading/ctxc/em']['kept'])} "
+                f"| {g['baked']} of {s['general/ctxc']['full']} ({k(g['ratio'])}) | "
+                f"{o['baked_f1']:.1f} of {s['other_document']['original_f1']:.1f} "
+                f"({k(o['ratio'])}) | {t['baked_kl']:.3f} ({s['off_topic']['none_kl']:.3f}) | "
+                f"{frac(c['reading/ctxc/in_scope'])} / {frac(g['in_scope'])} / "
+                f"{frac(o['in_scope'])} / {frac(t['in_scope'])} |"
+            )
     lines += ["", "Reading F1 (full / none / baked) by form:", ""]
     for setting, have in doc["settings"].items():
         if not have["paragraphs"]:
@@ -431,6 +565,21 @@ def _run(args) -> None:
             )
 
 
+def _rescope(args) -> None:
+    """Recompute the scope decisions of every paragraph of ``--out`` (no model loads)."""
+    from ctxc.models.load import load_tokenizer
+
+    out = Path(args.out)
+    doc = json.loads(out.read_text())
+    subset = {p["id"]: p for p in json.loads(DATA.read_text())["paragraphs"]}
+    general = json.loads(GENERAL.read_text())["questions"]
+    frame = Framing(load_tokenizer(args.model), bool(doc.get("chat")))
+    for pid, ref in doc["paragraphs"].items():
+        ref["scope"] = scope_decisions(frame, subset[pid], subset[ref["other"]], general)
+    _write(out, doc)
+    print(f"{len(doc['paragraphs'])} paragraphs' scope decisions written to {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Measure (settings, ``--out``) or render (``--render JSON``: Markdown on stdout)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -441,9 +590,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", help="a model path or GGUF (default: the bundled Gemma 3 270M)")
     p.add_argument("--chat", action="store_true", help="the paragraph as the system turn")
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
+    p.add_argument(
+        "--rescope",
+        action="store_true",
+        help="fill in every paragraph's scope decisions in --out (the tokenizer alone loads)",
+    )
     p.add_argument("settings", nargs="*", help="'default' or name=value,... (BakeOptions)")
     args = p.parse_args(argv)
-    if args.render:
+    if args.rescope:
+        _rescope(args)
+    elif args.render:
         print(render(json.loads(Path(args.render).read_text()), args.render), end="")
     else:
         _run(args)

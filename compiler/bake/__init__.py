@@ -23,15 +23,18 @@ if TYPE_CHECKING:
     from ctxc.bake.folder import evaluate_folder, summary_lines
     from ctxc.bake.hooks import BakeHooks, ChunkProgress
     from ctxc.bake.job import BakeJob, BakeRun, HeldOut
-    from ctxc.bake.route import CHUNK_WORDS, Router
+    from ctxc.bake.route import CHUNK_WORDS, ROUTER_FILE, Router
     from ctxc.bake.routed import CHUNKS_DIR, bake_routed, change_routed, is_routed
     from ctxc.bake.run import bake_additive, bake_into, change_additive, preflight
+    from ctxc.bake.scope import SCOPE_FILE, Scope
     from ctxc.bake.serve import check_servable
     from ctxc.core.options import BakeOptions
 
 __all__ = [
     "CHUNKS_DIR",
     "CHUNK_WORDS",
+    "ROUTER_FILE",
+    "SCOPE_FILE",
     "BakeHooks",
     "BakeJob",
     "BakeOptions",
@@ -40,6 +43,7 @@ __all__ = [
     "ChunkProgress",
     "HeldOut",
     "Router",
+    "Scope",
     "bake",
     "bake_additive",
     "bake_into",
@@ -64,7 +68,10 @@ _LAZY = {
     "BakeRun": "ctxc.bake.job",
     "HeldOut": "ctxc.bake.job",
     "CHUNK_WORDS": "ctxc.bake.route",
+    "ROUTER_FILE": "ctxc.bake.route",
     "Router": "ctxc.bake.route",
+    "Scope": "ctxc.bake.scope",
+    "SCOPE_FILE": "ctxc.bake.scope",
     "CHUNKS_DIR": "ctxc.bake.routed",
     "bake_routed": "ctxc.bake.routed",
     "change_routed": "ctxc.bake.routed",

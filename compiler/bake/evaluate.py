@@ -39,6 +39,7 @@ __all__ = [
     "evaluate",
     "evaluate_against",
     "evaluate_many",
+    "evaluate_scoped",
     "greedy",
     "log_probabilities",
     "position_figures",
@@ -332,6 +333,34 @@ def evaluate_many(
     Returns:
         one :class:`BakeEval` per patch, in order.
     """
+    figs = _figures_many(model, patches, data, gen_tokens, on_query, tokenizer)
+    return [_summarise(f, gen_tokens=gen_tokens) for f in figs]
+
+
+def evaluate_scoped(
+    model: torch.nn.Module,
+    patch: Patch,
+    data: FitData,
+    admitted: list[bool],
+    gen_tokens: int = 32,
+    tokenizer=None,
+) -> tuple[BakeEval, BakeEval, BakeEval]:
+    """The patch, the control, and the two served by a scope: the patched model on the queries
+    ``admitted`` (one per query of ``data``), the unpatched one on the others.
+
+    Returns:
+        ``(patched, control, scoped)``.
+    """
+    if len(admitted) != len(data.queries):
+        raise ValueError(f"{len(admitted)} scope decisions for {len(data.queries)} queries")
+    got, ctl = _figures_many(model, [patch, None], data, gen_tokens, None, tokenizer)
+    mixed = [p if a else c for p, c, a in zip(got, ctl, admitted, strict=True)]
+    patched, control, scoped = (_summarise(f, gen_tokens=gen_tokens) for f in (got, ctl, mixed))
+    return patched, control, scoped
+
+
+def _figures_many(model, patches, data: FitData, gen_tokens: int, on_query, tokenizer):
+    """Each patch's per-query figures on ``data`` (:func:`evaluate_many`'s loop)."""
     figs: list[list[_Figures]] = [[] for _ in patches]
     n, done = len(data.queries), 0
     for sub in chunks(data):
@@ -341,7 +370,7 @@ def evaluate_many(
         done += len(sub.queries)
         if on_query is not None:
             on_query(done, n)
-    return [_summarise(f, gen_tokens=gen_tokens) for f in figs]
+    return figs
 
 
 def chunks(data: FitData) -> list[FitData]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from ctxc.bake.driver import BakeResult, bake_data
 from ctxc.bake.hooks import BakeHooks, OnStage
 from ctxc.bake.job import HeldOut
+from ctxc.bake.scope import SCOPE_FILE, Scope, terms
 from ctxc.core.errors import CtxcError, OptionError
 from ctxc.core.report import REPORT_FILE, write_report
 from ctxc.core.vocabulary import PATCH_FILE
@@ -23,6 +24,7 @@ from ctxc.core.vocabulary import PATCH_FILE
 __all__ = [
     "EVAL_TOKENS",
     "FIT_EVAL",
+    "bake_scope",
     "baked_chat",
     "emit_baked",
     "evaluate_folder",
@@ -60,7 +62,7 @@ def measure_figures(
     Returns:
         set name -> ``{"patched": ..., "control": ...}`` (``BakeEval.to_dict``).
     """
-    from ctxc.bake.evaluate import evaluate_many
+    from ctxc.bake.evaluate import evaluate_scoped
     from ctxc.bake.selfstudy import as_question
 
     data, chat = result.data, result.chat
@@ -90,13 +92,36 @@ def measure_figures(
             0,
         )
     figures = {}
+    gate, ignore = bake_scope(tokenizer, result), _template_words(tokenizer, chat)
     for name, (d, gen) in sets.items():
         if on_stage is not None:
             on_stage(f"evaluating on {name}, {len(d.queries)} queries")
         tok = tokenizer if name == "held_out_questions" else None
-        patched, control = evaluate_many(net, [result.patch, None], d, gen, tokenizer=tok)
-        figures[name] = {"patched": patched.to_dict(), "control": control.to_dict()}
+        texts = [tokenizer.decode(q, skip_special_tokens=True) for q in d.queries]
+        admitted = [gate.admits(t, ignore) for t in texts]
+        patched, control, scoped = evaluate_scoped(net, result.patch, d, admitted, gen, tok)
+        figures[name] = {
+            "patched": patched.to_dict(),
+            "control": control.to_dict(),
+            "scoped": {**scoped.to_dict(), "in_scope": sum(admitted)},
+        }
     return figures
+
+
+def bake_scope(tokenizer, result: BakeResult) -> Scope:
+    """The scope of a bake's context (:mod:`ctxc.bake.scope`): the words of its text (a chat
+    bake's context turns' contents), at the default threshold."""
+    if result.chat is not None:
+        return Scope.of("\n\n".join(str(t.get("content", "")) for t in result.chat.turns))
+    return Scope.of(tokenizer.decode(result.data.context_ids, skip_special_tokens=True))
+
+
+def _template_words(tokenizer, chat) -> frozenset[str]:
+    """The words a chat template writes around a user turn (``user``, ``assistant``): not the
+    user's, so not weighed by the scope. None for plain text."""
+    if chat is None:
+        return frozenset()
+    return terms(tokenizer.decode(chat.turn(""), skip_special_tokens=True))
 
 
 def _off_topic_set(net, tokenizer, result: BakeResult, count: int, seed: int, held_data):
@@ -164,6 +189,9 @@ def write_bake(
     report = result.report
     seed = int(report["options"]["seed"])
     report["figures"] = measure_figures(net, tokenizer, result, held, seed, hooks.on_stage)
+    gate = bake_scope(tokenizer, result)
+    report["scope"] = {"file": SCOPE_FILE, "threshold": gate.threshold, "words": len(gate.words)}
+    gate.save(folder)  # which requests the patch answers: `ctxc route FOLDER --query TEXT`
     result.patch.save(folder / PATCH_FILE)
     artefacts = emit_baked(net, tokenizer, result.patch, folder, kinds, report, hooks)
     return write_report(folder, report, artefacts, under="artefacts")
@@ -263,11 +291,13 @@ def evaluate_folder(
 
 def summary_lines(figures: dict) -> list[str]:
     """A line per measured set, each figure of the patch beside the unpatched model's (named:
-    ``free generation 3.5 tokens (unpatched 4.6)``), then a warning line for a set where the
-    patch did worse than no patch (issue 34)."""
+    ``free generation 3.5 tokens (unpatched 4.6)``) and, where measured, the figures served
+    with the bake's scope (the patch on the queries in scope, no patch on the others); then a
+    warning line for a set where the patch did worse than no patch (issue 34), saying whether
+    its scope keeps that harm away (issue 53)."""
     lines = []
     for name, pair in figures.items():
-        p, c = pair["patched"], pair["control"]
+        p, c, s = pair["patched"], pair["control"], pair.get("scoped")
         gen = (
             f", free generation {p['matched']:.1f} tokens matched (unpatched {c['matched']:.1f})"
             if p["gen_tokens"]
@@ -279,9 +309,18 @@ def summary_lines(figures: dict) -> list[str]:
             f"{name}: KL {p['kl']:.3g} (unpatched {c['kl']:.3g}), top-1 {p['top1']:.1%} "
             f"(unpatched {c['top1']:.1%}){gen}"
         )
+        if s is not None:
+            lines.append(
+                f"  served with its scope ({s['in_scope']} of {s['queries']} queries in scope): "
+                f"KL {s['kl']:.3g}, top-1 {s['top1']:.1%}"
+            )
         bad = worse(p, c)
         if bad:
-            lines.append(f"warning: {name}: the patch did worse than no patch on {bad}")
+            warn = f"warning: {name}: the patch did worse than no patch on {bad}"
+            if s is not None:
+                still = worse(s, c)
+                warn += f"; with its scope, on {still}" if still else "; not with its scope"
+            lines.append(warn)
     return lines
 
 

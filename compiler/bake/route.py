@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from ctxc.bake.scope import THRESHOLD, Scope, terms
 from ctxc.core.errors import CtxcError
 
 __all__ = [
@@ -109,6 +110,9 @@ class Router:
         emit: the ``--emit`` artefacts each chunk's folder holds (a chunk added gets them too).
         chat: each chunk was baked as a chat bake whose system turn it is
             (:func:`chunk_turns`); a chunk added is too.
+        scope: the least coverage (:class:`~ctxc.bake.scope.Scope`) of a question by the
+            document's words for any chunk to answer it; None (a router written before
+            scopes) sends every question to a chunk.
     """
 
     ids: tuple[str, ...]
@@ -117,6 +121,7 @@ class Router:
     chunk_words: int = CHUNK_WORDS
     emit: tuple[str, ...] = ()
     chat: bool = False
+    scope: float | None = THRESHOLD
 
     def __post_init__(self) -> None:
         if len(self.ids) != len(self.texts) or len(set(self.ids)) != len(self.ids):
@@ -136,6 +141,18 @@ class Router:
         (a question with no word of the document goes to the first chunk)."""
         got = self.scores(question)
         return self.ids[max(range(len(got)), key=lambda i: (got[i], -i))]
+
+    def document_scope(self) -> Scope:
+        """The scope of the whole document (every chunk's words) at the router's threshold
+        (0 for a router with none: it admits every question)."""
+        return Scope(terms("\n\n".join(self.texts)), self.scope or 0.0)
+
+    def route(self, question: str) -> str | None:
+        """The id of the chunk ``question`` reads (:meth:`pick`), or None when the document's
+        scope does not admit it: the question is served by the unpatched model."""
+        if self.scope is not None and not self.document_scope().admits(question):
+            return None
+        return self.pick(question)
 
     def added(self, ids: list[str], texts: list[str]) -> Router:
         """This router with chunks appended (a new router; this one unchanged)."""
@@ -167,6 +184,7 @@ class Router:
             "chunk_words": self.chunk_words,
             "emit": list(self.emit),
             "chat": self.chat,
+            "scope": None if self.scope is None else {"threshold": self.scope},
             "chunks": chunks,
         }
         return json.dumps(doc, indent=1) + "\n"
@@ -202,9 +220,25 @@ class Router:
                 int(doc["chunk_words"]),
                 tuple(doc["emit"]),
                 _chat_of(doc),
+                _scope_of(doc),
             )
         except (ValueError, KeyError, TypeError) as exc:
             raise CtxcError(f"{path} is not a ctxc router ({exc})") from None
+
+
+def _scope_of(doc: dict) -> float | None:
+    """``router.json``'s scope threshold (None in a router written before scopes: it gates
+    nothing, as it was baked to).
+
+    Raises:
+        ValueError: a scope that is not ``{"threshold": t}``.
+    """
+    got = doc.get("scope")
+    if got is None:
+        return None
+    if not isinstance(got, dict) or not isinstance(got.get("threshold"), (int, float)):
+        raise ValueError(f"scope {got!r}")
+    return float(got["threshold"])
 
 
 def _chat_of(doc: dict) -> bool:

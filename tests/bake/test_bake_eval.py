@@ -12,6 +12,7 @@ from ctxc.bake.driver import BakeOptions, bake
 from ctxc.bake.evaluate import (
     evaluate_against,
     evaluate_many,
+    evaluate_scoped,
     greedy,
     log_probabilities,
     position_figures,
@@ -87,6 +88,24 @@ def test_evaluate_many_with_shared_log_probabilities_is_each_patch_alone(gen: in
         assert abs(one.kl - want.kl) <= 1e-6 * max(want.kl, 1e-3), diff_msg("KL", one.kl, want.kl)
         assert (one.top1, one.matched_all) == (want.top1, want.matched_all), (one, want)
     assert got[0].kl < got[1].kl, (got[0].kl, got[1].kl)
+
+
+def test_scoped_figures_take_each_query_from_the_patch_or_the_control() -> None:
+    """:func:`evaluate_scoped` (issue 53): every query in scope gives the patch's figures, none
+    the control's, and a mix the patch's matched tokens on the queries in scope, the control's
+    on the others, with KL and top-1 pooled over the positions of each."""
+    model = shared("gemma3")
+    data = _data(90, [3, 7, 5])
+    patch = bake(model, data=data, options=BakeOptions(rank=2, ridge=1e-3)).patch
+    p, c = evaluate_many(model, [patch, None], data, 4)
+    for on, want in (([True] * 3, p), ([False] * 3, c)):
+        got = evaluate_scoped(model, patch, data, on, 4)
+        assert got[0] == p and got[1] == c and got[2] == want, (got, want)
+    _, _, mixed = evaluate_scoped(model, patch, data, [True, False, True], 4)
+    assert mixed.matched_all == [p.matched_all[0], c.matched_all[1], p.matched_all[2]], mixed
+    assert min(p.kl, c.kl) <= mixed.kl <= max(p.kl, c.kl) and mixed.positions == p.positions
+    with pytest.raises(ValueError, match="2 scope decisions for 3 queries"):
+        evaluate_scoped(model, patch, data, [True, False], 4)
 
 
 @pytest.mark.parametrize(("family", "gen"), [("llama", 6), ("gemma3", 6), ("gemma3", 0)])

@@ -140,7 +140,10 @@ def test_routed_chat_bake_resumes_adds_and_routes_in_its_mode(
     assert router.chat and router.emit == ("lora",) and router.texts == DOCUMENTS[:2], router
     for cid, text in zip(router.ids, router.texts, strict=True):
         names = sorted(p.name for p in (out / "chunks" / cid).iterdir())
-        assert names == [".ctxc", "lora", "patch.safetensors", "report.json"], (cid, names)
+        assert names == [".ctxc", "lora", "patch.safetensors", "report.json", "scope.json"], (
+            cid,
+            names,
+        )
         assert _report(out / "chunks" / cid)["chat"]["messages"] == chunk_turns(text)
 
     proc = run_cli("route", "routed", "--query", "How many boxes of nails?", cwd=tmp_path)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from ctxc.bake.scope import Scope
 from tests.fixtures.helpers import run_cli
 
 pytestmark = pytest.mark.tiny
@@ -33,9 +34,14 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert sorted(p.name for p in out.iterdir()) == [
-        ".ctxc", "model", "patch.safetensors", "report.json"
+        ".ctxc", "model", "patch.safetensors", "report.json", "scope.json"
     ]  # fmt: skip
     report = json.loads((out / "report.json").read_text())
+    # Its scope (issue 53): the context's words, the threshold in the report and the file.
+    gate = Scope.load(out)
+    assert report["scope"] == {
+        "file": "scope.json", "threshold": gate.threshold, "words": len(gate.words)
+    } and gate.admits(context.read_text()), report["scope"]  # fmt: skip
     assert report["fit_queries"] == 5 and report["fit_kinds"] == {"file": 3, "sample": 2}
     assert report["options"]["rank"] == 4
     figures = report["figures"]
@@ -47,9 +53,17 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
     answers = figures["held_out_questions"]["patched"]["answers"]
     assert answers is not None and 0.0 <= answers <= 1.0, figures["held_out_questions"]
     for pair in figures.values():
-        p, c = pair["patched"], pair["control"]
-        assert p["positions"] == c["positions"] > 0
+        p, c, s = pair["patched"], pair["control"], pair["scoped"]
+        assert p["positions"] == c["positions"] == s["positions"] > 0
         assert 0.0 <= p["top1"] <= 1.0 and p["kl"] >= 0.0
+        # Served with the scope: the patch's figures where every query is in scope, the
+        # control's where none is.
+        assert 0 <= s["in_scope"] <= s["queries"] == p["queries"], s
+        if s["in_scope"] == s["queries"]:
+            assert (s["kl"], s["top1"]) == (p["kl"], p["top1"]), (s, p)
+        if s["in_scope"] == 0:
+            assert (s["kl"], s["top1"]) == (c["kl"], c["top1"]), (s, c)
+    assert "served with its scope" in proc.stdout, proc.stdout
     fit = figures["fit"]
     assert fit["patched"]["kl"] < fit["control"]["kl"], fit
     # Per block: each move's relative residual, the output residual, the effective rank.

@@ -42,7 +42,10 @@ def test_route_bakes_each_chunk_alone_and_adds_and_removes(tiny_model_dir, tmp_p
     assert router.texts == tuple(p.strip() for p in _DOC.split("\n\n") if p.strip())
     for cid in router.ids:
         names = sorted(p.name for p in (out / "chunks" / cid).iterdir())
-        assert names == [".ctxc", "lora", "patch.safetensors", "report.json"], (cid, names)
+        assert names == [".ctxc", "lora", "patch.safetensors", "report.json", "scope.json"], (
+            cid,
+            names,
+        )
         report = json.loads((out / "chunks" / cid / "report.json").read_text())
         assert report["route"]["chunk"] == cid and report["options"]["rank"] == 8
     assert "3 chunks" in proc.stdout, proc.stdout
@@ -130,5 +133,5 @@ def test_route_on_ray_without_ray_is_one_line(tmp_path, monkeypatch) -> None:
 
 def test_route_of_a_folder_that_is_not_routed_is_one_line(tmp_path) -> None:
     proc = run_cli("route", str(tmp_path), "--query", "what?")
-    assert proc.returncode == 2 and "not a routed bake" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "is not a routed bake" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr

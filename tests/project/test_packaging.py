@@ -42,9 +42,8 @@ def test_wheel_builds_without_warnings_holds_its_data_and_wins_over_a_clone(tmp_
     # The license table and ctxc.templates absent from `packages` each warned on every install.
     assert "Warning" not in log and "deprecated" not in log, log
     names = zipfile.ZipFile(wheel).namelist()
-    assert {"ctxc/templates/inspect.html", "ctxc/py.typed", "ctxc/passes/solver/solve.py"} <= set(
-        names
-    )
+    shipped = {"ctxc/templates/inspect.html", "ctxc/py.typed", "ctxc/passes/solver/solve.py"}
+    assert shipped | {"ctxc/resources/wordfreq_en.tsv.gz"} <= set(names), names
     # setup.py lists the packages from the folders (issue 37): every package folder is shipped,
     # a new backend or stage without a line in pyproject.
     for package, folder in FOLDERS.items():
@@ -61,10 +60,12 @@ def test_wheel_builds_without_warnings_holds_its_data_and_wins_over_a_clone(tmp_
     env = {**os.environ, "PYTHONPATH": str(site)}
     code = (
         "import ctxc; from importlib import resources; print(ctxc.__file__); "
-        "print(len(resources.files('ctxc').joinpath('templates', 'inspect.html').read_text()))"
+        "print(len(resources.files('ctxc').joinpath('templates', 'inspect.html').read_text())); "
+        "from ctxc.bake.scope import rarity; print(rarity('the'))"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=parent, env=env, capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.splitlines()[0] == str(site / "ctxc" / "__init__.py"), proc.stdout
+    assert proc.stdout.splitlines()[2] == "127", proc.stdout  # the word list read from the wheel
