@@ -80,7 +80,7 @@ def terms(text: str) -> frozenset[str]:
 @functools.cache
 def _rarities() -> dict[str, int]:
     """Each listed English word's rarity in centibels below one (read once)."""
-    raw = resources.files("ctxc").joinpath("resources", _WORDS).read_bytes()
+    raw = resources.files("ctxc").joinpath("resources").joinpath(_WORDS).read_bytes()
     got: dict[str, int] = {}
     for line in gzip.decompress(raw).decode("utf-8").splitlines():
         word, cb = line.split("\t")
