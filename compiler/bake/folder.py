@@ -121,7 +121,8 @@ def _template_words(tokenizer, chat) -> frozenset[str]:
     user's, so not weighed by the scope. None for plain text."""
     if chat is None:
         return frozenset()
-    return terms(tokenizer.decode(chat.turn(""), skip_special_tokens=True))
+    probe = "scopeprobe"  # a turn must hold text; the probe's own word is dropped
+    return terms(tokenizer.decode(chat.turn(probe), skip_special_tokens=True)) - {probe}
 
 
 def _off_topic_set(net, tokenizer, result: BakeResult, count: int, seed: int, held_data):

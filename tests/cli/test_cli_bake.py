@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from ctxc.bake.scope import Scope
+from ctxc.bake.scope import Scope, terms
 from tests.fixtures.helpers import run_cli
 
 pytestmark = pytest.mark.tiny
@@ -158,6 +158,9 @@ def test_bake_chat_writes_a_model_asked_through_its_template(tmp_path):
     assert report["fit_kinds"] == {"file": 3, "sample": 2, "on-policy": 3}
     assert report["options"]["on_policy"] is None and "on_policy" in report["timings"]
     turns = chat["messages"]
+    # Its scope holds the context turns' words, not the template's (issue 53).
+    words = Scope.load(out).words
+    assert terms(SYSTEMS[1] + " " + DOCUMENTS[0]) == words, sorted(words)
 
     def turn_length(q: str) -> int:  # the query turn's ids: the whole less the context's
         whole = template_ids(tok, [*turns, {"role": "user", "content": q}])
