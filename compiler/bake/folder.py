@@ -261,7 +261,8 @@ def evaluate_folder(
         hooks: the stage's reporters and model load.
 
     Returns:
-        ``{"held_out": {"patched": ..., "control": ...}}``.
+        ``{"held_out": {"patched": ..., "control": ..., "scoped": ...}}`` (``scoped``: served
+        with the folder's scope, when it has one).
 
     Raises:
         CtxcError: nothing to evaluate on, a bad count, an exact compile's patch, a patch of
@@ -277,7 +278,7 @@ def evaluate_folder(
     patch = Patch.load(folder)
     if not patch.meta.baked:
         raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
-    from ctxc.bake.evaluate import evaluate_many
+    from ctxc.bake.evaluate import evaluate_many, evaluate_scoped
 
     net, tokenizer = hooks.load(model, patch.meta.dtype)
     patch.check(net)
@@ -286,8 +287,20 @@ def evaluate_folder(
         net, tokenizer, patch.meta.context_ids, queries, max(samples, 0), 32, seed, chat=chat
     )
     hooks.on_stage(f"evaluating on {len(data.queries)} queries")
-    patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
-    return {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
+    if not (Path(folder) / SCOPE_FILE).is_file():  # baked before scopes: the patch alone
+        patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
+        return {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
+    gate, ignore = Scope.load(folder), _template_words(tokenizer, chat)
+    texts = [tokenizer.decode(q, skip_special_tokens=True) for q in data.queries]
+    admitted = [gate.admits(t, ignore) for t in texts]
+    patched, control, scoped = evaluate_scoped(net, patch, data, admitted, gen_tokens)
+    return {
+        "held_out": {
+            "patched": patched.to_dict(),
+            "control": control.to_dict(),
+            "scoped": {**scoped.to_dict(), "in_scope": sum(admitted)},
+        }
+    }
 
 
 def summary_lines(figures: dict) -> list[str]:

@@ -80,7 +80,7 @@ def test_bake_writes_patch_report_and_model(tiny_model_dir, texts, tmp_path):
         "--gen-tokens", "3", cwd=tmp_path,
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
-    assert "held_out" in again.stdout
+    assert "held_out" in again.stdout and "served with its scope" in again.stdout, again.stdout
 
 
 @pytest.mark.parametrize(
