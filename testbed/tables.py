@@ -12,6 +12,7 @@ traced to the code that produced it (a ``+dirty`` commit: the tree had uncommitt
 from __future__ import annotations
 
 import datetime
+import functools
 import shlex
 import subprocess
 import sys
@@ -38,8 +39,11 @@ def _git(*args: str) -> str | None:
     return proc.stdout.strip() if proc.returncode == 0 else None
 
 
+@functools.cache
 def commit() -> str:
-    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it.
+    """``git rev-parse --short HEAD``, with ``+dirty`` when tracked files differ from it, read
+    once a process: a benchmark's rows ran the code it imported, not what a commit made later
+    while it ran (a run that outlived two commits stamped its last rows with them).
 
     Returns:
         the short hash, or ``unknown`` outside a git checkout (an unpacked sdist).

@@ -521,6 +521,8 @@ def _run(args) -> None:
     from ctxc.cli.support import load
     from ctxc.store.traced import traced_blocks
 
+    commit()  # read once, now: the rows are stamped with the code this process imported
+
     general = json.loads(GENERAL.read_text())["questions"]
     subset = json.loads(DATA.read_text())["paragraphs"]
     chosen = subset[args.skip : args.paragraphs]

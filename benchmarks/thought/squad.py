@@ -293,6 +293,7 @@ def _run(args) -> None:
     from ctxc.cli.support import load
     from ctxc.store.traced import traced_blocks
 
+    commit()  # read once, now: the rows are stamped with the code this process imported
     settings = args.settings or ["default"]
     subset = json.loads(DATA.read_text())["paragraphs"][: args.paragraphs]
     subset = subset[args.skip :]  # another process takes the first ones (--merge joins them)
