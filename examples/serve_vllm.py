@@ -11,7 +11,10 @@ On a GPU machine with vLLM installed (``pip install vllm``), after baking servab
 Each ``lora/`` folder is a PEFT adapter vLLM loads by path (``LoRARequest(name, id, path)``); for a
 routed bake, ``ctxc route`` (``Router.pick``, BM25 over the chunks) names the chunk that answers
 each question (over several routed bakes, the best-scoring chunk of all); a question ``NAME::TEXT``
-names its adapter (a bake folder's name, or ``folder/chunk``). The engine starts with
+names its adapter (a bake folder's name, or ``folder/chunk``). A question outside every bake's
+scope (``ctxc.bake.scope``: too little of its word information is in the document; ``ctxc
+route`` prints ``none``) is sent with no adapter: the base model answers it, and no document's
+patch harms it (issue 53). The engine starts with
 ``enable_lora=True``, ``max_lora_rank`` the adapters' rank rounded up to one vLLM takes (8 ...
 512), ``max_loras`` how many adapters one batch may mix, and answers greedily in ctxc's question
 form (``Question: ...\\nAnswer:``, the form the bake was fitted on) without the document.
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ctxc.backends.peft.facts import MAX_LORA_RANKS
-from ctxc.bake import CHUNKS_DIR, Router, is_routed
+from ctxc.bake import CHUNKS_DIR, SCOPE_FILE, Router, Scope, is_routed
 
 QUESTION_FORM = "Question: {question}\nAnswer:"  # ctxc's own (ctxc.bake.selfstudy)
 ANSWER_TOKENS = 16
@@ -44,9 +47,10 @@ class Request:
     """One question and the adapter that answers it."""
 
     prompt: str  # the question in ctxc's form
-    adapter: str  # the adapter's name: the bake folder's, and its chunk's for a routed bake
-    path: Path  # its lora/ folder
-    lora_id: int  # vLLM's integer id of the adapter (from 1, one per adapter)
+    adapter: str | None  # the adapter's name (the bake folder's, and its chunk's for a routed
+    # bake), or None: outside every bake's scope, the base model answers
+    path: Path | None  # its lora/ folder
+    lora_id: int | None  # vLLM's integer id of the adapter (from 1, one per adapter)
 
 
 def adapters(bake: Path) -> dict[str, Path]:
@@ -57,10 +61,12 @@ def adapters(bake: Path) -> dict[str, Path]:
     return {bake.name: bake / "lora"}
 
 
-def pick(bakes: list[Path], question: str) -> tuple[str, str]:
+def pick(bakes: list[Path], question: str) -> tuple[str | None, str]:
     """The adapter that answers ``question`` and the question: ``NAME::TEXT`` names it (a bake
     folder's name, or ``folder/chunk``); else the routed bakes' chunk with the best BM25 score
-    (``Router.scores``; the first on a tie); else the one bake given."""
+    (``Router.scores``; the first on a tie) among the bakes whose scope admits the question
+    (``Router.route``); else the one bake given, if its ``scope.json`` admits it; None: no
+    adapter."""
     name, sep, text = question.partition("::")
     if sep:
         return name.strip(), text
@@ -68,10 +74,14 @@ def pick(bakes: list[Path], question: str) -> tuple[str, str]:
     if not routed:
         if len(bakes) != 1:
             raise SystemExit(f"name the bake that answers {question!r}: --question NAME::TEXT")
-        return bakes[0].name, question
-    best, got = float("-inf"), ""
+        scope = bakes[0] / SCOPE_FILE
+        admitted = not scope.is_file() or Scope.load(bakes[0]).admits(question)
+        return (bakes[0].name if admitted else None), question
+    best, got = float("-inf"), None
     for bake in routed:
         router = Router.load(bake)
+        if router.route(question) is None:
+            continue
         for chunk, score in zip(router.ids, router.scores(question), strict=True):
             if score > best:
                 best, got = score, f"{bake.name}/{chunk}"
@@ -85,9 +95,12 @@ def requests(bakes: list[Path], questions: list[str]) -> list[Request]:
     out = []
     for q in questions:
         name, text = pick(bakes, q)
+        prompt = QUESTION_FORM.format(question=text.strip())
+        if name is None:
+            out.append(Request(prompt, None, None, None))
+            continue
         if name not in named:
             raise SystemExit(f"no adapter {name!r} (the bakes hold {', '.join(named)})")
-        prompt = QUESTION_FORM.format(question=text.strip())
         out.append(Request(prompt, name, named[name], ids[name]))
     return out
 
@@ -115,17 +128,17 @@ def main(argv: list[str] | None = None) -> list[str]:
     llm = LLM(
         model=args.base,
         enable_lora=True,
-        max_lora_rank=lora_rank([r.path for r in asked]),
+        max_lora_rank=lora_rank([r.path for r in asked if r.path is not None]),
         max_loras=args.max_loras,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER_TOKENS)
     answers = []
     for r in asked:
-        lora = LoRARequest(r.adapter, r.lora_id, str(r.path))
+        lora = None if r.path is None else LoRARequest(r.adapter, r.lora_id, str(r.path))
         (out,) = llm.generate([r.prompt], greedy, lora_request=lora)
         answer = out.outputs[0].text.split("\n")[0].strip()
         answers.append(answer)
-        print(f"[{r.adapter}] {r.prompt.splitlines()[0]} -> {answer}")
+        print(f"[{r.adapter or 'base model'}] {r.prompt.splitlines()[0]} -> {answer}")
     return answers
 
 

@@ -230,7 +230,8 @@ def test_the_vllm_recipe_asks_each_question_through_its_adapter(gguf_bake, tmp_p
     """``examples/serve_vllm.py`` checked without vLLM (issue 54): a stand-in ``vllm`` records
     the engine's arguments and each request; every adapter the script names passes vLLM's
     adapter rules, at a ``max_lora_rank`` vLLM takes; a routed bake's question goes to the
-    chunk ``Router.pick`` names, a ``NAME::`` question to the adapter it names."""
+    chunk ``Router.pick`` names, a ``NAME::`` question to the adapter it names, a question
+    outside every bake's scope to no adapter (the base model)."""
     import importlib.util
     import sys
     import types
@@ -272,13 +273,15 @@ def test_the_vllm_recipe_asks_each_question_through_its_adapter(gguf_bake, tmp_p
         for name, module in stand_ins.items():
             m.setitem(sys.modules, name, module)
         questions = ["What is the mill?", "Where is the harbour?", f"{b.out.name}::Who?"]
+        questions.append("What is the capital of Japan?")  # outside every scope: no adapter
         args = ["--base", "base-model", "--bake", str(routed), "--bake", str(b.out)]
         answers = script.main([*args, *(x for q in questions for x in ("--question", q))])
     engine = seen["engine"]
     assert engine["enable_lora"] is True and engine["model"] == "base-model", engine
     assert engine["max_lora_rank"] == 16 and 16 in MAX_LORA_RANKS, engine
-    assert answers == ["the answer"] * 3, answers
-    got = [(prompts[0], lora) for prompts, _, lora in seen["asked"]]
+    assert answers == ["the answer"] * 4, answers
+    *got, (outside, none) = [(prompts[0], lora) for prompts, _, lora in seen["asked"]]
+    assert (outside, none) == ("Question: What is the capital of Japan?\nAnswer:", None)
     want = [("What is the mill?", "article/001", 2), ("Where is the harbour?", "article/000", 1)]
     want.append(("Who?", b.out.name, 3))
     for (prompt, lora), (question, name, lora_id) in zip(got, want, strict=True):
