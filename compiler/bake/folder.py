@@ -46,7 +46,13 @@ _OFF_TOPIC_SEED = 5
 
 
 def measure_figures(
-    net, tokenizer, result: BakeResult, held: HeldOut, seed: int, on_stage: OnStage | None = None
+    net,
+    tokenizer,
+    result: BakeResult,
+    held: HeldOut,
+    seed: int,
+    on_stage: OnStage | None = None,
+    scope: Scope | None = None,
 ) -> dict:
     """The patch's figures beside the unpatched control's: the fit data's first
     :data:`FIT_EVAL` queries and every held-out set (held-out questions get the
@@ -58,6 +64,8 @@ def measure_figures(
         held: the held-out sets.
         seed: the bake's seed (held-out samples draw with ``seed + 1``).
         on_stage: called with each set's name before it is measured.
+        scope: the scope the ``scoped`` figures are served with (None: the bake's context's,
+            :func:`bake_scope`).
 
     Returns:
         set name -> ``{"patched": ..., "control": ...}`` (``BakeEval.to_dict``).
@@ -92,7 +100,8 @@ def measure_figures(
             0,
         )
     figures = {}
-    gate, ignore = bake_scope(tokenizer, result), _template_words(tokenizer, chat)
+    gate = scope if scope is not None else bake_scope(tokenizer, result)
+    ignore = _template_words(tokenizer, chat)
     for name, (d, gen) in sets.items():
         if on_stage is not None:
             on_stage(f"evaluating on {name}, {len(d.queries)} queries")

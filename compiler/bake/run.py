@@ -20,6 +20,7 @@ from pathlib import Path
 from ctxc.bake.hooks import BakeHooks
 from ctxc.bake.job import BakeJob, BakeRun, HeldOut
 from ctxc.bake.route import chunk_turns
+from ctxc.bake.scope import SCOPE_FILE, Scope
 from ctxc.core.errors import CtxcError
 from ctxc.core.options import BakeOptions
 from ctxc.core.vocabulary import ADDITIVE_METHOD
@@ -163,7 +164,8 @@ def bake_additive(job: BakeJob, hooks: BakeHooks | None = None) -> BakeRun:
                 on_stage=on_stage,
                 on_block=on_block,
             )
-        report, lines = _write_chunks(net, tokenizer, got, tmp, job.emit, job.held, hooks)
+        gate = Scope.of("\n\n".join(text for _, text in job.chunks))
+        report, lines = _write_chunks(net, tokenizer, got, tmp, job.emit, job.held, hooks, gate)
     return BakeRun(Path(job.out), report, lines)
 
 
@@ -230,7 +232,14 @@ def change_additive(
                     on_block=on_block,
                 )
         held = held if held is not None else HeldOut()
-        report, lines = _write_chunks(net, tokenizer, got, tmp, emit, held, hooks)
+        # The patch answers every chunk kept: the scope gains a new chunk's words; a removed
+        # chunk's words stay (a word may be another chunk's too): it admits at least as much.
+        gate = Scope.load(folder) if (Path(folder) / SCOPE_FILE).is_file() else None
+        for _, text in chunks:
+            gate = Scope.of(text) if gate is None else gate.union(Scope.of(text))
+        if gate is None:  # a folder baked before scopes, a chunk removed: none to keep
+            gate = Scope(frozenset(), 0.0)
+        report, lines = _write_chunks(net, tokenizer, got, tmp, emit, held, hooks, gate)
     return BakeRun(Path(folder), report, lines)
 
 
@@ -238,9 +247,10 @@ def _tuple(items: Sequence[str] | None) -> tuple[str, ...] | None:
     return tuple(items) if items is not None else None
 
 
-def _write_chunks(net, tokenizer, got, tmp: Path, emit, held, hooks: BakeHooks):
-    """Write an additive bake's patch, statistics, artefacts and report: (the report, its
-    summary lines). The figures are the last chunk gathered's; none after a removal."""
+def _write_chunks(net, tokenizer, got, tmp: Path, emit, held, hooks: BakeHooks, gate: Scope):
+    """Write an additive bake's patch, statistics, scope (``gate``: every chunk's words),
+    artefacts and report: (the report, its summary lines). The figures are the last chunk
+    gathered's (served with the whole scope); none after a removal."""
     from ctxc.bake.driver import BakeResult
     from ctxc.bake.folder import emit_baked, measure_figures, summary_lines
     from ctxc.bake.statistics import STATS_FILE
@@ -253,9 +263,13 @@ def _write_chunks(net, tokenizer, got, tmp: Path, emit, held, hooks: BakeHooks):
     if got.data is not None:
         result = BakeResult(got.patch, got.data, None, report)
         seed = int(report["options"]["seed"])
-        report["figures"] = measure_figures(net, tokenizer, result, held, seed, hooks.on_stage)
+        report["figures"] = measure_figures(
+            net, tokenizer, result, held, seed, hooks.on_stage, scope=gate
+        )
         report["figures_chunk"] = report["chunks"][-1]["id"]
         lines += summary_lines(report["figures"])
+    report["scope"] = {"file": SCOPE_FILE, "threshold": gate.threshold, "words": len(gate.words)}
+    gate.save(tmp)
     got.patch.save(tmp / PATCH_FILE)
     got.stats.save(tmp / STATS_FILE)
     artefacts = emit_baked(net, tokenizer, got.patch, tmp, emit, report, hooks)

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from ctxc.bake.scope import Scope, terms
 from ctxc.patch import Patch
 from tests.fixtures.extras import needs_extra
 from tests.fixtures.helpers import run_cli
@@ -47,11 +48,16 @@ def test_add_and_remove_chunks(tiny_model_dir, tmp_path) -> None:
     assert rel == 0.0, f"one by one vs together: max relative difference {rel:.3g}"
     report = json.loads((alone / "report.json").read_text())
     assert [c["name"] for c in report["chunks"]] == ["c0.txt", "c1.txt", "c2.txt"]
+    # The scope (issue 53): every chunk's words, added one by one as baked together.
+    words = Scope.load(together).words
+    assert Scope.load(alone).words == words == terms(" ".join(f.read_text() for f in files))
+    assert "served with its scope" in proc.stdout, proc.stdout
     for f in files[:0:-1]:
         proc = run_cli("bake", *model, "--remove", str(alone), "--chunk", f.name)
         assert proc.returncode == 0, proc.stderr
     rel = _max_rel(Patch.load(alone), one)
     assert rel <= 1e-6, f"removing the chunks: max relative difference {rel:.3g} > 1e-6"
+    assert Scope.load(alone).words == words  # a removed chunk's words stay (a superset)
 
 
 @pytest.mark.parametrize(
