@@ -29,6 +29,7 @@ __all__ = [
     "emit_baked",
     "evaluate_folder",
     "measure_figures",
+    "save_scope",
     "summary_lines",
     "worse",
     "write_bake",
@@ -70,7 +71,6 @@ def measure_figures(
     Returns:
         set name -> ``{"patched": ..., "control": ...}`` (``BakeEval.to_dict``).
     """
-    from ctxc.bake.evaluate import evaluate_scoped
     from ctxc.bake.selfstudy import as_question
 
     data, chat = result.data, result.chat
@@ -101,20 +101,30 @@ def measure_figures(
         )
     figures = {}
     gate = scope if scope is not None else bake_scope(tokenizer, result)
-    ignore = _template_words(tokenizer, chat)
     for name, (d, gen) in sets.items():
         if on_stage is not None:
             on_stage(f"evaluating on {name}, {len(d.queries)} queries")
-        tok = tokenizer if name == "held_out_questions" else None
-        texts = [tokenizer.decode(q, skip_special_tokens=True) for q in d.queries]
-        admitted = [gate.admits(t, ignore) for t in texts]
-        patched, control, scoped = evaluate_scoped(net, result.patch, d, admitted, gen, tok)
-        figures[name] = {
-            "patched": patched.to_dict(),
-            "control": control.to_dict(),
-            "scoped": {**scoped.to_dict(), "in_scope": sum(admitted)},
-        }
+        answers = name == "held_out_questions"  # its answer-agreement figure
+        figures[name] = _scoped_figures(net, tokenizer, result.patch, d, gen, gate, chat, answers)
     return figures
+
+
+def _scoped_figures(net, tokenizer, patch, data, gen: int, gate: Scope, chat, answers: bool):
+    """``{"patched", "control", "scoped"}`` figures of ``patch`` on ``data``: ``scoped`` with
+    the patch on the queries ``gate`` admits (their decoded text, a chat template's words
+    ignored) and the control elsewhere, with ``in_scope`` (how many)."""
+    from ctxc.bake.evaluate import evaluate_scoped
+
+    ignore = _template_words(tokenizer, chat)
+    texts = [tokenizer.decode(q, skip_special_tokens=True) for q in data.queries]
+    admitted = [gate.admits(t, ignore) for t in texts]
+    tok = tokenizer if answers else None
+    patched, control, scoped = evaluate_scoped(net, patch, data, admitted, gen, tok)
+    return {
+        "patched": patched.to_dict(),
+        "control": control.to_dict(),
+        "scoped": {**scoped.to_dict(), "in_scope": sum(admitted)},
+    }
 
 
 def bake_scope(tokenizer, result: BakeResult) -> Scope:
@@ -198,13 +208,25 @@ def write_bake(
     """
     report = result.report
     seed = int(report["options"]["seed"])
-    report["figures"] = measure_figures(net, tokenizer, result, held, seed, hooks.on_stage)
     gate = bake_scope(tokenizer, result)
-    report["scope"] = {"file": SCOPE_FILE, "threshold": gate.threshold, "words": len(gate.words)}
-    gate.save(folder)  # which requests the patch answers: `ctxc route FOLDER --query TEXT`
+    report["figures"] = measure_figures(
+        net, tokenizer, result, held, seed, hooks.on_stage, scope=gate
+    )
+    save_scope(folder, report, gate)
     result.patch.save(folder / PATCH_FILE)
     artefacts = emit_baked(net, tokenizer, result.patch, folder, kinds, report, hooks)
     return write_report(folder, report, artefacts, under="artefacts")
+
+
+def save_scope(folder: Path, report: dict, gate: Scope) -> None:
+    """Write ``folder/scope.json`` (which requests the patch answers: ``ctxc route FOLDER
+    --query TEXT``) and the report's ``scope`` entry.
+
+    Side effects:
+        writes the file; sets ``report["scope"]``.
+    """
+    report["scope"] = {"file": SCOPE_FILE, "threshold": gate.threshold, "words": len(gate.words)}
+    gate.save(folder)
 
 
 def emit_baked(net, tokenizer, patch, folder: Path, kinds, report: dict, hooks: BakeHooks) -> dict:
@@ -287,7 +309,7 @@ def evaluate_folder(
     patch = Patch.load(folder)
     if not patch.meta.baked:
         raise CtxcError(f"{folder} holds an exact compile's patch, not a baked one")
-    from ctxc.bake.evaluate import evaluate_many, evaluate_scoped
+    from ctxc.bake.evaluate import evaluate_many
 
     net, tokenizer = hooks.load(model, patch.meta.dtype)
     patch.check(net)
@@ -299,17 +321,8 @@ def evaluate_folder(
     if not (Path(folder) / SCOPE_FILE).is_file():  # baked before scopes: the patch alone
         patched, control = evaluate_many(net, [patch, None], data, gen_tokens)
         return {"held_out": {"patched": patched.to_dict(), "control": control.to_dict()}}
-    gate, ignore = Scope.load(folder), _template_words(tokenizer, chat)
-    texts = [tokenizer.decode(q, skip_special_tokens=True) for q in data.queries]
-    admitted = [gate.admits(t, ignore) for t in texts]
-    patched, control, scoped = evaluate_scoped(net, patch, data, admitted, gen_tokens)
-    return {
-        "held_out": {
-            "patched": patched.to_dict(),
-            "control": control.to_dict(),
-            "scoped": {**scoped.to_dict(), "in_scope": sum(admitted)},
-        }
-    }
+    gate = Scope.load(folder)
+    return {"held_out": _scoped_figures(net, tokenizer, patch, data, gen_tokens, gate, chat, False)}
 
 
 def summary_lines(figures: dict) -> list[str]:

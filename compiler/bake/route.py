@@ -32,7 +32,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ctxc.bake.scope import THRESHOLD, Scope, terms
+from ctxc.bake.scope import THRESHOLD, Scope, terms, words
 from ctxc.core.errors import CtxcError
 
 __all__ = [
@@ -52,11 +52,6 @@ CHUNKS_DIR = "chunks"  # a routed bake's chunk folders: DIR/chunks/<id>/
 # one chunk whole (never cut inside).
 CHUNK_WORDS = 200
 _FORMAT = "ctxc-router/1"
-
-
-def words(text: str) -> list[str]:
-    """BM25's terms: the lower-cased word characters' runs (``\\w+``) of ``text``."""
-    return re.findall(r"\w+", text.lower())
 
 
 def split_chunks(text: str, max_words: int = CHUNK_WORDS) -> list[str]:

@@ -252,7 +252,7 @@ def _write_chunks(net, tokenizer, got, tmp: Path, emit, held, hooks: BakeHooks, 
     artefacts and report: (the report, its summary lines). The figures are the last chunk
     gathered's (served with the whole scope); none after a removal."""
     from ctxc.bake.driver import BakeResult
-    from ctxc.bake.folder import emit_baked, measure_figures, summary_lines
+    from ctxc.bake.folder import emit_baked, measure_figures, save_scope, summary_lines
     from ctxc.bake.statistics import STATS_FILE
     from ctxc.core.report import write_report
     from ctxc.core.vocabulary import PATCH_FILE
@@ -268,8 +268,7 @@ def _write_chunks(net, tokenizer, got, tmp: Path, emit, held, hooks: BakeHooks, 
         )
         report["figures_chunk"] = report["chunks"][-1]["id"]
         lines += summary_lines(report["figures"])
-    report["scope"] = {"file": SCOPE_FILE, "threshold": gate.threshold, "words": len(gate.words)}
-    gate.save(tmp)
+    save_scope(tmp, report, gate)
     got.patch.save(tmp / PATCH_FILE)
     got.stats.save(tmp / STATS_FILE)
     artefacts = emit_baked(net, tokenizer, got.patch, tmp, emit, report, hooks)

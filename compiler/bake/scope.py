@@ -57,6 +57,7 @@ __all__ = [
     "Scope",
     "rarity",
     "terms",
+    "words",
 ]
 
 SCOPE_FILE = "scope.json"
@@ -72,9 +73,15 @@ THRESHOLD = 0.15
 _WORDS = "wordfreq_en.tsv.gz"
 
 
+def words(text: str) -> list[str]:
+    """The lower-cased word characters' runs (``\\w+``) of ``text``: the router's BM25 terms
+    and the scope's words."""
+    return re.findall(r"\w+", text.lower())
+
+
 def terms(text: str) -> frozenset[str]:
-    """The distinct lower-cased ``\\w+`` runs of ``text`` (the router's words, as a set)."""
-    return frozenset(re.findall(r"\w+", text.lower()))
+    """The distinct :func:`words` of ``text``."""
+    return frozenset(words(text))
 
 
 @functools.cache
