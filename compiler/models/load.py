@@ -281,10 +281,19 @@ def load_tokenizer(spec: str | None, on_stage: Callable[[str], None] | None = No
 
     directory = model_directory(spec, on_stage)
     try:
-        return AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0]
         raise CtxcError(f"cannot load the tokenizer of {spec!r}: {first}") from exc
+    _handed[str(directory)] = tokenizer
+    return tokenizer
+
+
+# The tokenizer load_tokenizer read last, per model folder, handed to that folder's next model
+# load once instead of read again: a command checks the tokenizer before it loads the model,
+# and a 262k-token vocabulary takes 2-3 s to read (py-spy, issue 55). Popped when used, so no
+# two model loads share one tokenizer.
+_handed: dict[str, Any] = {}
 
 
 def gguf_chat_template(path: Path) -> str | None:
@@ -321,7 +330,9 @@ def _load_directory(
             kwargs["device_map"] = block_device_map(
                 directory, dtype, placement.device_map, kwargs.get("max_memory")
             )
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        tokenizer = _handed.pop(str(directory), None) or AutoTokenizer.from_pretrained(
+            str(directory)
+        )
         auto = auto_model_class(AutoConfig.from_pretrained(str(directory)))
         model: PreTrainedModel = auto.from_pretrained(
             str(directory), dtype=dtype, **_moe_kwargs(directory), **kwargs

@@ -1,0 +1,20 @@
+"""The tokenizer a command reads before the model loads is handed to that load, once (issue 55:
+a 262k-token vocabulary took 2-3 s to read, twice per ``ctxc bake``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from ctxc.models.load import load_model, load_tokenizer
+
+pytestmark = pytest.mark.tiny
+
+
+def test_the_checked_tokenizer_is_the_loaded_models_once(tiny_model_dir):
+    checked = load_tokenizer(str(tiny_model_dir))
+    _, first = load_model(str(tiny_model_dir))
+    _, second = load_model(str(tiny_model_dir))
+    assert first is checked, "the model load read the tokenizer again"
+    assert second is not checked, "two model loads share one tokenizer"
+    text = "w1 w2 w3"
+    assert second(text).input_ids == checked(text).input_ids
