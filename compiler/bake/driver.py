@@ -420,7 +420,7 @@ def fit_data(
     """The fit data of ``o``: every source's rows (:func:`~ctxc.bake.sources.loop.gather`,
     its counts on the stage line), refused in one line when there is nothing to fit on; with
     ``chat``, in its turns, the query file's turns answered."""
-    o.check_fit(queries, chat=chat is not None)
+    o.check_fit(queries)
     data = gather(fit_context(model, tokenizer, ids, o, queries, chat, answer=True), stage)
     if not data.queries:
         cloze = " and the context has no name or number to ask about ({cloze})" if o.clozed else ""

@@ -56,7 +56,7 @@ def preflight(job: BakeJob, hooks: BakeHooks | None = None, *, chat_chunks: bool
     """
     on_stage = (hooks or BakeHooks()).on_stage
     # What the request alone decides comes first: no torch import, nothing read.
-    job.options.check_fit(job.queries, chat=job.messages is not None or chat_chunks)
+    job.options.check_fit(job.queries)
     texts = [job.context] if job.context is not None else [t for _, t in job.chunks]
     if job.messages is None and not texts:
         raise CtxcError("no context to bake")

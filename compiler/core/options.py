@@ -39,7 +39,6 @@ from ctxc.core.vocabulary import (
 
 __all__ = [
     "BAKE_GROUPS",
-    "CHAT_QUESTIONS",
     "DEFAULT_RANK",
     "BakeOptions",
     "CompileOptions",
@@ -119,32 +118,6 @@ BAKE_GROUPS: dict[str, str] = {
 # The rank a bake gives every matrix when none is asked for: R = 64 was as good as full rank in
 # issue 13's table, and cheaper to apply (docs/results/bake_defaults.md).
 DEFAULT_RANK = 64
-# Self-study questions a chat bake writes when none are asked for. A plain-text bake writes none:
-# on the reading benchmark's 30 SQuAD paragraphs the cloze rows alone read as well, served with
-# the scope they harm no more, and the bake costs a third of the fit's CPU (issue 55;
-# docs/bake.md, "What is fitted"). Chat bakes keep them: their benchmark was not run without.
-CHAT_QUESTIONS = 16
-
-
-# BakeOptions' integer counts and their least values, checked in this order; those in
-# _UNSET_COUNTS may be None (a default decided per bake, or no budget).
-_BAKE_COUNTS = (
-    ("samples", 0),
-    ("topics", 0),
-    ("cloze", 0),
-    ("cloze_phrasings", 1),
-    ("off_topic", 0),
-    ("off_topic_questions", 0),
-    ("off_topic_reading", 0),
-    ("off_topic_tokens", 1),
-    ("refit_passes", 0),
-    ("questions", 0),
-    ("answer_tokens", 1),
-    ("sample_tokens", 1),
-    ("rank", 1),
-    ("distill_steps", 1),
-)
-_UNSET_COUNTS = frozenset({"questions", "rank"})
 
 
 def _option(default: Any, group: str, flag: str | None, help: str, **more: Any) -> Any:
@@ -181,14 +154,12 @@ class BakeOptions:
             ``continuations`` (``samples`` of ``sample_tokens``), ``self-study`` (``questions``
             the model writes about the context, each with its greedy answer of
             ``answer_tokens``; ``ctxc.bake.selfstudy``) or ``both``. The defaults (``both``: 16
-            samples of 16 tokens, rank 64; self-study questions in chat bakes only,
-            :data:`CHAT_QUESTIONS`) are docs/results/bake_defaults.md's best within the time
-            goal, the self-study rows dropped from plain text by issue 55.
+            samples of 16 tokens and 16 self-study questions with 16 answer tokens, rank 64)
+            are the table's best of those within the time goal
+            (docs/results/bake_defaults.md).
         samples: K, continuations sampled from the model fed the context (at least 0).
         sample_tokens: tokens per sampled continuation (at least 1).
-        questions: self-study questions (at least 0; used by ``self-study`` and ``both``);
-            None: :data:`CHAT_QUESTIONS` in a chat bake, none in plain text
-            (:meth:`asked_for`).
+        questions: self-study questions (at least 0; used by ``self-study`` and ``both``).
         answer_tokens: greedy answer tokens per self-study question (at least 1).
         question_temperature: the sampling temperature of the questions (answers are greedy).
         cloze: extractive self-study queries besides ``questions`` (at least 0;
@@ -314,13 +285,7 @@ class BakeOptions:
     )
     samples: int = _option(16, "data", "--samples", "K continuations sampled to fit on.")
     sample_tokens: int = _option(16, "data", "--sample-tokens", "Tokens per sample.")
-    questions: int | None = _option(
-        None,
-        "data",
-        "--questions",
-        "Self-study questions the model writes. Default: 16 in a chat bake (--chat), none in "
-        "plain text.",
-    )
+    questions: int = _option(16, "data", "--questions", "Self-study questions the model writes.")
     answer_tokens: int = _option(
         16, "data", "--answer-tokens", "Greedy tokens per self-study answer."
     )
@@ -450,31 +415,23 @@ class BakeOptions:
         if self.prior and self.method != FIT_METHOD:
             raise OptionError("{prior} is the fit's ridge metric: it needs {method} fit")
 
-    def _check_positive(self) -> None:
-        """Refuse a weight, temperature, learning rate or time budget that is not above 0."""
-        if not self.off_topic_weight > 0:
-            raise OptionError("{off_topic_weight} must be above 0 (got {})", self.off_topic_weight)
-        if not self.question_temperature > 0:
-            raise OptionError(
-                "{question_temperature} must be positive (got {})", self.question_temperature
-            )
-        if self.distill_lr is not None and not self.distill_lr > 0:
-            raise OptionError("{distill_lr} must be positive (got {})", self.distill_lr)
-        if self.distill_seconds is not None and not self.distill_seconds > 0:
-            raise OptionError("{distill_seconds} must be positive (got {})", self.distill_seconds)
-
     def __post_init__(self) -> None:
-        for name, low in _BAKE_COUNTS:
-            value = getattr(self, name)
-            if value is not None or name not in _UNSET_COUNTS:
-                _at_least(name, value, low)
+        _at_least("samples", self.samples, 0)
+        _at_least("topics", self.topics, 0)
+        _at_least("cloze", self.cloze, 0)
+        _at_least("cloze_phrasings", self.cloze_phrasings, 1)
         if self.cloze_phrasings > len(CLOZE_PHRASINGS):
             raise OptionError(
                 "{cloze_phrasings} must be at most {} (got {})",
                 len(CLOZE_PHRASINGS),
                 self.cloze_phrasings,
             )
-        self._check_positive()
+        _at_least("off_topic", self.off_topic, 0)
+        _at_least("off_topic_questions", self.off_topic_questions, 0)
+        _at_least("off_topic_reading", self.off_topic_reading, 0)
+        _at_least("off_topic_tokens", self.off_topic_tokens, 1)
+        if not self.off_topic_weight > 0:
+            raise OptionError("{off_topic_weight} must be above 0 (got {})", self.off_topic_weight)
         check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
         check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
         check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
@@ -482,8 +439,23 @@ class BakeOptions:
         check_choice("off_topic_targets", targets, OFF_TOPIC_TARGETS, "off-topic target")
         check_choice("on_policy_refit", self.on_policy_refit, ON_POLICY_REFITS, "on-policy refit")
         check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
+        if not self.question_temperature > 0:
+            raise OptionError(
+                "{question_temperature} must be positive (got {})", self.question_temperature
+            )
+        _at_least("refit_passes", self.refit_passes, 0)
+        _at_least("questions", self.questions, 0)
+        _at_least("answer_tokens", self.answer_tokens, 1)
         check_choice("data", self.data, BAKE_DATA, "fit data kind")
+        _at_least("sample_tokens", self.sample_tokens, 1)
+        if self.rank is not None:
+            _at_least("rank", self.rank, 1)
         check_choice("method", self.method, BAKE_METHODS, "method")
+        _at_least("distill_steps", self.distill_steps, 1)
+        if self.distill_lr is not None and not self.distill_lr > 0:
+            raise OptionError("{distill_lr} must be positive (got {})", self.distill_lr)
+        if self.distill_seconds is not None and not self.distill_seconds > 0:
+            raise OptionError("{distill_seconds} must be positive (got {})", self.distill_seconds)
         if self.rank_per_block and self.method != FIT_METHOD:
             raise OptionError("{rank_per_block} is for {method} fit: a LoRA has one rank")
         if self.method == ADDITIVE_METHOD and (self.refit_passes or self.rank_per_block):
@@ -507,14 +479,13 @@ class BakeOptions:
         if self.method == DISTILL_METHOD and importlib.util.find_spec("peft") is None:
             raise OptionError("{method} distill needs peft: pip install 'ctxc[peft]'")
 
-    def check_fit(self, queries: Sequence[str] | None, chat: bool = False) -> None:
-        """Refuse a bake (a chat one when ``chat``) with nothing to fit on: no query text and
-        ``samples`` 0.
+    def check_fit(self, queries: Sequence[str] | None) -> None:
+        """Refuse a bake with nothing to fit on: no query text and ``samples`` 0.
 
         Raises:
             OptionError: naming ``samples`` and ``queries``.
         """
-        if self.sampled or self.asked_for(chat) or self.topical or self.clozed or queries:
+        if self.sampled or self.asked or self.topical or self.clozed or queries:
             return
         # topics is library-only and 0 here (else there would be questions): not named.
         asked = "{questions} 0 and {cloze} 0"
@@ -555,15 +526,10 @@ class BakeOptions:
             return self.distill_lr
         return 1e-4 if self.distill_from_fit else 1e-3
 
-    def asked_for(self, chat: bool) -> int:
-        """Self-study questions of a bake (a chat one when ``chat``): ``questions`` unless
-        ``data`` is ``continuations``; when unset, :data:`CHAT_QUESTIONS` in chat and none in
-        plain text."""
-        if self.data == CONTINUATIONS_DATA:
-            return 0
-        if self.questions is not None:
-            return self.questions
-        return CHAT_QUESTIONS if chat else 0
+    @property
+    def asked(self) -> int:
+        """Self-study questions: ``questions`` unless ``data`` is ``continuations``."""
+        return 0 if self.data == CONTINUATIONS_DATA else self.questions
 
 
 def bake_fields(group: str | None = None) -> list[Field]:

@@ -90,16 +90,6 @@ def test_bake_on_self_study_data_marks_its_queries() -> None:
     assert kinds["sample"] == 2 and 1 <= kinds["self-study"] <= 6, kinds
 
 
-def test_a_plain_bake_writes_no_self_study_unless_asked() -> None:
-    """Unset, ``questions`` is none in plain text (issue 55; a chat bake's default:
-    ``tests/core/test_options.py``): the default bake's rows are the samples (and cloze)."""
-    model, tok = shared("gemma3"), CharTokenizer(_CHARS)
-    context = [1, *random_ids(95, 16, vocab=4 + len(_CHARS))]
-    result = bake(model, tok, context_ids=context, options=BakeOptions(samples=2, rank=2))
-    assert "self-study" not in result.report["fit_kinds"], result.report["fit_kinds"]
-    assert result.report["options"]["questions"] is None
-
-
 def test_answer_agreement_is_the_first_sentence_matched() -> None:
     """The first sentence ends at the first '.', '?', '!' or newline; a query agrees when the
     patched model's greedy tokens match through it (here the unpatched control's)."""

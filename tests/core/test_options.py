@@ -138,22 +138,3 @@ def test_compile_takes_options_or_keywords_not_both() -> None:
     model = shared("llama")
     with pytest.raises(CtxcError, match="not both"):
         ctxc.compile(model, context_ids=[1, 2, 3], update="standard", options=CompileOptions())
-
-
-def test_self_study_questions_default_to_chat_bakes_only() -> None:
-    """A plain-text bake writes no self-study questions unless asked (issue 55: the cloze rows
-    read as well at a third of the fit's cost); a chat bake writes ``CHAT_QUESTIONS``; an
-    explicit count and ``data="continuations"`` decide for both."""
-    from ctxc.core.options import CHAT_QUESTIONS
-
-    unset = BakeOptions()
-    assert unset.questions is None
-    assert (unset.asked_for(chat=False), unset.asked_for(chat=True)) == (0, CHAT_QUESTIONS)
-    assert BakeOptions(questions=5).asked_for(chat=False) == 5
-    assert BakeOptions(questions=0).asked_for(chat=True) == 0
-    assert BakeOptions(questions=5, data="continuations").asked_for(chat=True) == 0
-    # Nothing but self-study left: a plain bake has nothing to fit, a chat bake its questions.
-    only = BakeOptions(samples=0, cloze=0)
-    only.check_fit(None, chat=True)
-    with pytest.raises(OptionError, match="nothing to fit"):
-        only.check_fit(None)

@@ -61,13 +61,8 @@ class FitContext:
 
     @property
     def topics(self) -> int:
-        """Topic questions the self-study asks besides :attr:`asked`."""
+        """Topic questions the self-study asks besides ``options.asked``."""
         return 0
-
-    @property
-    def asked(self) -> int:
-        """Self-study questions this bake writes (``BakeOptions.asked_for``)."""
-        return self.options.asked_for(chat=False)
 
     def ask(self, texts: Sequence[str]) -> list[list[int]]:
         """Each text as a query is fed after the context (its ids; a user turn in chat)."""
@@ -139,7 +134,7 @@ class TextContext(FitContext):
             self.model,
             self.tokenizer,
             self.context_ids,
-            self.asked,
+            o.asked,
             answer_tokens=o.answer_tokens,
             seed=o.seed,
             start=self.start,
@@ -166,10 +161,6 @@ class ChatContext(FitContext):
 
     chat: ChatFormat
 
-    @property
-    def asked(self) -> int:
-        return self.options.asked_for(chat=True)
-
     def ask(self, texts: Sequence[str]) -> list[list[int]]:
         return [self.chat.turn(t) for t in texts]
 
@@ -188,7 +179,7 @@ class ChatContext(FitContext):
         return chat_self_study(
             self.model,
             self.chat,
-            self.asked,
+            o.asked,
             answer_tokens=o.answer_tokens,
             seed=o.seed,
             start=self.start,

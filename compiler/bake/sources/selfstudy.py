@@ -16,7 +16,7 @@ class SelfStudy(Source):
     asks = True
 
     def plan(self, ctx: FitContext) -> Plan:
-        n = ctx.asked + ctx.topics
+        n = ctx.options.asked + ctx.topics
         longest = ctx.longest_question() + ctx.options.answer_tokens if n else 0
         return Plan(n, longest, runs=n > 0)
 
