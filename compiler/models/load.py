@@ -285,14 +285,15 @@ def load_tokenizer(spec: str | None, on_stage: Callable[[str], None] | None = No
     except (OSError, ValueError) as exc:
         first = str(exc).splitlines()[0]
         raise CtxcError(f"cannot load the tokenizer of {spec!r}: {first}") from exc
+    _handed.clear()  # one slot: a tokenizer no model load takes is not kept past the next
     _handed[str(directory)] = tokenizer
     return tokenizer
 
 
-# The tokenizer load_tokenizer read last, per model folder, handed to that folder's next model
-# load once instead of read again: a command checks the tokenizer before it loads the model,
-# and a 262k-token vocabulary takes 2-3 s to read (py-spy, issue 55). Popped when used, so no
-# two model loads share one tokenizer.
+# The tokenizer load_tokenizer read last (one slot, keyed by its model folder), handed to that
+# folder's next model load instead of read again: a command checks the tokenizer before it
+# loads the model, and a 262k-token vocabulary takes 2-3 s to read (py-spy, issue 55). Popped
+# when used, so no two model loads share one tokenizer.
 _handed: dict[str, Any] = {}
 
 
