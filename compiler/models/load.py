@@ -331,9 +331,9 @@ def _load_directory(
             kwargs["device_map"] = block_device_map(
                 directory, dtype, placement.device_map, kwargs.get("max_memory")
             )
-        tokenizer = _handed.pop(str(directory), None) or AutoTokenizer.from_pretrained(
-            str(directory)
-        )
+        tokenizer = _handed.pop(str(directory), None)
+        if tokenizer is None:  # not read by load_tokenizer just before
+            tokenizer = AutoTokenizer.from_pretrained(str(directory))
         auto = auto_model_class(AutoConfig.from_pretrained(str(directory)))
         model: PreTrainedModel = auto.from_pretrained(
             str(directory), dtype=dtype, **_moe_kwargs(directory), **kwargs
