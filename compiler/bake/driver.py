@@ -44,6 +44,7 @@ from ctxc.passes.runtime.run_graph import BlockTargets
 from ctxc.passes.solver.fit_moves import FitOptions
 from ctxc.passes.solver.fit_solve import FitSolution, fit_solve
 from ctxc.patch import Patch, PatchMeta
+from ctxc.runs.shortlist_head import shortlist_head
 from ctxc.store.traced import traced_blocks
 
 __all__ = [
@@ -138,7 +139,8 @@ def bake_data(
         cloze_teacher=cloze_teacher,
     )
     ctx = fit_context(model, tokenizer, context_ids, options, queries, chat, answer, prefix)
-    return gather(ctx)
+    with shortlist_head(model):
+        return gather(ctx)
 
 
 def check_rank(rank: int | None, model: torch.nn.Module, blocks) -> None:
@@ -287,7 +289,8 @@ def _refit_on_policy(
     n = len(data.queries)
     first = Patch(fit.deltas, patch_meta(model, traced.dtype, data, o))
     cut = chat.answer if chat is not None else (lambda a: a[: answer_end(tokenizer, a)])
-    data = with_own_answers(model, data, first, o.answer_tokens, cut)
+    with shortlist_head(model):
+        data = with_own_answers(model, data, first, o.answer_tokens, cut)
     if len(data.queries) == n:
         return data, targets, fit
     rows = data.part(0, n).positions  # targets may be a longer set's: its leading rows
@@ -421,7 +424,8 @@ def fit_data(
     its counts on the stage line), refused in one line when there is nothing to fit on; with
     ``chat``, in its turns, the query file's turns answered."""
     o.check_fit(queries)
-    data = gather(fit_context(model, tokenizer, ids, o, queries, chat, answer=True), stage)
+    with shortlist_head(model):  # the decode loops' head in bfloat16, its top exact
+        data = gather(fit_context(model, tokenizer, ids, o, queries, chat, answer=True), stage)
     if not data.queries:
         cloze = " and the context has no name or number to ask about ({cloze})" if o.clozed else ""
         raise OptionError(

@@ -230,22 +230,51 @@ def _psd_solve(
 
 
 def _top_right(f: torch.Tensor, r: int) -> torch.Tensor:
-    """The top-``r`` right singular vectors of ``f`` [N, out], as [out, r] float64."""
+    """The top-``r`` right singular vectors of ``f`` [N, out], as [out, r] float64.
+
+    They are eigenvectors of a Gram of side ``m = min(N, out)``: from a full ``eigh`` where
+    ``r`` is a large share of ``m``, else from a subspace iteration (:func:`_top_eigvecs`).
+    """
     n, d = f.shape
+    gram = f @ f.T if n < d else f.T @ f  # [m, m]
+    evals, evecs = _top_eigvecs(gram, r)  # [r], [m, r], descending
     if n < d:  # through the left vectors: f^T (f f^T)-eigenvectors / sigma
-        evals, evecs = torch.linalg.eigh(f @ f.T)  # ascending
-        evals, evecs = evals.flip(0)[:r], evecs.flip(1)[:, :r]
         sig = evals.clamp_min(0).sqrt()
         ok = sig > sig.max() * 1e-12 if sig.numel() else sig > 0
         basis = (f.T @ evecs[:, ok]) / sig[ok]  # [out, r']
     else:
-        evals, evecs = torch.linalg.eigh(f.T @ f)
-        evals, basis = evals.flip(0)[:r], evecs.flip(1)[:, :r]
-        basis = basis[:, evals > evals.max().clamp_min(0) * 1e-24]
+        basis = evecs[:, evals > evals.max().clamp_min(0) * 1e-24]
     if basis.shape[1] == 0:  # nothing to fit: a zero delta of rank 1 keeps the file valid
         basis = torch.zeros(d, 1, dtype=f.dtype)
         basis[0, 0] = 1.0
     return basis
+
+
+# The subspace iteration's extra vectors and steps (Halko, Martinsson & Tropp 2011, "Finding
+# Structure with Randomness", algorithms 4.4 and 5.1): the top r of r + 16 Ritz vectors after
+# 3 steps on the Gram (6 passes of f). At rank 64 of 640 they capture the fitted energy to
+# within 3e-4 of the exact eigenvectors' on a spectrum flat over four decades, at a sixth of a
+# full eigh's time; a default Gemma 3 bake takes 72 of them (issue 55).
+_OVERSAMPLE = 16
+_POWER_STEPS = 3
+
+
+def _top_eigvecs(gram: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-``min(r, m)`` eigenpairs of a symmetric PSD ``gram`` [m, m], descending:
+    ``(evals [r], evecs [m, r])``. Exact (``eigh``) where ``r + 16 > m / 2``; else a subspace
+    iteration from a fixed seed (the same vectors in every run)."""
+    m = gram.shape[0]
+    p = r + _OVERSAMPLE
+    if 2 * p > m:
+        evals, evecs = torch.linalg.eigh(gram)  # ascending
+        return evals.flip(0)[:r], evecs.flip(1)[:, :r]
+    start = torch.Generator().manual_seed(0)
+    q = torch.randn(m, p, generator=start, dtype=torch.float64).to(gram.dtype)  # [m, p]
+    for _ in range(_POWER_STEPS):
+        q = torch.linalg.qr(gram @ q).Q  # [m, p], re-orthonormalised each step
+    small = q.T @ gram @ q  # [p, p], the Rayleigh quotient
+    evals, vecs = torch.linalg.eigh((small + small.T) / 2)  # ascending
+    return evals.flip(0)[:r], q @ vecs.flip(1)[:, :r]  # [r], [m, r]
 
 
 def stable_targets(s: torch.Tensor, t: torch.Tensor, u_now: torch.Tensor) -> torch.Tensor:
