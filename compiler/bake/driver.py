@@ -16,6 +16,7 @@ every backend takes it.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -139,8 +140,7 @@ def bake_data(
         cloze_teacher=cloze_teacher,
     )
     ctx = fit_context(model, tokenizer, context_ids, options, queries, chat, answer, prefix)
-    with shortlist_head(model):
-        return gather(ctx)
+    return gather(ctx)
 
 
 def check_rank(rank: int | None, model: torch.nn.Module, blocks) -> None:
@@ -424,7 +424,10 @@ def fit_data(
     its counts on the stage line), refused in one line when there is nothing to fit on; with
     ``chat``, in its turns, the query file's turns answered."""
     o.check_fit(queries)
-    with shortlist_head(model):  # the decode loops' head in bfloat16, its top exact
+    # The sampling loops' head in bfloat16 where asked (BakeOptions.sample_head); greedy loops'
+    # always (compiler/bake/selfstudy.py).
+    head = shortlist_head(model) if o.sample_head == "bfloat16" else contextlib.nullcontext()
+    with head:
         data = gather(fit_context(model, tokenizer, ids, o, queries, chat, answer=True), stage)
     if not data.queries:
         cloze = " and the context has no name or number to ask about ({cloze})" if o.clozed else ""

@@ -12,6 +12,7 @@ with an attention mask and their own position ids (:func:`continue_rows`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -21,6 +22,7 @@ import torch
 
 from ctxc.bake.data import sample_tokens
 from ctxc.models.kv_cache import cache_of, with_cache
+from ctxc.runs.shortlist_head import shortlist_head
 
 __all__ = [
     "NOT_TOPICS",
@@ -153,7 +155,10 @@ def _padded(
     device = next(model.parameters()).device
     c, b = len(context_ids), len(rows)
     width = max(len(r) for r in rows)
-    with torch.no_grad():
+    # Greedy answers read the head in bfloat16, its top exact: the same picks (shortlist_head);
+    # sampled questions read it whole (a bfloat16 tail would move 3% of the draws).
+    head = shortlist_head(model) if generator is None else contextlib.nullcontext()
+    with torch.no_grad(), head:
         first = start if start is not None else context_run(model, context_ids)
         cache = copy.deepcopy(cache_of(first))
         cache.batch_repeat_interleave(b)

@@ -33,6 +33,7 @@ from ctxc.core.vocabulary import (
     ON_POLICY_REFITS,
     QUESTION_PROMPTS,
     RULES,
+    SAMPLE_HEADS,
     SELF_STUDY_DATA,
     check_choice,
 )
@@ -162,6 +163,12 @@ class BakeOptions:
         questions: self-study questions (at least 0; used by ``self-study`` and ``both``).
         answer_tokens: greedy answer tokens per self-study question (at least 1).
         question_temperature: the sampling temperature of the questions (answers are greedy).
+        sample_head: library-only: the output head the sampling decode loops (self-study
+            questions, samples) read (``SAMPLE_HEADS``): ``float32``, the model's own; or
+            ``bfloat16``, with each row's top 8 logits exact (``ctxc.runs.shortlist_head``):
+            the fit data 0.65x the time, but other draws (about 3% of tokens differ), read as
+            a new seed reads (docs/bake.md, issue 55). Greedy loops (answers) always read the
+            bfloat16 head: their picks are the float32 head's.
         cloze: extractive self-study queries besides ``questions`` (at least 0;
             ``ctxc.bake.cloze``): a sentence of the context with one of its names or numbers
             replaced by a wh-word is the question, that span of the context the answer.
@@ -381,6 +388,7 @@ class BakeOptions:
         negative="--no-on-policy",
     )
     on_policy_refit: str = _option("all", "fit", None, "", choices=ON_POLICY_REFITS)
+    sample_head: str = _option("float32", "data", None, "", choices=SAMPLE_HEADS)
     refit_passes: int = _option(0, "fit", None, "")
     prior: float = _option(0.0, "fit", None, "")
     moved_blocks: str = _option("", "fit", None, "")
@@ -415,6 +423,17 @@ class BakeOptions:
         if self.prior and self.method != FIT_METHOD:
             raise OptionError("{prior} is the fit's ridge metric: it needs {method} fit")
 
+    def _check_choices(self) -> None:
+        """The options that name one of a vocabulary's choices (``ctxc.core.vocabulary``)."""
+        check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
+        check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
+        check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
+        targets = self.off_topic_targets
+        check_choice("off_topic_targets", targets, OFF_TOPIC_TARGETS, "off-topic target")
+        check_choice("on_policy_refit", self.on_policy_refit, ON_POLICY_REFITS, "on-policy refit")
+        check_choice("sample_head", self.sample_head, SAMPLE_HEADS, "sample head")
+        check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
+
     def __post_init__(self) -> None:
         _at_least("samples", self.samples, 0)
         _at_least("topics", self.topics, 0)
@@ -432,13 +451,7 @@ class BakeOptions:
         _at_least("off_topic_tokens", self.off_topic_tokens, 1)
         if not self.off_topic_weight > 0:
             raise OptionError("{off_topic_weight} must be above 0 (got {})", self.off_topic_weight)
-        check_choice("cloze_form", self.cloze_form, CLOZE_FORMS, "cloze form")
-        check_choice("cloze_teacher", self.cloze_teacher, CLOZE_TEACHERS, "cloze teacher")
-        check_choice("fit_rows", self.fit_rows, FIT_ROWS, "fit rows")
-        targets = self.off_topic_targets
-        check_choice("off_topic_targets", targets, OFF_TOPIC_TARGETS, "off-topic target")
-        check_choice("on_policy_refit", self.on_policy_refit, ON_POLICY_REFITS, "on-policy refit")
-        check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
+        self._check_choices()
         if not self.question_temperature > 0:
             raise OptionError(
                 "{question_temperature} must be positive (got {})", self.question_temperature

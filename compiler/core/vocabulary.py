@@ -161,6 +161,11 @@ ON_POLICY_REFITS: dict[str, str] = {
     "new": "a refit pass over the on-policy answers alone, on top of the first fit",
     "answers": "a second fit over the first fit's rows and the on-policy rows' answers",
 }
+# The output head a bake's sampling decode loops read (``BakeOptions.sample_head``, issue 55).
+SAMPLE_HEADS: dict[str, str] = {
+    "float32": "the model's own head: the same draws as the model's",
+    "bfloat16": "bfloat16 with each row's top exact (compiler/runs/shortlist_head.py): other draws",
+}
 # Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {
     "all": "every position of the question and its answer",

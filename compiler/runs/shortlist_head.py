@@ -3,19 +3,20 @@
 A bake writes its fit data by decoding (self-study questions and answers, samples): each step
 reads the whole output projection for a handful of rows, and Gemma 3's 262,144 x 640 head in
 float32 is 670 MB a step, more than half of the bake's decode time on a CPU (py-spy, issue 55).
-Read in bfloat16 it takes 32 ms a step of 16 rows instead of 140 ms (2 threads, AVX512-BF16),
-and a default bake's fit data 12.9 s instead of 19.7 s (three interleaved pairs).
+Read in bfloat16 it takes 32 ms a step of 16 rows instead of 140 ms (2 threads, AVX512-BF16).
 
 Every token whose bfloat16 logit lies within a margin of its row's largest is recomputed in
 float32 from the head's own weights; the margin is :data:`MARGIN` or twice the row's rounding
 bound, ``||x|| max_v ||w_v|| 2^-7``, whichever is larger, so the greedy pick is the float32
 head's argmax (up to the last bits of a float32 product of another shape, as between two
-thread counts). The tail keeps its bfloat16 value: a sampled token is drawn from a distribution
-within total variation 1e-3 of the float32 head's (at most, over 46 positions of Gemma 3 on
-three texts; 4.3e-4 at a margin of 10, 2.3e-5 at 15), but not the same draw: the inverse-CDF
-sampler (:func:`ctxc.bake.data.sample_tokens`) walks the vocabulary in id order, so a shift of
-the tail moves every later boundary, and about 3% of draws differ (the fit data change as a
-different seed changes them).
+thread counts): the greedy loops (self-study answers, on-policy answers) use it always. The
+tail keeps its bfloat16 value, so a sampled token is drawn from a distribution within total
+variation 1e-3 of the float32 head's (at most, over 46 positions of Gemma 3 on three texts;
+4.3e-4 at a margin of 10, 2.3e-5 at 15) but is not the same draw: the inverse-CDF sampler
+(:func:`ctxc.bake.data.sample_tokens`) walks the vocabulary in id order, a shift of the tail
+moves every later boundary, and about 3% of draws differ, as with another seed. The sampling
+loops use it only where asked (``BakeOptions.sample_head``): a default bake's fit data 12.9 s
+instead of 19.7 s (three interleaved pairs), greedy answers alone 19.5 s against 21.2 s.
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def shortlist_head(model: torch.nn.Module) -> Iterator[bool]:
     (half its size) for the block's duration; both are removed on exit, errors included.
 
     Yields:
-        whether the head was changed.
+        whether this block changed the head (not inside another such block).
     """
     get = getattr(model, "get_output_embeddings", None)
     head = get() if callable(get) else None
     if not _eligible(head):
+        yield False
+        return
+    if "forward" in vars(head):  # inside another such block (or another's forward): theirs
         yield False
         return
     weight = head.weight  # [vocab, d]

@@ -80,3 +80,52 @@ def test_too_many_near_tokens_run_the_whole_head(monkeypatch):
 def test_other_heads_left_alone(model):
     with sh.shortlist_head(model) as changed:
         assert not changed and "forward" not in vars(model.lm_head)
+
+
+def test_nested_blocks_keep_the_outer_head():
+    model = _Head(40_000, 48)
+    head = model.lm_head
+    with sh.shortlist_head(model) as outer:
+        forward = vars(head)["forward"]
+        with sh.shortlist_head(model) as inner:
+            assert outer and not inner
+        assert vars(head).get("forward") is forward, "the inner block undid the outer's head"
+    assert "forward" not in vars(head)
+
+
+@pytest.mark.tiny
+def test_greedy_answers_pick_what_the_float32_head_picks(monkeypatch):
+    """Self-study's greedy answers (compiler/bake/selfstudy.py) read the bfloat16 head and
+    pick the float32 head's tokens, on a tiny Gemma 3 with a 40,000-token vocabulary."""
+    import contextlib
+
+    from ctxc.bake import selfstudy
+    from testbed.tiny_models import build
+
+    model = build("gemma3")
+    model.resize_token_embeddings(40_000, mean_resizing=False)
+    with torch.no_grad():  # spread the logits over ~30 like a real head's
+        model.get_input_embeddings().weight.normal_(0.0, 2.0)
+    context, rows = list(range(3, 20)), [[21, 22, 23], [24, 25, 26, 27], [30]]
+    calls = []
+    spy = sh.shortlisted_logits
+
+    def counted(*args):
+        calls.append(1)
+        return spy(*args)
+
+    monkeypatch.setattr(sh, "shortlisted_logits", counted)
+    got = selfstudy.continue_rows(model, context, rows, 12)
+    assert len(calls) >= 11, f"the greedy loop read the bfloat16 head {len(calls)} times"
+    monkeypatch.setattr(selfstudy, "shortlist_head", lambda _m: contextlib.nullcontext())
+    want = selfstudy.continue_rows(model, context, rows, 12)
+    assert got == want, f"greedy picks moved: {got} against {want}"
+
+
+def test_sample_head_is_checked():
+    from ctxc.core.errors import OptionError
+    from ctxc.core.options import BakeOptions
+
+    assert BakeOptions().sample_head == "float32"
+    with pytest.raises(OptionError, match="sample head"):
+        BakeOptions(sample_head="float16")
