@@ -5,8 +5,7 @@ N positions a move cannot hit every target, so each becomes a ridge-regularised 
 with a rank budget: ``min ||X dW^T - Y||^2 + lam ||dW||^2``, ``rank(dW) <= R``, solved as a
 reduced-rank ridge regression (the ridge solution projected on the top-R right singular vectors
 of its fitted values ``X dW^T``: the best rank-R fit in the data's own metric, better than a
-truncated SVD of ``dW``; the vectors from a subspace iteration where R is a small share of the
-side, :func:`_top_eigvecs`). With one position, ``lam = 0`` and ``R >= 1`` it is the exact move:
+truncated SVD of ``dW``). With one position, ``lam = 0`` and ``R >= 1`` it is the exact move:
 ``dW = y x^T / ||x||^2``. Pure float32/float64 functions; rows are positions.
 
 A fit may take a prior ``M`` [in, in] for its ridge: ``lam tr(dW M dW^T)`` instead of
@@ -231,58 +230,22 @@ def _psd_solve(
 
 
 def _top_right(f: torch.Tensor, r: int) -> torch.Tensor:
-    """The top-``r`` right singular vectors of ``f`` [N, out], as [out, r] float64.
-
-    They are eigenvectors of a Gram of side ``m = min(N, out)``: from a full ``eigh`` where
-    ``r`` is a large share of ``m``, else from a subspace iteration (:func:`_top_eigvecs`).
-    """
+    """The top-``r`` right singular vectors of ``f`` [N, out], as [out, r] float64."""
     n, d = f.shape
-    gram = f @ f.T if n < d else f.T @ f  # [m, m]
-    evals, evecs = _top_eigvecs(gram, r)  # [r], [m, r], descending
     if n < d:  # through the left vectors: f^T (f f^T)-eigenvectors / sigma
+        evals, evecs = torch.linalg.eigh(f @ f.T)  # ascending
+        evals, evecs = evals.flip(0)[:r], evecs.flip(1)[:, :r]
         sig = evals.clamp_min(0).sqrt()
         ok = sig > sig.max() * 1e-12 if sig.numel() else sig > 0
         basis = (f.T @ evecs[:, ok]) / sig[ok]  # [out, r']
     else:
-        basis = evecs[:, evals > evals.max().clamp_min(0) * 1e-24]
+        evals, evecs = torch.linalg.eigh(f.T @ f)
+        evals, basis = evals.flip(0)[:r], evecs.flip(1)[:, :r]
+        basis = basis[:, evals > evals.max().clamp_min(0) * 1e-24]
     if basis.shape[1] == 0:  # nothing to fit: a zero delta of rank 1 keeps the file valid
         basis = torch.zeros(d, 1, dtype=f.dtype)
         basis[0, 0] = 1.0
     return basis
-
-
-# The subspace iteration's extra vectors and steps (Halko, Martinsson & Tropp 2011, "Finding
-# Structure with Randomness", algorithms 4.4 and 5.1): the top r of r + 16 Ritz vectors after
-# 3 steps on the Gram. On a default Gemma 3 bake's 72 fits (rank 64 of 640) they captured the
-# fitted energy to within 2e-3 of the exact eigenvectors' (median 1e-4) in 0.8 s against a full
-# eigh's 5.8 s (issue 55). A flatter spectrum converges slower (eigenvalues over four decades:
-# 1e-2 short; one decade: 7e-2), so a basis whose Ritz residuals are not small is thrown away
-# for the full eigh: sum_i ||G v_i - l_i v_i||^2 / (l_1 sum_i l_i) above 1e-3, which on
-# synthetic spectra marks a shortfall above about 5e-3.
-_OVERSAMPLE = 16
-_POWER_STEPS = 3
-_CONVERGED = 1e-3
-
-
-def _top_eigvecs(gram: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The top-``min(r, m)`` eigenpairs of a symmetric PSD ``gram`` [m, m], descending:
-    ``(evals [r], evecs [m, r])``. From a subspace iteration seeded the same at every run, or
-    exact (``eigh``) where ``r + 16 > m / 2`` or the iteration has not converged."""
-    m = gram.shape[0]
-    p = r + _OVERSAMPLE
-    if 2 * p <= m:
-        start = torch.Generator().manual_seed(0)
-        q = torch.randn(m, p, generator=start, dtype=torch.float64).to(gram.dtype)  # [m, p]
-        for _ in range(_POWER_STEPS):
-            q = torch.linalg.qr(gram @ q).Q  # [m, p], re-orthonormalised each step
-        small = q.T @ gram @ q  # [p, p], the Rayleigh quotient
-        evals, vecs = torch.linalg.eigh((small + small.T) / 2)  # ascending
-        evals, vecs = evals.flip(0)[:r], q @ vecs.flip(1)[:, :r]  # [r], [m, r]
-        residual = (gram @ vecs - vecs * evals).pow(2).sum()  # sum_i ||G v_i - l_i v_i||^2
-        if bool(residual <= _CONVERGED * evals[0] * evals.sum()):  # False at NaN
-            return evals, vecs
-    evals, evecs = torch.linalg.eigh(gram)  # ascending
-    return evals.flip(0)[:r], evecs.flip(1)[:, :r]
 
 
 def stable_targets(s: torch.Tensor, t: torch.Tensor, u_now: torch.Tensor) -> torch.Tensor:
