@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -61,7 +62,7 @@ def shortlist_head(model: torch.nn.Module) -> Iterator[bool]:
     def forward(x: torch.Tensor) -> torch.Tensor:
         return shortlisted_logits(x, weight, narrow, widest)
 
-    head.forward = forward
+    head.forward = forward  # type: ignore[method-assign,assignment]  # on the instance alone
     try:
         yield True
     finally:
@@ -96,7 +97,7 @@ def shortlisted_logits(
     return logits.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _eligible(head: torch.nn.Module | None) -> bool:
+def _eligible(head: torch.nn.Module | None) -> TypeGuard[torch.nn.Linear]:
     return (
         type(head) is torch.nn.Linear
         and head.bias is None
