@@ -129,6 +129,14 @@ def _compiled(patch: Patch, figures: PeftFigures, base: BaseIdentity) -> str:
     )
 
 
+def _trained(options: dict, update: str) -> str:
+    """How the patch was made: fitted block by block, or a LoRA trained by context distillation
+    (``ctxc.bake.distill``: KL to the base model reading the context, on the same queries)."""
+    if (options.get("method") or update.removeprefix("bake-")) == "distill":
+        return "trained by context distillation"
+    return "fitted"
+
+
 def _baked(patch: Patch, figures: PeftFigures, base: BaseIdentity, report: dict) -> str:
     m = patch.meta
     options = report.get("options") or {}
@@ -151,7 +159,8 @@ def _baked(patch: Patch, figures: PeftFigures, base: BaseIdentity, report: dict)
     parts = [
         "# A baked context: LoRA adapter written by ctxc\n\n",
         f"This adapter holds one context **baked** by [ctxc]({PAPER}) {m.ctxc_version} (`ctxc "
-        f"bake`, {', '.join(how)}): a patch **fitted**{data}, so that the base model fed a query "
+        f"bake`, {', '.join(how)}): a patch **{_trained(options, m.update)}**{data}, so that the "
+        "base model fed a query "
         "alone behaves as it does after reading the context, on queries it was not fitted on "
         "too. It is **not exact**: it approximates the base model reading the context, and the "
         "figures below are measurements, not a bound.\n\n",

@@ -3,13 +3,13 @@
 vLLM and llama.cpp load LoRA pairs of linear weights, one rank for every module, and refuse
 norm weights and ``modules_to_save``: a servable bake moves no norm scale (a model without post
 norms never does; on one with them, ``--linear-only``; ``--method additive`` is linear by
-construction) at an integer rank, every delta padded to it with zero columns (they change
-nothing). ``--emit lora`` is for vLLM, whose ``--max-lora-rank`` takes
-a few ranks only. Which kinds hold linear weights only (:attr:`Backend.rules
-<ctxc.backends.base.Backend.rules>`) and which ranks they load (:attr:`Backend.ranks
-<ctxc.backends.base.Backend.ranks>`) are the backends' declarations, read here; the artefacts
-themselves are written and checked by the backends ``ctxc compile --emit`` uses
-(:func:`~ctxc.backends.emit_checked`).
+construction; ``--method distill`` from scratch trains LoRA pairs alone) at an integer rank,
+every delta padded to it with zero columns (they change nothing). ``--emit lora`` is for vLLM,
+whose ``--max-lora-rank`` takes a few ranks only. Which kinds hold linear weights only
+(:attr:`Backend.rules <ctxc.backends.base.Backend.rules>`) and which ranks they load
+(:attr:`Backend.ranks <ctxc.backends.base.Backend.ranks>`) are the backends' declarations,
+read here; the artefacts themselves are written and checked by the backends ``ctxc compile
+--emit`` uses (:func:`~ctxc.backends.emit_checked`).
 """
 
 from __future__ import annotations
@@ -40,18 +40,13 @@ def check_servable(kinds: list[str], options: BakeOptions, rank: str) -> None:
         rank: the ``--rank`` text (``full`` and ``auto`` give matrices of several ranks).
 
     Raises:
-        OptionError: one line naming the parameters: a distilled bake, a rank that is not
-            one number, or a rank the kind's engine does not load (``lora``: vLLM's).
+        OptionError: one line naming the parameters: a rank that is not one number, or a
+            rank the kind's engine does not load (``lora``: vLLM's).
     """
     asked = servable_kinds(kinds)
     if not asked:
         return
     kind = asked[0]
-    if options.method == DISTILL_METHOD:
-        raise OptionError(
-            "{emit} {} takes a fitted bake: {method} fit with {linear_only}, or {method} additive",
-            kind,
-        )
     if options.rank is None or options.rank_per_block:
         raise OptionError(
             "{emit} {} needs one rank for every module: give {rank} N, not {}", kind, rank
@@ -89,6 +84,8 @@ def check_servable_blocks(kinds: Sequence[str], options: BakeOptions, blocks: Bl
     asked = servable_kinds(kinds)
     if not asked or options.linear_only or options.method == ADDITIVE_METHOD:
         return
+    if options.method == DISTILL_METHOD and not options.distill_from_fit:
+        return  # a LoRA on linears alone (ctxc.bake.distill); from the fit it keeps its moves
     for b in blocks.blocks:
         if b.output_control != "linear":
             why = f"{b.path}'s output goes through its post norm's {b.output_control}"

@@ -27,6 +27,7 @@ from ctxc.core.vocabulary import (
     CONTINUATIONS_DATA,
     DEFAULT_RULE,
     DISTILL_METHOD,
+    DISTILL_PRECISIONS,
     FIT_METHOD,
     FIT_ROWS,
     OFF_TOPIC_TARGETS,
@@ -274,6 +275,8 @@ class BakeOptions:
             the first steps undo the fit: held-out KL 0.34x of the unpatched model's against
             the fit's own 0.29x; at 1e-4, 0.21x; docs/results/bake_defaults.md).
         distill_from_fit: start the LoRA from the fit's patch (truncated to ``rank``).
+        distill_precision: library-only: ``distill``'s training runs (``DISTILL_PRECISIONS``):
+            ``float32``, or ``bfloat16`` autocast (the LoRA factors and AdamW stay float32).
         linear_only: ``fit``: move linear weights only, no post-norm scale (a serving LoRA
             holds no norm weight: vLLM and llama.cpp refuse them); the output move is the
             outer linear's alone. ``additive`` is linear-only whatever this says.
@@ -403,6 +406,7 @@ class BakeOptions:
         None, "distill", "--lr", "Learning rate (1e-3; 1e-4 with --from-fit)."
     )
     distill_from_fit: bool = _option(False, "distill", "--from-fit", "Start from the fit.")
+    distill_precision: str = _option("float32", "distill", None, "", choices=DISTILL_PRECISIONS)
     linear_only: bool = _option(
         False,
         "serving",
@@ -432,6 +436,9 @@ class BakeOptions:
         check_choice("off_topic_targets", targets, OFF_TOPIC_TARGETS, "off-topic target")
         check_choice("on_policy_refit", self.on_policy_refit, ON_POLICY_REFITS, "on-policy refit")
         check_choice("sample_head", self.sample_head, SAMPLE_HEADS, "sample head")
+        check_choice(
+            "distill_precision", self.distill_precision, DISTILL_PRECISIONS, "distill precision"
+        )
         check_choice("question_prompt", self.question_prompt, QUESTION_PROMPTS, "question prompt")
 
     def __post_init__(self) -> None:

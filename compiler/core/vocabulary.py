@@ -29,6 +29,7 @@ __all__ = [
     "CONTINUATIONS_DATA",
     "DEFAULT_RULE",
     "DISTILL_METHOD",
+    "DISTILL_PRECISIONS",
     "DTYPES",
     "EXACT_RULES",
     "FILE_KIND",
@@ -165,6 +166,11 @@ ON_POLICY_REFITS: dict[str, str] = {
 SAMPLE_HEADS: dict[str, str] = {
     "float32": "the model's own head: the same draws as the model's",
     "bfloat16": "bfloat16 with each row's top exact (compiler/runs/shortlist_head.py): other draws",
+}
+# The precision of ``distill``'s training runs (``BakeOptions.distill_precision``, issue 54).
+DISTILL_PRECISIONS: dict[str, str] = {
+    "float32": "the model's own float32 forward and backward",
+    "bfloat16": "the output head's product in bfloat16, forward and backward (the rest float32)",
 }
 # Which positions of a self-study query ``ctxc bake`` fits (issue 35).
 FIT_ROWS: dict[str, str] = {

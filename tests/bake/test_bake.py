@@ -102,15 +102,19 @@ def test_baked_patch_goes_through_the_backends(tmp_path) -> None:
 
 
 @needs_extra("peft")
-def test_distill_trains_a_lora_of_the_rank_into_a_patch() -> None:
+@pytest.mark.parametrize("precision", ["float32", "bfloat16"])
+def test_distill_trains_a_lora_of_the_rank_into_a_patch(precision: str) -> None:
     """Context distillation: a seeded LoRA becomes a patch; it lowers the fit data's KL and
-    leaves the model as it was."""
+    leaves the model as it was (with the output head in bfloat16 too: its forward restored)."""
     model, tok = shared("llama"), tiny_tokenizer()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     data = FitData([1, *random_ids(5, 16)], special_prefix(tok),
                    [random_ids(40 + i, 5) for i in range(3)], ["file"] * 3)  # fmt: skip
-    opts = BakeOptions(method="distill", rank=4, distill_steps=30, distill_lr=1e-2)
+    opts = BakeOptions(
+        method="distill", rank=4, distill_steps=30, distill_lr=1e-2, distill_precision=precision
+    )
     baked = bake(model, data=data, options=opts)
+    assert "forward" not in vars(model.get_output_embeddings())
     ranks = {d.rank for d in baked.patch.deltas.values()}
     assert ranks == {4}, ranks
     patched = evaluate(model, baked.patch, data, gen_tokens=0)

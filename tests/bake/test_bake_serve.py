@@ -62,6 +62,27 @@ def test_a_model_without_post_norms_bakes_into_lora_by_default_and_gemma_is_refu
 
 
 @pytest.mark.tiny
+@needs_extra("peft")
+def test_a_distilled_bake_is_servable_and_from_the_fit_it_is_refused_on_gemma() -> None:
+    """``--method distill`` from scratch trains LoRA pairs on linears alone (issue 54): on Gemma,
+    whose fit moves norm scales, it goes into a LoRA kind at one rank, every delta a pair; from
+    the fit it keeps the fit's norm-scale moves: refused before the fit, as the fit is."""
+    prefix = special_prefix(tiny_tokenizer())
+    data = FitData(
+        [*prefix, *random_ids(5, 16)], prefix, [random_ids(40 + i, 6) for i in range(4)],
+        ["file"] * 4,
+    )  # fmt: skip
+    opts = BakeOptions(rank=16, method="distill", distill_steps=2)
+    patch = bake(shared("gemma3"), data=data, options=opts, emit=("lora",)).patch
+    assert patch.deltas and all(d.vector is None for d in patch.deltas.values()), patch.deltas
+    ranks = {d.rank for d in patch.deltas.values()}
+    assert ranks == {16}, f"ranks {sorted(ranks)}, wanted 16"
+    from_fit = dataclasses.replace(opts, distill_from_fit=True)
+    with pytest.raises(CtxcError, match=r"moves norm scales"):
+        bake(shared("gemma3"), data=data, options=from_fit, emit=("lora",))
+
+
+@pytest.mark.tiny
 @pytest.mark.parametrize("rank", [16, 64])
 def test_linear_only_patch_has_one_rank_and_no_norm(rank: int) -> None:
     _, patch = _baked("gemma3", rank)
@@ -212,8 +233,7 @@ def _llama_cpp_vs_patched(model, base, lora, query, patched, effect) -> None:
 def test_unservable_bakes_are_refused_before_loading() -> None:
     fit = BakeOptions(rank=16)
     # From Python the messages name the parameters; the CLI says the flags (test_cli_bake_chunks).
-    with pytest.raises(CtxcError, match="takes a fitted bake"):
-        check_servable(["lora"], BakeOptions(rank=16, method="distill"), "16")
+    check_servable(["lora"], BakeOptions(rank=16, method="distill"), "16")  # LoRA pairs alone
     check_servable(["lora"], fit, "16")  # norm-scale moves are the model's: after it loads
     with pytest.raises(CtxcError, match="rank 12 is not one"):
         check_servable(["lora"], BakeOptions(rank=12, linear_only=True), "12")
