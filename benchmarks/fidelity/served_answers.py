@@ -71,6 +71,7 @@ import datetime
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -153,9 +154,16 @@ def _kept(out: Path, done: dict) -> bool:
 
 
 def bake(
-    model: str, para: dict, out: Path, threads: int, chat: bool = False, emit: tuple = EMIT
+    model: str,
+    para: dict,
+    out: Path,
+    threads: int,
+    chat: bool = False,
+    emit: tuple = EMIT,
+    options: tuple[str, ...] = (),
 ) -> dict:
-    """The paragraph baked by the CLI with the defaults, and its served artefacts.
+    """The paragraph baked by the CLI with the defaults (or ``options``, more ``ctxc bake``
+    arguments: ``--method distill --steps 100``), and its served artefacts.
 
     First ``ctxc bake --emit`` every kind of ``emit`` (default :data:`EMIT`). ``ctxc bake``
     refuses the LoRA kinds before the model loads unless ``--linear-only``
@@ -192,7 +200,7 @@ def bake(
     base = ["bake", "--model", model, *given, "--out", str(out), "--force"]
     # The held-out off-topic figures sample from the BOS; SmolLM2's tokenizer puts none, and
     # ctxc bake stops after the fit with "this bake has none". Figures only: the fit is the same.
-    base += ["--eval-off-topic", "0"]
+    base += ["--eval-off-topic", "0", *options]
     served = {"lora": out / "lora", "gguf-lora": out / "lora.gguf"}
     if not run([*base, "--emit", ",".join(emit)], list(emit)):
         lora = ["lora", "gguf-lora"]
@@ -689,7 +697,8 @@ def _past_export(net, out: Path, baked: dict) -> None:
 def _paragraph(args, net, tok, para: dict, f32: Path, shared: dict) -> tuple[dict, tuple]:
     """Bake one paragraph and answer its questions in every runtime."""
     out = Path(args.work) / para["id"].replace("#", "-")
-    baked = bake(args.model, para, out, args.threads, args.chat, tuple(args.emit))
+    options = tuple(shlex.split(args.bake_args))
+    baked = bake(args.model, para, out, args.threads, args.chat, tuple(args.emit), options)
     stop = sorted(tok.all_special_ids)
     for kind in ("lora", "gguf-lora"):  # a record of a failed export: no such file
         if kind not in baked["emitted"]:
@@ -1049,6 +1058,11 @@ def main(argv: list[str] | None = None) -> None:
         default=list(EMIT),
         help="the kinds ctxc bake emits (default every one; leave ort-adapter out to skip "
         "the ONNX export)",
+    )
+    p.add_argument(
+        "--bake-args",
+        default="",
+        help='more ctxc bake arguments, one string ("--method distill --steps 100 --rank 64")',
     )
     p.add_argument(
         "--timed",
