@@ -3,8 +3,8 @@ picked per request (issue 54).
 
 On a GPU machine with vLLM installed (``pip install vllm``), after baking servable adapters::
 
-    ctxc bake --route --context article.txt --linear-only --rank 64 --emit lora --out article
-    ctxc bake --context memo.txt --linear-only --rank 64 --emit lora --out memo
+    ctxc bake --route --context article.txt --method distill --rank 64 --emit lora --out article
+    ctxc bake --context memo.txt --method distill --rank 64 --emit lora --out memo
     python examples/serve_vllm.py --base google/gemma-3-270m --bake article --bake memo \\
         --question "When were the Normans in Normandy?" --question "memo::Who signed the memo?"
 
@@ -20,8 +20,9 @@ patch harms it (issue 53). The engine starts with
 form (``Question: ...\\nAnswer:``, the form the bake was fitted on) without the document.
 ``--base`` is the model the adapters were baked on, as vLLM loads it (a hub id or a folder: the
 adapter card names the bake's base and its revision or SHA-256). vLLM applies LoRA pairs only: a
-bake that moves norm scales (Gemma's default, without ``--linear-only``) has no ``lora/`` (``ctxc
-bake`` refuses ``--emit lora`` for it).
+bake that moves norm scales (Gemma's default fit) has no ``lora/`` (``ctxc bake`` refuses ``--emit
+lora`` for it); ``--method distill`` trains LoRA pairs alone, and on Gemma 3 270M reads its
+paragraphs about as the default fit does (docs/bake.md, "A distilled LoRA").
 
 Checked here without a GPU (``tests/bake/test_bake_serve.py``): the requests this script builds
 for a bake, the engine's arguments, and every adapter it names against vLLM's adapter rules

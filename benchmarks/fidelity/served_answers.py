@@ -755,6 +755,7 @@ def _run(args) -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         "command": invocation("benchmarks.fidelity.served_answers"),
         "runtimes": {k: v[0] for k, v in RUNTIMES.items()},
+        "bake_args": args.bake_args,
         "paragraphs": {},
     }
     done = json.loads(Path(args.out).read_text()) if Path(args.out).is_file() else {}
@@ -874,6 +875,7 @@ def _section(doc: dict, source: str) -> list[str]:
         "is not defined"
     )
     form = doc["query"] if doc.get("chat") else f"`{json.dumps(doc['query'])[1:-1]}`"
+    baked = f"`{doc['bake_args']}`" if doc.get("bake_args") else "default options"
     lines = [
         f"## {'Chat' if doc.get('chat') else 'Plain'} framing: {doc['framing']}",
         "",
@@ -881,7 +883,7 @@ def _section(doc: dict, source: str) -> list[str]:
         f"`{doc['command']}`; {doc['model']}, {doc['threads']} thread(s) per process.",
         "",
         f"{len(doc['paragraphs'])} paragraphs of `benchmarks/data/squad/subset.json`, "
-        f"{s['questions']} questions, each baked by `ctxc bake` (default options) and asked "
+        f"{s['questions']} questions, each baked by `ctxc bake` ({baked}) and asked "
         f"without it ({form}), "
         f"{doc['gen_tokens']} greedy tokens at most, in each runtime "
         "in a fresh process that does not import ctxc (the method is in the module's "

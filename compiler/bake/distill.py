@@ -17,6 +17,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -197,10 +198,7 @@ class _NarrowHead(contextlib.AbstractContextManager):
     640 head at every position, forward and backward. Gradients reach the hidden states in
     bfloat16 precision; the loss is taken in float32."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        head = model.get_output_embeddings()
-        if type(head) is not torch.nn.Linear:
-            raise TypeError(f"the output head is a {type(head).__name__}, not a Linear")
+    def __init__(self, head: torch.nn.Linear) -> None:
         self.head = head
         self.weight = head.weight.detach().to(torch.bfloat16)  # [vocab, d]
         self.bias = None if head.bias is None else head.bias.detach().to(torch.bfloat16)
@@ -209,7 +207,7 @@ class _NarrowHead(contextlib.AbstractContextManager):
         def forward(x: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias)
 
-        self.head.forward = forward  # type: ignore[method-assign]  # on the instance alone
+        self.head.forward = forward  # type: ignore[method-assign,assignment]  # the instance's
         return self
 
     def __exit__(self, *exc) -> None:
@@ -217,9 +215,14 @@ class _NarrowHead(contextlib.AbstractContextManager):
 
 
 def _precision(model: torch.nn.Module, name: str) -> contextlib.AbstractContextManager:
-    """The training forward's precision (``BakeOptions.distill_precision``)."""
-    if name == "bfloat16":
-        return _NarrowHead(model)
+    """The training forward's precision (``BakeOptions.distill_precision``): the head in
+    bfloat16 where it is a plain ``nn.Linear`` (not one accelerate moves in and out per call),
+    else the model's own."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    plain = isinstance(head, torch.nn.Linear) and not hasattr(head, "_hf_hook")
+    if name == "bfloat16" and plain:
+        return _NarrowHead(cast(torch.nn.Linear, head))
     return contextlib.nullcontext()
 
 

@@ -95,7 +95,7 @@ def check_servable_blocks(kinds: Sequence[str], options: BakeOptions, blocks: Bl
             continue
         raise OptionError(
             "{emit} {} holds linear weights only, and this bake moves norm scales ({}): bake "
-            "with {linear_only} (or {method} additive)",
+            "with {method} distill (a LoRA trained on the fit data) or {linear_only}",
             asked[0],
             why,
         )

@@ -70,9 +70,9 @@ def test_add_and_remove_chunks(tiny_model_dir, tmp_path) -> None:
         # --emit lora: without the [peft] extra, that is the line.
         # (a fit that moves norm scales is refused once the model's blocks are located:
         # tests/bake/test_bake_serve.py)
-        pytest.param(
-            ["--context", "{ctx}", "--emit", "lora", "--method", "distill"],
-            "takes a fitted bake",
+        pytest.param(  # a distilled bake is LoRA pairs: servable, at a rank vLLM takes
+            ["--context", "{ctx}", "--emit", "lora", "--method", "distill", "--rank", "full"],
+            "one rank for every module: give --rank N, not full",
             marks=needs_extra("peft"),
         ),
         pytest.param(
