@@ -22,7 +22,7 @@ from typing import cast
 import torch
 
 from ctxc.bake.data import FitData
-from ctxc.core.vocabulary import DISTILL_METHOD
+from ctxc.core.vocabulary import DISTILL_METHOD, OFF_TOPIC_KINDS
 from ctxc.patch import Delta, Patch, PatchMeta
 
 __all__ = ["TOP", "DistillRun", "distill", "teacher_top"]
@@ -70,6 +70,38 @@ def teacher_top(model: torch.nn.Module, data: FitData) -> list[tuple[torch.Tenso
     return out
 
 
+def own_teacher(
+    model: torch.nn.Module,
+    data: FitData,
+    teacher: list[tuple[torch.Tensor, torch.Tensor]],
+    kinds,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``teacher`` with the queries of ``kinds`` taught by the unpatched model fed what the
+    student is fed (prefix + query, no context): the LoRA held to change nothing there
+    (``BakeOptions.off_topic_targets`` ``none``, as :func:`~ctxc.bake.targets.own_targets` holds
+    the fit), a KL to the base model on off-topic text.
+
+    Returns:
+        the same list, those queries' entries replaced (``teacher`` itself when none is).
+    """
+    picked = [i for i, k in enumerate(data.kinds) if k in kinds]
+    if not picked:
+        return teacher
+    alone = FitData(
+        list(data.prefix),
+        list(data.prefix),
+        [data.queries[i] for i in picked],
+        [data.kinds[i] for i in picked],
+        data.opening,
+    )
+    own = teacher_top(model, alone)
+    out = list(teacher)
+    for i, (logp, ids) in zip(picked, own, strict=True):
+        k = teacher[i][1].shape[0]  # the student's matched positions: the last k
+        out[i] = (logp[logp.shape[0] - k :], ids[ids.shape[0] - k :])
+    return out
+
+
 def _lora_targets(blocks, attention: bool = False) -> dict[str, str]:
     """Module path -> block path of every linear the fit moves (inner and outer; the attention
     output projections too with ``attention``)."""
@@ -111,6 +143,8 @@ def distill(
     targets = _lora_targets(blocks, options.moves_attention)
     rank = options.rank or max(min(model.get_parameter(f"{m}.weight").shape) for m in targets)
     teacher = teacher if teacher is not None else teacher_top(model, data)
+    if options.off_topic_targets == "none":
+        teacher = own_teacher(model, data, teacher, OFF_TOPIC_KINDS)
     vectors = {n: d for n, d in (start.deltas if start else {}).items() if d.vector is not None}
     fixed = Patch(vectors, meta) if vectors else None
     torch.manual_seed(options.seed)
@@ -165,6 +199,7 @@ def _train(peft_model, data: FitData, teacher, options, on_step) -> tuple[int, f
     opt = torch.optim.AdamW(params, lr=options.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(options.seed)
     n, batch = len(data.queries), min(4, len(data.queries))
+    weight = options.off_topic_weight  # an off-topic row's positions, as the fit weighs them
     head = _precision(peft_model, options.distill_precision)
     budget = options.distill_seconds
     steps = 0 if budget is not None else options.distill_steps
@@ -180,8 +215,9 @@ def _train(peft_model, data: FitData, teacher, options, on_step) -> tuple[int, f
             t_logp, t_ids = teacher[i]  # [k, TOP]: the matched positions, the last k
             logp = logits[logits.shape[0] - t_ids.shape[0] :].log_softmax(-1)  # [k, vocab]
             got = logp.gather(-1, t_ids)  # [k, TOP]
-            loss = loss + (t_logp.exp() * (t_logp - got)).sum()
-            count += t_ids.shape[0]
+            w = weight if data.kinds[i] in OFF_TOPIC_KINDS else 1.0
+            loss = loss + w * (t_logp.exp() * (t_logp - got)).sum()
+            count += w * t_ids.shape[0]
         loss = loss / count
         opt.zero_grad()
         loss.backward()

@@ -193,7 +193,8 @@ class BakeOptions:
         off_topic_targets: library-only (issue 53, measured on ``benchmarks/thought/noharm.py``):
             what every off-topic row is fitted to (``OFF_TOPIC_TARGETS``): ``context``, the
             full-context model's values on context + row; ``none``, the unpatched model's own
-            on the row alone (:func:`~ctxc.bake.targets.own_targets`), so the patch is held to
+            on the row alone (:func:`~ctxc.bake.targets.own_targets`; a distillation's
+            teacher there likewise, :func:`~ctxc.bake.distill.own_teacher`), so the patch is held to
             change nothing off the context instead of reproducing what reading the context
             does there (a target that asks for capacity: the model fed a paragraph answers
             fewer general questions than alone).
@@ -374,7 +375,8 @@ class BakeOptions:
         1.0,
         "fit",
         "--off-topic-weight",
-        "Weight of each off-topic row's positions in the fit (2: as if each were there twice).",
+        "Weight of each off-topic row's positions in the fit or distillation (2: as if each were "
+        "there twice).",
     )
     attention: bool | None = _option(
         None,

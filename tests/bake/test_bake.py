@@ -124,6 +124,32 @@ def test_distill_trains_a_lora_of_the_rank_into_a_patch(precision: str) -> None:
     assert not changed and not any("lora" in k for k in model.state_dict()), changed[:3]
 
 
+def test_distill_off_topic_rows_taught_by_the_model_alone() -> None:
+    """``off_topic_targets="none"``: an off-topic row's teacher is the unpatched model fed the
+    row alone (the student's own input), the other rows' the model reading the context."""
+    from ctxc.bake.distill import own_teacher, teacher_top
+    from ctxc.core.vocabulary import OFF_TOPIC_KINDS, OFF_TOPIC_TEXT_KIND
+
+    model, tok = shared("llama"), tiny_tokenizer()
+    kinds = ["file", OFF_TOPIC_TEXT_KIND, "file"]
+    data = FitData([1, *random_ids(5, 16)], special_prefix(tok),
+                   [random_ids(40 + i, 5) for i in range(3)], kinds)  # fmt: skip
+    full = teacher_top(model, data)
+    got = own_teacher(model, data, full, OFF_TOPIC_KINDS)
+    assert got[0] is full[0] and got[2] is full[2]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([data.reduced(1)])).logits[0]  # [n, vocab]
+    want = logits[-got[1][0].shape[0] :].log_softmax(-1).topk(got[1][0].shape[-1], dim=-1)
+    assert got[1][0].shape == full[1][0].shape, (got[1][0].shape, full[1][0].shape)
+    err = (got[1][0] - want.values).abs()
+    assert float(err.max()) <= 1e-4, f"max {float(err.max()):.3g} mean {float(err.mean()):.3g}"
+    assert not torch.allclose(got[1][0], full[1][0]), "the context changed nothing here"
+    opts = BakeOptions(method="distill", rank=2, distill_steps=2, off_topic_targets="none")
+    again = [bake(model, data=data, options=opts).patch for _ in range(2)]
+    for name, d in again[0].deltas.items():
+        assert torch.equal(d.dense(), again[1].deltas[name].dense()), name
+
+
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
 def test_a_refit_pass_of_an_exact_fit_stays_exact(family: str) -> None:
     """One position fitted exactly: the second pass finds no error to fit; the patch still
