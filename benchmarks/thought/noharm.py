@@ -24,6 +24,11 @@ Answers are 16 greedy tokens, cut at a special token, their first line that is n
 (``benchmarks.thought.squad.answers``). A query's ids follow the context's ids (no second BOS),
 as ``ctxc bake`` splits a context and a query.
 
+``--peft`` asks every check again where a server answers: each bake written as a LoRA (``ctxc
+bake --emit lora``'s writer) and loaded by plain PEFT in a fresh process on the base from the
+GGUF file (:func:`_peft`); the row's ``peft`` holds its answers, each check's count equal to the
+patched model's, and the summary's ``peft`` the figures with PEFT's answers (issue 54, check 1).
+
 ``--chat --model M`` (a chat model: SmolLM2-135M-Instruct) frames each check as ``ctxc bake
 --chat --system para.txt`` does (:class:`Framing`): the paragraph is the system turn, each
 query a user turn (the forms :data:`CHAT_FORMS`; another document and its question in one
@@ -50,7 +55,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.thought.squad import CHAT_GEN_TOKENS, DATA, GEN_TOKENS, answers, setting_options
+from benchmarks.thought.squad import (
+    CHAT_GEN_TOKENS,
+    DATA,
+    GEN_TOKENS,
+    _raw,
+    answer_text,
+    answers,
+    setting_options,
+)
 from testbed.squad_score import normalize, score
 from testbed.tables import commit, invocation
 
@@ -246,8 +259,17 @@ def _refs(frame: Framing, model, para: dict, other: dict, general: list[dict]) -
     return ref
 
 
-def _baked(frame: Framing, model, para: dict, other: dict, general: list[dict], setting: str):
-    """Bake paragraph i with ``setting`` and ask the patched model every check."""
+def _baked(
+    frame: Framing,
+    model,
+    para: dict,
+    other: dict,
+    general: list[dict],
+    setting: str,
+    peft_base: Path | None = None,
+):
+    """Bake paragraph i with ``setting`` and ask the patched model every check; with
+    ``peft_base`` (a GGUF file), plain PEFT too (:func:`_peft`)."""
     from ctxc.bake.data import FitData
     from ctxc.bake.driver import bake
     from ctxc.bake.evaluate import evaluate_many
@@ -270,18 +292,27 @@ def _baked(frame: Framing, model, para: dict, other: dict, general: list[dict], 
     fitted = [tok.decode(q) for q in result.data.queries]
     row["general_in_fit"] = sum(any(g["q"] in text for text in fitted) for g in general)
     golds = [q["answers"] for q in para["questions"]]
+    asked: dict[str, list[list[int]]] = {}  # check -> each query's whole input (--peft)
     for form in frame.forms:
         qs = frame.queries([q["question"] for q in para["questions"]], form)
         got = answers(model, tok, none, qs, patch=patch, gen=frame.gen)["answers"]
         em, f1 = _f1(got, golds)
         row["reading"][form] = {"answers": got, "em": em, "f1": f1}
+        asked[f"reading/{form}"] = [none + q for q in qs]
     row["general"] = _general(frame, model, none, general, patch)
+    for form in row["general"]:
+        qs = frame.queries([g["q"] for g in general], form)
+        asked[f"general/{form}"] = [none + q for q in qs]
     alone, _, oq = frame.other(
         para["context"], other["context"], [q["question"] for q in other["questions"]]
     )
     got = answers(model, tok, alone, oq, patch=patch, gen=frame.gen)["answers"]
     em, f1 = _f1(got, [q["answers"] for q in other["questions"]])
     row["other_document"] = {"answers": got, "em": em, "f1": f1}
+    asked["other_document"] = [alone + q for q in oq]
+    if peft_base is not None:
+        golds_of = {"reading": golds, "other_document": [q["answers"] for q in other["questions"]]}
+        row["peft"] = _peft(frame, model, patch, peft_base, asked, row, golds_of, general)
     data = FitData(full, none, [frame.text(other["context"])], ["text"])
     p, c = evaluate_many(model, [patch, None], data, 0)
     row["off_topic"] = {
@@ -291,6 +322,84 @@ def _baked(frame: Framing, model, para: dict, other: dict, general: list[dict], 
         "none_top1": c.top1,
     }
     return row
+
+
+def _peft(
+    frame: Framing,
+    model,
+    patch,
+    base: Path,
+    asked: dict[str, list[list[int]]],
+    row: dict,
+    golds: dict[str, list[list[str]]],
+    general: list[dict],
+) -> dict:
+    """Every check's queries answered by plain PEFT in a fresh process, as a server loads the
+    bake (issue 54): the patch written as ``ctxc bake --emit lora`` writes it (ctxc's LoRA
+    backend, its checks included), ``PeftModel.from_pretrained`` on the base Transformers loads
+    from the GGUF file ``base`` (``benchmarks/fidelity/served_runtimes.py``: no ctxc import),
+    greedy, one query at a time, its answers cut as the patched model's are.
+
+    Args:
+        asked: check (``reading/FORM``, ``general/FORM``, ``other_document``) -> each query's
+            whole input ids (the start and the query).
+        row: the patched model's row (its answers, compared).
+        golds: ``reading`` and ``other_document`` -> each question's accepted answers.
+        general: the general questions.
+
+    Returns:
+        ``reading``, ``general`` and ``other_document`` as the row holds them, PEFT's, each
+        with ``equal`` (answers equal to the patched model's); ``seconds``; ``ctxc_imported``;
+        or ``error`` (the LoRA refused, or the child's last line).
+    """
+    import tempfile
+
+    from benchmarks.fidelity.served_answers import run_child
+    from ctxc.backends.peft.lora_adapter import emit_lora
+    from ctxc.core.errors import CtxcError
+
+    clock = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="ctxc-noharm-") as tmp:
+        try:
+            path, _ = emit_lora(model, patch, Path(tmp))
+        except CtxcError as exc:  # a patch LoRA cannot serve (a norm scale's move)
+            return {"error": str(exc)}
+        requests = [
+            {"key": f"{check}/{i}", "on": "p", "ids": ids, "generate": True}
+            for check, queries in asked.items()
+            for i, ids in enumerate(queries)
+        ]
+        spec = {
+            "runtime": "peft",
+            "base": str(base),
+            "attach": {"p": str(path)},
+            "requests": requests,
+            "gen": frame.gen,
+            "stop": sorted(frame.tok.all_special_ids),
+        }
+        ran = run_child(spec, torch.get_num_threads())
+    if "error" in ran:
+        return {"error": ran["error"]}
+    out: dict = {"reading": {}, "general": {}, "ctxc_imported": ran["ctxc_imported"]}
+    for check, queries in asked.items():
+        texts = [
+            answer_text(_raw(frame.tok, ran["requests"][f"{check}/{i}"]["tokens"]))
+            for i in range(len(queries))
+        ]
+        kind, _, form = check.partition("/")
+        ours = row[kind][form] if form else row[kind]
+        got: dict = {"answers": texts}
+        if kind == "general":
+            got["right"] = [right(a, g["a"]) for a, g in zip(texts, general, strict=True)]
+        else:
+            got["em"], got["f1"] = _f1(texts, golds[kind])
+        got["equal"] = sum(a == b for a, b in zip(texts, ours["answers"], strict=True))
+        if form:
+            out[kind][form] = got
+        else:
+            out[kind] = got
+    out["seconds"] = round(time.perf_counter() - clock, 2)
+    return out
 
 
 def _mean(xs: list[float]) -> float:
@@ -348,7 +457,38 @@ def summary(doc: dict, setting: str) -> dict:
     got["bake_cpu_seconds"] = _mean([b["bake_cpu_seconds"] for b in rows.values()])
     if all("scope" in r for r in refs):
         got["scoped"] = _scoped(doc, rows, refs)
+    if rows and all("peft" in b for b in rows.values()):
+        got["peft"] = _peft_summary(doc, setting)
     return got
+
+
+def _peft_summary(doc: dict, setting: str) -> dict:
+    """``setting``'s figures with plain PEFT's answers (``--peft``) in place of the patched
+    model's (the off-topic KL stays the patched model's: PEFT gives no logits here), and how
+    many answers of each check equal the patched model's; ``errors``: paragraphs PEFT did
+    not answer."""
+    rows = doc["settings"][setting]["paragraphs"]
+    served = {p: b for p, b in rows.items() if "error" not in b["peft"]}
+    checks = ("reading", "general", "other_document")
+    equal = asked = 0
+    for b in served.values():
+        for kind in checks:
+            parts = [b["peft"][kind]] if kind == "other_document" else b["peft"][kind].values()
+            equal += sum(x["equal"] for x in parts)
+            asked += sum(len(x["answers"]) for x in parts)
+    view = {
+        p: {**{k: v for k, v in b.items() if k != "peft"}, **{k: b["peft"][k] for k in checks}}
+        for p, b in served.items()
+    }
+    on = {**doc["settings"][setting], "paragraphs": view}
+    figures = summary({**doc, "settings": {**doc["settings"], setting: on}}, setting)
+    return {
+        "paragraphs": len(served),
+        "errors": {p: b["peft"]["error"] for p, b in rows.items() if "error" in b["peft"]},
+        "answers": asked,
+        "equal": equal,
+        "figures": figures,
+    }
 
 
 def _pick(on: list[bool], baked: list, none: list) -> list:
@@ -496,6 +636,37 @@ def render(doc: dict, source: str) -> str:
                 f"{frac(c['reading/ctxc/in_scope'])} / {frac(g['in_scope'])} / "
                 f"{frac(o['in_scope'])} / {frac(t['in_scope'])} |"
             )
+    served = [(n, summary(doc, n)) for n, h in doc["settings"].items() if h["paragraphs"]]
+    served = [(n, s["peft"]) for n, s in served if "peft" in s]
+    if served:
+        lines += [
+            "",
+            "**Served by plain PEFT** (`--peft`): each bake written as `ctxc bake --emit lora` "
+            "writes it and loaded by `PeftModel.from_pretrained` on the base Transformers loads "
+            "from the GGUF file, in a fresh process without ctxc, every check's questions asked "
+            "again (greedy, one at a time); the figures with PEFT's answers (served with the "
+            "scope: PEFT where the scope admits the query, the unpatched model elsewhere):",
+            "",
+            f"| setting | paragraphs | answers equal to the patched model's | reading F1 kept: "
+            f"{' / '.join(_forms(doc))} | general (ratio) | other document (ratio) | with the "
+            "scope: general, other document |",
+            "|---|---:|---:|---|---|---|---|",
+        ]
+        for setting, p in served:
+            f = p["figures"]
+            kept = " / ".join(k(f[f"reading/{x}/f1"]["kept"]) for x in _forms(doc))
+            g, o, c = f["general/ctxc"], f["other_document"], f.get("scoped")
+            scoped = (
+                "-"
+                if c is None
+                else (f"{k(c['general/ctxc']['ratio'])}, {k(c['other_document']['ratio'])}")
+            )
+            errors = f" ({len(p['errors'])} not served)" if p["errors"] else ""
+            lines.append(
+                f"| `{setting}` | {p['paragraphs']}{errors} | {p['equal']} of {p['answers']} | "
+                f"{kept} | {g['baked']} of {g['full']} ({k(g['ratio'])}) | "
+                f"{o['baked_f1']:.1f} of {o['original_f1']:.1f} ({k(o['ratio'])}) | {scoped} |"
+            )
     lines += ["", "Reading F1 (full / none / baked) by form:", ""]
     for setting, have in doc["settings"].items():
         if not have["paragraphs"]:
@@ -541,6 +712,7 @@ def _run(args) -> None:
             have["commands"].append(invocation("benchmarks.thought.noharm"))
     if args.threads:
         torch.set_num_threads(args.threads)
+    peft_base = _peft_base(args.model) if args.peft else None
     model, tok = load(args.model, "float32")
     frame = Framing(tok, args.chat)
     traced_blocks(model)
@@ -554,9 +726,12 @@ def _run(args) -> None:
         for s in args.settings or ["default"]:
             if pid in doc["settings"][s]["paragraphs"]:
                 continue
-            doc["settings"][s]["paragraphs"][pid] = _baked(frame, model, para, other, general, s)
+            row = _baked(frame, model, para, other, general, s, peft_base)
+            doc["settings"][s]["paragraphs"][pid] = row
             _write(out, doc)
             f = summary(doc, s)
+            if "peft" in row:
+                print(f"  PEFT: {_peft_line(row['peft'])}", flush=True)
             print(
                 f"[{n}/{len(chosen)}] {pid} {s}: kept F1 ctxc "
                 f"{f['reading/ctxc/f1']['kept'] or 0:.2f}, general {f['general/ctxc']['baked']}"
@@ -565,6 +740,26 @@ def _run(args) -> None:
                 f"{f['off_topic']['baked_kl']:.3f}/{f['off_topic']['none_kl']:.3f}",
                 flush=True,
             )
+
+
+def _peft_base(model: str | None) -> Path:
+    """The GGUF file ``--peft``'s child loads the base from (Transformers' GGUF loader)."""
+    if model is None:
+        from ctxc.models.load import bundled_gguf
+
+        return bundled_gguf()
+    if not model.endswith(".gguf"):
+        raise SystemExit(f"--peft loads the base from a GGUF file; got {model}")
+    return Path(model).resolve()
+
+
+def _peft_line(got: dict) -> str:
+    """One bake's PEFT answers, as a progress line."""
+    if "error" in got:
+        return f"not served: {got['error']}"
+    parts = [got["other_document"], *got["reading"].values(), *got["general"].values()]
+    same = sum(x["equal"] for x in parts)
+    return f"{same} of {sum(len(x['answers']) for x in parts)} answers equal ({got['seconds']} s)"
 
 
 def _rescope(args) -> None:
@@ -591,6 +786,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--model", help="a model path or GGUF (default: the bundled Gemma 3 270M)")
     p.add_argument("--chat", action="store_true", help="the paragraph as the system turn")
+    p.add_argument(
+        "--peft",
+        action="store_true",
+        help="every bake also written as a LoRA and asked through plain PEFT in a fresh process "
+        "(a LoRA-servable setting; the model a GGUF file)",
+    )
     p.add_argument("--render", metavar="JSON", help="print the Markdown page of a results file")
     p.add_argument(
         "--rescope",
