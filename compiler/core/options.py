@@ -490,8 +490,11 @@ class BakeOptions:
         if self.on_policy and self.method != FIT_METHOD:
             raise OptionError("{on_policy} refits the fit: it needs {method} fit")
         self._check_fit_levers()
-        if self.off_topic_weight != 1.0 and self.method != FIT_METHOD:
-            raise OptionError("{off_topic_weight} weighs the fit's rows: it needs {method} fit")
+        if self.off_topic_weight != 1.0 and self.method not in (FIT_METHOD, DISTILL_METHOD):
+            raise OptionError(
+                "{off_topic_weight} weighs the fit's or distillation's rows: it needs {method} "
+                "fit or distill"
+            )
         if self.method != DISTILL_METHOD:
             # A distill option beside another method would be ignored: one line, not a bake
             # that runs without it (``--steps 5 --seconds 3`` ran a 548 s fit, issue 52).

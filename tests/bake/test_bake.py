@@ -148,6 +148,13 @@ def test_distill_off_topic_rows_taught_by_the_model_alone() -> None:
     again = [bake(model, data=data, options=opts).patch for _ in range(2)]
     for name, d in again[0].deltas.items():
         assert torch.equal(d.dense(), again[1].deltas[name].dense()), name
+    weighed = BakeOptions(**{**vars(opts), "off_topic_weight": 4.0})
+    heavier = bake(model, data=data, options=weighed).patch
+    moved = max(
+        float((heavier.deltas[n].dense() - d.dense()).abs().max())
+        for n, d in again[0].deltas.items()
+    )
+    assert moved > 0.0, "an off-topic row's weight changed no delta"
 
 
 @pytest.mark.parametrize("family", ["gemma3", "llama"])
@@ -263,7 +270,7 @@ def test_an_off_topic_weight_of_two_is_the_row_fitted_twice(family: str) -> None
     assert moved > 1e-3, f"weight 2 changed no delta (largest relative change {moved:.3g})"
     with pytest.raises(CtxcError, match="off_topic_weight must be above 0"):
         BakeOptions(off_topic_weight=0.0)
-    with pytest.raises(CtxcError, match="off_topic_weight weighs the fit's rows"):
+    with pytest.raises(CtxcError, match="off_topic_weight weighs the fit's or distillation's rows"):
         BakeOptions(off_topic_weight=2.0, method="additive")
 
 
