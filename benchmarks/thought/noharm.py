@@ -457,17 +457,17 @@ def summary(doc: dict, setting: str) -> dict:
     got["bake_cpu_seconds"] = _mean([b["bake_cpu_seconds"] for b in rows.values()])
     if all("scope" in r for r in refs):
         got["scoped"] = _scoped(doc, rows, refs)
-    if rows and all("peft" in b for b in rows.values()):
+    if any("peft" in b for b in rows.values()):
         got["peft"] = _peft_summary(doc, setting)
     return got
 
 
 def _peft_summary(doc: dict, setting: str) -> dict:
     """``setting``'s figures with plain PEFT's answers (``--peft``) in place of the patched
-    model's (the off-topic KL stays the patched model's: PEFT gives no logits here), and how
-    many answers of each check equal the patched model's; ``errors``: paragraphs PEFT did
-    not answer."""
-    rows = doc["settings"][setting]["paragraphs"]
+    model's, over the paragraphs measured so (the off-topic KL stays the patched model's: PEFT
+    gives no logits here), and how many answers of each check equal the patched model's;
+    ``errors``: paragraphs PEFT did not answer."""
+    rows = {p: b for p, b in doc["settings"][setting]["paragraphs"].items() if "peft" in b}
     served = {p: b for p, b in rows.items() if "error" not in b["peft"]}
     checks = ("reading", "general", "other_document")
     equal = asked = 0

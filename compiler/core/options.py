@@ -190,7 +190,7 @@ class BakeOptions:
             ``benchmarks/thought/noharm.py``). Default 0 until the no-harm benchmark says.
         off_topic_questions: off-topic questions (at least 0): questions the model writes from
             its BOS alone, each answered by the full-context model, fitted likewise.
-        off_topic_targets: library-only (issue 53, measured on ``benchmarks/thought/noharm.py``):
+        off_topic_targets: (issue 53, measured on ``benchmarks/thought/noharm.py``):
             what every off-topic row is fitted to (``OFF_TOPIC_TARGETS``): ``context``, the
             full-context model's values on context + row; ``none``, the unpatched model's own
             on the row alone (:func:`~ctxc.bake.targets.own_targets`; a distillation's
@@ -370,7 +370,14 @@ class BakeOptions:
     )
     rank_per_block: bool = _option(False, "fit", None, "")  # the command's --rank auto
     ridge: float = _option(1.0, "fit", "--ridge", "Relative ridge of the matrix fits.")
-    off_topic_targets: str = _option("context", "data", None, "", choices=OFF_TOPIC_TARGETS)
+    off_topic_targets: str = _option(
+        "context",
+        "data",
+        "--off-topic-targets",
+        "What off-topic rows are fitted or distilled to: context (the model reading the context) "
+        "or none (the model alone: the patch held to change nothing there).",
+        choices=OFF_TOPIC_TARGETS,
+    )
     off_topic_weight: float = _option(
         1.0,
         "fit",
