@@ -470,12 +470,8 @@ def _peft_summary(doc: dict, setting: str) -> dict:
     rows = {p: b for p, b in doc["settings"][setting]["paragraphs"].items() if "peft" in b}
     served = {p: b for p, b in rows.items() if "error" not in b["peft"]}
     checks = ("reading", "general", "other_document")
-    equal = asked = 0
-    for b in served.values():
-        for kind in checks:
-            parts = [b["peft"][kind]] if kind == "other_document" else b["peft"][kind].values()
-            equal += sum(x["equal"] for x in parts)
-            asked += sum(len(x["answers"]) for x in parts)
+    parts = [x for b in served.values() for x in _peft_parts(b["peft"])]
+    equal, asked = sum(x["equal"] for x in parts), sum(len(x["answers"]) for x in parts)
     view = {
         p: {**{k: v for k, v in b.items() if k != "peft"}, **{k: b["peft"][k] for k in checks}}
         for p, b in served.items()
@@ -753,11 +749,16 @@ def _peft_base(model: str | None) -> Path:
     return Path(model).resolve()
 
 
+def _peft_parts(got: dict) -> list[dict]:
+    """One bake's PEFT checks (each with ``answers`` and ``equal``): every form of each."""
+    return [got["other_document"], *got["reading"].values(), *got["general"].values()]
+
+
 def _peft_line(got: dict) -> str:
     """One bake's PEFT answers, as a progress line."""
     if "error" in got:
         return f"not served: {got['error']}"
-    parts = [got["other_document"], *got["reading"].values(), *got["general"].values()]
+    parts = _peft_parts(got)
     same = sum(x["equal"] for x in parts)
     return f"{same} of {sum(len(x['answers']) for x in parts)} answers equal ({got['seconds']} s)"
 

@@ -89,6 +89,13 @@ class FitData:
         shown = None if self.shown is None else self.shown[start:stop]
         return FitData(self.context_ids, self.prefix, q, k, self.opening, a, shown)
 
+    def alone(self, picked: Sequence[int]) -> FitData:
+        """Queries ``picked`` with the prefix as their context (nothing shown): what the
+        unpatched model gives on the patched model's own input, ``full(i) = reduced(i)``."""
+        a = None if self.answer_from is None else [self.answer_from[i] for i in picked]
+        q, k = [self.queries[i] for i in picked], [self.kinds[i] for i in picked]
+        return FitData(list(self.prefix), self.prefix, q, k, self.opening, a, None)
+
     @property
     def head(self) -> int:
         """How many of the prefix's last positions are matched to the context's last ones."""

@@ -87,14 +87,7 @@ def own_teacher(
     picked = [i for i, k in enumerate(data.kinds) if k in kinds]
     if not picked:
         return teacher
-    alone = FitData(
-        list(data.prefix),
-        list(data.prefix),
-        [data.queries[i] for i in picked],
-        [data.kinds[i] for i in picked],
-        data.opening,
-    )
-    own = teacher_top(model, alone)
+    own = teacher_top(model, data.alone(picked))
     out = list(teacher)
     for i, (logp, ids) in zip(picked, own, strict=True):
         k = teacher[i][1].shape[0]  # the student's matched positions: the last k

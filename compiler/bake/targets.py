@@ -17,7 +17,6 @@ norm), checked the same way.
 from __future__ import annotations
 
 import copy
-import dataclasses
 from collections import defaultdict
 from collections.abc import Collection
 
@@ -196,15 +195,7 @@ def own_targets(
     picked = [i for i, k in enumerate(data.kinds) if k in kinds]
     if not picked:
         return targets
-    alone = dataclasses.replace(
-        data,
-        context_ids=list(data.prefix),
-        queries=[data.queries[i] for i in picked],
-        kinds=[data.kinds[i] for i in picked],
-        answer_from=None if data.answer_from is None else [data.answer_from[i] for i in picked],
-        shown=None,
-    )
-    own = cached_fit_targets(model, traced, blocks, alone)
+    own = cached_fit_targets(model, traced, blocks, data.alone(picked))
     sizes = [len(data.prefix) + len(q) for q in data.queries]  # each query's rows, in order
     replaced = set(picked)
     out: dict[str, BlockTargets] = {}
